@@ -1,0 +1,90 @@
+"""Errors raised by bnsurgeon's library code.
+
+Each error carries the exit code the CLI turns it into and a one-line hint that tells
+the user how to fix the problem. Library code raises; only ``cli.py`` exits.
+"""
+
+from __future__ import annotations
+
+
+class BnSurgeonError(Exception):
+    """Base class: a problem with the user's input or environment, never a bug."""
+
+    exit_code: int = 2
+    default_hint: str = ""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint if hint is not None else self.default_hint
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+
+class UsageError(BnSurgeonError):
+    """A flag or argument value that cannot be used."""
+
+    exit_code = 2
+
+
+class SourceNotFoundError(BnSurgeonError):
+    """A SOURCE that names no file, timm model or importable factory."""
+
+    exit_code = 3
+
+
+class CheckpointError(BnSurgeonError):
+    """A file that exists but is not a checkpoint bnsurgeon can read."""
+
+    exit_code = 4
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle that would execute code when loaded."""
+
+    exit_code = 5
+    default_hint = (
+        "only if you trust the file's origin, pass --trust-pickle (unpickling runs code); "
+        "otherwise ask for a state dict or a .safetensors file"
+    )
+
+
+class WeightsMismatchError(BnSurgeonError):
+    """Weights whose keys or shapes do not fit the architecture."""
+
+    exit_code = 6
+
+
+class UnhandledModuleError(BnSurgeonError):
+    """A BatchNorm-like module that no rule claims (converting it silently would lose behaviour)."""
+
+    exit_code = 7
+    default_hint = (
+        "register a rule for the class (bnsurgeon.rules.register), or pass --allow-unhandled "
+        "to leave such modules untouched"
+    )
+
+
+class LazyModuleError(BnSurgeonError):
+    """An uninitialized LazyBatchNorm whose size is not known yet."""
+
+    exit_code = 7
+    default_hint = "run one forward pass (or load the weights) before converting"
+
+
+class OutputError(BnSurgeonError):
+    """An output path that cannot or must not be written."""
+
+    exit_code = 8
+
+
+class VerificationError(BnSurgeonError):
+    """A converted model whose outputs differ from the source's."""
+
+    exit_code = 1
+    default_hint = "nothing was written; run `bnsurgeon inspect` on the source and report the module named here"
+
+
+class DistributedMismatchError(RuntimeError):
+    """Ranks reached different sync layers: they would otherwise hang or mix statistics."""

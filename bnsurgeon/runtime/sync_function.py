@@ -1,0 +1,103 @@
+"""The autograd Function behind bnsurgeon's synchronized batch norm.
+
+Forward: local (count, mean, biased var) -> ONE all_gather -> Chan merge weighted by
+counts -> running-stat update -> normalize. Backward: local sum(dy), sum(dy*(x-mean))
+-> ONE all_reduce of both packed together -> input gradient. grad_weight and grad_bias
+stay local (DDP averages parameter gradients itself). See DESIGN.md, "The runtime layers".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import debug
+from .collectives import all_gather_rows
+from .kernels import kernels_for
+
+
+def merge_stats(gathered: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chan/Welford merge of per-rank (count, mean, biased var) rows.
+
+    Never E[x^2] - E[x]^2: that cancels catastrophically when |mean| >> std. Ranks with
+    zero count drop out through their weight, with no host synchronization.
+    """
+    counts = gathered[:, :1]
+    means = gathered[:, 1 : 1 + channels]
+    variances = gathered[:, 1 + channels :]
+    total = counts.sum(0)
+    weights = counts / total.clamp(min=1)
+    mean = (weights * means).sum(0)
+    var = (weights * (variances + (means - mean).square())).sum(0)
+    return total, mean, var
+
+
+def update_running_stats(running_mean, running_var, mean, var, total, momentum: float) -> None:
+    """Momentum update; running_var takes the unbiased var over the global count."""
+    if running_mean is None or running_var is None:
+        return
+    factor = (total > 0).to(mean.dtype) * momentum
+    unbiased = var * (total / (total - 1).clamp(min=1))
+    new_mean = running_mean.to(mean.dtype) * (1 - factor) + mean * factor
+    new_var = running_var.to(var.dtype) * (1 - factor) + unbiased * factor
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """Batch norm over the union of all ranks' batches in ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, layer):
+        kernels = kernels_for(x)
+        if x.is_cuda:
+            x = x.contiguous(memory_format=_memory_format(x))
+        channels = x.shape[1]
+        local_mean, local_var = kernels.local_stats(x, eps)
+        count = torch.full((1,), x.numel() // max(channels, 1), dtype=local_mean.dtype, device=x.device)
+        local = torch.cat([count, local_mean, local_var])
+
+        if debug.enabled():
+            debug.check_same_layer(layer, world_size, group, x.device)
+        gathered = all_gather_rows(local, world_size, group)
+        total, mean, var = merge_stats(gathered, channels)
+        invstd = torch.rsqrt(var + eps)
+        update_running_stats(running_mean, running_var, mean, var, total, momentum)
+
+        y = kernels.normalize(x, weight, bias, mean, var, invstd, eps)
+        ctx.save_for_backward(x, weight, mean, invstd, total)
+        ctx.eps = eps
+        ctx.group = group
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight, mean, invstd, total = ctx.saved_tensors
+        kernels = kernels_for(x)
+        if x.is_cuda:
+            grad_output = grad_output.contiguous(memory_format=_memory_format(x))
+        sum_dy, sum_dy_xmu, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
+
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            packed = torch.cat([sum_dy, sum_dy_xmu])
+            dist.all_reduce(packed, group=ctx.group)
+            global_sum_dy, global_sum_dy_xmu = packed.chunk(2)
+            grad_input = kernels.grad_input(
+                grad_output, x, weight, mean, invstd, global_sum_dy, global_sum_dy_xmu, total
+            )
+
+        grad_weight = grad_bias = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = sum_dy_xhat.to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.to(weight.dtype if weight is not None else sum_dy.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
