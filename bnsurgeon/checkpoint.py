@@ -1,0 +1,265 @@
+"""Read and write checkpoints: tensors + bnsurgeon metadata, safely and atomically.
+
+Reading treats every file as untrusted: ``torch.load(weights_only=True)`` with only
+harmless globals allowed (``argparse.Namespace`` of timm training checkpoints);
+arbitrary pickles need ``trust_pickle=True``. Writing goes to a temporary file in
+the output's directory, is fsynced, then renamed over the target: an interrupted
+write leaves the previous file intact and no partial output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import CheckpointError, OutputError, SourceNotFoundError, UnsafeCheckpointError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+PREFIX = "bnsurgeon."
+SCHEMA_VERSION = "1"
+SAFETENSORS_SUFFIXES = (".safetensors",)
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".tar", ".ckpt")
+OUTPUT_SUFFIXES = (".safetensors", ".pt", ".pth")
+#: containers in which training frameworks nest the model's state dict, in order of preference
+NESTED_KEYS = ("state_dict", "model", "module", "net", "network", "state_dict_ema", "model_ema", "ema")
+PREFIXES = ("module.", "model.", "_orig_mod.")
+
+
+@dataclass
+class RawCheckpoint:
+    """What a file holds: the loaded object, its string metadata, and the tensors candidates."""
+
+    path: Path
+    obj: Any
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_bnsurgeon(self) -> bool:
+        return PREFIX + "architecture" in self.metadata
+
+    def bnsurgeon(self, key: str, default: Any = None) -> Any:
+        value = self.metadata.get(PREFIX + key)
+        return default if value is None else json.loads(value)
+
+
+def _check_readable(path: Path) -> None:
+    if not path.exists():
+        raise SourceNotFoundError(f"no such file: {path}", "check the path (or name a timm model)")
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file", "pass the checkpoint file inside it")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes)", "the file was not written completely; use an intact copy")
+
+
+def read_checkpoint(path: str | os.PathLike, *, trust_pickle: bool = False) -> RawCheckpoint:
+    """Load a checkpoint file without running code from it (unless ``trust_pickle``)."""
+    path = Path(path)
+    _check_readable(path)
+    if path.suffix in SAFETENSORS_SUFFIXES or _looks_like_safetensors(path):
+        return _read_safetensors(path)
+    return _read_torch(path, trust_pickle)
+
+
+def _looks_like_safetensors(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        head = handle.read(9)
+    return len(head) == 9 and head[8:9] == b"{"
+
+
+def _read_safetensors(path: Path) -> RawCheckpoint:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{path} is not a readable .safetensors file ({error})",
+            "the file is truncated or corrupt; re-download or re-export it",
+        ) from None
+    return RawCheckpoint(path, tensors, dict(metadata))
+
+
+def _read_torch(path: Path, trust_pickle: bool) -> RawCheckpoint:
+    import argparse
+    import pickle
+    import zipfile
+
+    import torch
+
+    try:
+        if trust_pickle:
+            obj = torch.load(path, map_location="cpu", weights_only=False)
+        else:
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        text = str(error)
+        if "Weights only load failed" in text or "Unsupported global" in text:
+            culprit = _unsupported_global(text)
+            raise UnsafeCheckpointError(
+                f"{path} is a pickle that would run code when loaded ({culprit})"
+            ) from None
+        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({_first_line(text)})",
+                              "the file is truncated or corrupt; use an intact copy") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(
+            f"{path} is not a readable PyTorch checkpoint ({_first_line(str(error))})",
+            "the file is truncated, corrupt, or not a checkpoint; use an intact .pt/.pth/.safetensors file",
+        ) from None
+    metadata = {}
+    if isinstance(obj, dict) and isinstance(obj.get("bnsurgeon"), dict):
+        metadata = {PREFIX + k: v for k, v in obj["bnsurgeon"].items()}
+    return RawCheckpoint(path, obj, metadata)
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "unknown error"
+    return line[:200]
+
+
+def _unsupported_global(text: str) -> str:
+    import re
+
+    match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    return f"it references {match.group(1)}" if match else "it references globals outside the safe allow-list"
+
+
+def _is_tensor_dict(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+
+
+def state_dict_candidates(obj: Any) -> dict[str, dict[str, "torch.Tensor"]]:
+    """Every model-like state dict a loaded object holds, by the key it sits under ('' = top level)."""
+    from torch import nn
+
+    if isinstance(obj, nn.Module):
+        return {"": obj.state_dict()}
+    if _is_tensor_dict(obj):
+        return {"": obj}
+    found: dict[str, dict] = {}
+    if isinstance(obj, dict):
+        for key in NESTED_KEYS:
+            value = obj.get(key)
+            if isinstance(value, nn.Module):
+                value = value.state_dict()
+            if _is_tensor_dict(value):
+                found[key] = value
+            elif isinstance(value, dict) and _is_tensor_dict(value.get("state_dict")):
+                found[f"{key}.state_dict"] = value["state_dict"]
+    return found
+
+
+def strip_common_prefix(state: dict[str, "torch.Tensor"], expected: set[str]) -> tuple[dict[str, "torch.Tensor"], str]:
+    """Remove a wrapper prefix (``module.``, ``model.``, or any single shared one) when that fits better."""
+    def matches(candidate: dict) -> int:
+        return len(expected.intersection(candidate))
+
+    best, best_prefix = state, ""
+    first_parts = {key.split(".", 1)[0] + "." for key in state if "." in key}
+    prefixes = list(PREFIXES) + sorted(first_parts if len(first_parts) == 1 else [])
+    for prefix in prefixes:
+        if all(key.startswith(prefix) for key in state):
+            stripped = {key[len(prefix):]: value for key, value in state.items()}
+            if matches(stripped) > matches(best):
+                best, best_prefix = stripped, prefix
+    return best, best_prefix
+
+
+def check_output_path(output: str | os.PathLike, inputs: list[str | os.PathLike], *, force: bool) -> Path:
+    """Refuse outputs that would lose data or cannot be written, before any work is done."""
+    out = Path(output)
+    if out.suffix not in OUTPUT_SUFFIXES:
+        raise OutputError(f"cannot tell the format of output {out}", f"end it with one of {', '.join(OUTPUT_SUFFIXES)}")
+    for source in inputs:
+        source_path = Path(source)
+        same = source_path.resolve() == out.resolve() or (
+            source_path.exists() and out.exists() and os.path.samefile(source_path, out)
+        )
+        if same:
+            raise OutputError(f"output {out} is the input file", "write to a new path; bnsurgeon never overwrites its input")
+    if out.is_dir():
+        raise OutputError(f"output {out} is a directory", "give a file path such as OUT.safetensors")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"output directory {parent} does not exist", f"create it first (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"output directory {parent} is not writable", "choose a directory you can write to")
+    if out.exists() and not force:
+        raise OutputError(f"output {out} already exists", "pass --force to replace it")
+    return out
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write via a temp file in the same directory + fsync + rename; clean up on any failure."""
+    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    os.close(handle)
+    temp = Path(temp_name)
+    try:
+        write(temp)
+        with open(temp, "rb+") as stream:
+            os.fsync(stream.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    try:
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except OSError:
+        pass
+
+
+def unique_tensors(model: "nn.Module") -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+    """The state dict without repeats: a tensor reached by two names is stored once + an alias."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:
+            aliases[key] = seen[id(value)]
+            continue
+        seen[id(value)] = key
+        tensors[key] = value.detach().contiguous()
+    return tensors, aliases
+
+
+def write_checkpoint(path: Path, model: "nn.Module", metadata: dict[str, Any], extras: dict[str, Any] | None = None) -> None:
+    """Write the model's tensors plus ``bnsurgeon.*`` metadata to .safetensors or .pt/.pth."""
+    import torch
+
+    tensors, aliases = unique_tensors(model)
+    flat = {"format": "pt"}
+    flat.update({PREFIX + key: json.dumps(value) for key, value in metadata.items()})
+    flat[PREFIX + "aliases"] = json.dumps(aliases)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        atomic_write(path, lambda temp: save_file(tensors, str(temp), metadata=flat))
+    else:
+        payload = {"state_dict": tensors, "bnsurgeon": {k[len(PREFIX):]: v for k, v in flat.items() if k.startswith(PREFIX)}}
+        payload["bnsurgeon"]["format"] = "pt"
+        if extras:
+            payload.update(extras)
+        atomic_write(path, lambda temp: torch.save(payload, temp))
+
+
+def expand_aliases(tensors: dict[str, "torch.Tensor"], aliases: dict[str, str]) -> dict[str, "torch.Tensor"]:
+    full = dict(tensors)
+    for alias, key in aliases.items():
+        if key in tensors:
+            full[alias] = tensors[key]
+    return full

@@ -1,0 +1,153 @@
+"""The diff report of a conversion: dataclasses, JSON and Markdown.
+
+The JSON document is versioned (``schema_version``); the Markdown puts the summary
+first and collapses paths by pattern (``blocks.*.bn1``) so it reads well in a PR.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+REPORT_SCHEMA_VERSION = 1
+
+
+@dataclass
+class ModuleChange:
+    path: str
+    aliases: list[str]
+    from_class: str
+    to_class: str
+    rule: str
+    children: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ModuleKept:
+    path: str
+    aliases: list[str]
+    cls: str
+    rule: str | None
+    reason: str
+
+
+@dataclass
+class CheckResult:
+    """The pre-write equivalence check: eval outputs of source vs converted on a seeded input."""
+
+    passed: bool
+    mode: str  # "bit-identical" or "close"
+    max_abs_diff: float
+    input_shape: list[int]
+    seed: int
+    note: str = ""
+
+
+@dataclass
+class Report:
+    target: str
+    source: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    changed: list[ModuleChange] = field(default_factory=list)
+    kept: list[ModuleKept] = field(default_factory=list)
+    unhandled: list[ModuleKept] = field(default_factory=list)
+    keys_added: list[str] = field(default_factory=list)
+    keys_removed: list[str] = field(default_factory=list)
+    check: CheckResult | None = None
+    output: str | None = None
+    carried: dict[str, str] = field(default_factory=dict)
+    schema_version: int = REPORT_SCHEMA_VERSION
+    tool_version: str = ""
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return {
+            "changed": len(self.changed),
+            "kept": len(self.kept),
+            "unhandled": len(self.unhandled),
+            "keys_added": len(self.keys_added),
+            "keys_removed": len(self.keys_removed),
+        }
+
+    def class_changes(self) -> Counter:
+        return Counter((c.from_class, c.to_class) for c in self.changed)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["totals"] = self.totals
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def to_markdown(self) -> str:
+        return render_markdown(self)
+
+
+def short(cls_name: str) -> str:
+    return cls_name.rsplit(".", 1)[-1]
+
+
+def collapse_paths(paths: list[str]) -> list[tuple[str, int]]:
+    """Group paths by pattern, numeric components replaced by ``*``: ``blocks.*.bn1`` x 16."""
+    groups: dict[str, int] = defaultdict(int)
+    for path in paths:
+        groups[re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", path)] += 1
+    return sorted(groups.items(), key=lambda item: (-item[1], item[0]))
+
+
+def render_markdown(report: Report) -> str:
+    totals = report.totals
+    lines = [f"## bnsurgeon: convert to `{report.target}`", ""]
+    if report.source:
+        lines.append(f"Source: `{report.source}`" + (f" -> `{report.output}`" if report.output else ""))
+        lines.append("")
+    summary = (
+        f"**{totals['changed']} modules converted**, {totals['kept']} kept as they were, "
+        f"{totals['unhandled']} unhandled; state-dict keys added: {totals['keys_added']}, "
+        f"removed: {totals['keys_removed']}."
+    )
+    lines.append(summary)
+    if report.check is not None:
+        check = report.check
+        verdict = "passed" if check.passed else "FAILED"
+        lines.append(
+            f"Eval check ({check.mode}, input {tuple(check.input_shape)}, seed {check.seed}): "
+            f"**{verdict}**, max |diff| = {check.max_abs_diff:.3g}." + (f" {check.note}" if check.note else "")
+        )
+    lines.append("")
+    by_class: dict[tuple[str, str], list[ModuleChange]] = defaultdict(list)
+    for change in report.changed:
+        by_class[(change.from_class, change.to_class)].append(change)
+    for (src, dst), changes in sorted(by_class.items()):
+        lines += [f"### {short(src)} -> {short(dst)} ({len(changes)})", "", "| paths | count | kept children |", "|---|---|---|"]
+        children = sorted({c for change in changes for c in change.children}) or ["-"]
+        for pattern, count in collapse_paths([c.path for c in changes]):
+            lines.append(f"| `{pattern}` | {count} | {', '.join(children)} |")
+        notes = sorted({n for change in changes for n in change.notes})
+        lines += [""] + [f"> {note}" for note in notes] + ([""] if notes else [])
+    for title, items in (("Kept as they were", report.kept), ("Unhandled (left untouched)", report.unhandled)):
+        if not items:
+            continue
+        lines += [f"### {title} ({len(items)})", "", "| class | paths | reason |", "|---|---|---|"]
+        grouped: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for item in items:
+            grouped[(item.cls, item.reason)].append(item.path)
+        for (cls, reason), paths in sorted(grouped.items()):
+            patterns = ", ".join(f"`{p}`" + (f" x{n}" if n > 1 else "") for p, n in collapse_paths(paths)[:4])
+            lines.append(f"| {short(cls)} | {patterns} | {reason} |")
+        lines.append("")
+    if report.keys_added or report.keys_removed:
+        lines += ["### State-dict keys", ""]
+        lines += [f"- added: `{k}`" for k in report.keys_added[:20]]
+        lines += [f"- removed: `{k}`" for k in report.keys_removed[:20]]
+        lines.append("")
+    if report.carried:
+        lines += ["### Carried from the source checkpoint", ""]
+        lines += [f"- `{k}`: {v}" for k, v in report.carried.items()]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,111 @@
+"""Builders shared by the rule families: each returns a complete module that holds the
+source's own tensors. The plain builders restore the exact class recorded at sync/frozen
+time (``bnsurgeon_origin``), looked up in a fixed allow-list, never imported by name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..fields import BNFields, attach_affine, attach_stats, qualname, read_fields
+from .base import BuildContext
+
+_PLAIN_BN = {qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
+
+
+def _is_frozen_origin(origin: str) -> bool:
+    return "Frozen" in origin.rsplit(".", 1)[-1]
+
+
+def to_sync(module: nn.Module, context: BuildContext) -> nn.Module:
+    from ..runtime import SyncBatchNorm
+
+    return SyncBatchNorm.from_module(module, process_group=context.process_group)
+
+
+def to_sync_act(module: nn.Module, context: BuildContext) -> nn.Module:
+    from ..runtime import SyncBatchNormAct
+
+    return SyncBatchNormAct.from_module(module, process_group=context.process_group)
+
+
+def to_frozen(module: nn.Module, context: BuildContext) -> nn.Module:
+    from ..runtime import FrozenBatchNorm
+
+    return FrozenBatchNorm.from_module(module)
+
+
+def to_frozen_act(module: nn.Module, context: BuildContext) -> nn.Module:
+    from ..runtime import FrozenBatchNormAct
+
+    return FrozenBatchNormAct.from_module(module)
+
+
+def _with_tensors(new: nn.Module, fields: BNFields) -> nn.Module:
+    attach_affine(new, fields, as_parameters=True)
+    if fields.track_running_stats:
+        attach_stats(new, fields, with_counter=True)
+    return new
+
+
+def to_plain(module: nn.Module, context: BuildContext) -> nn.Module:
+    """BatchNorm1d/2d/3d as recorded; BatchNorm2d (with a note) when the origin is unknown."""
+    if type(module) in _PLAIN_BN.values():
+        return context.keep(module, "already plain")
+    fields = read_fields(module)
+    cls = _PLAIN_BN.get(fields.origin)
+    if cls is None:
+        cls = nn.BatchNorm2d
+        if not _is_frozen_origin(fields.origin):
+            context.notes.append(
+                f"original BN dimensionality unknown (from {fields.origin}); chose BatchNorm2d "
+                "(same arithmetic for any input rank, only its input-rank check differs)"
+            )
+    momentum = fields.momentum if fields.momentum is not None or not _is_frozen_origin(fields.origin) else 0.1
+    new = cls(fields.num_features, fields.eps, momentum, fields.affine, fields.track_running_stats, device="meta")
+    return _with_tensors(new, fields)
+
+
+def to_plain_act(module: nn.Module, context: BuildContext) -> nn.Module:
+    """timm's BatchNormAct2d, keeping the source's act and drop modules."""
+    from timm.layers import BatchNormAct2d
+
+    if type(module) is BatchNormAct2d:
+        return context.keep(module, "already plain")
+    fields = read_fields(module)
+    new = BatchNormAct2d(
+        fields.num_features, fields.eps, fields.momentum, fields.affine, fields.track_running_stats,
+        apply_act=False, device="meta",
+    )
+    _with_tensors(new, fields)
+    if fields.act is not None:
+        new.act = fields.act
+    if fields.drop is not None:
+        new.drop = fields.drop
+    return new
+
+
+def keep_if(kind: str):
+    """Builder for a target the module already is."""
+
+    def build(module: nn.Module, context: BuildContext) -> nn.Module:
+        return context.keep(module, f"already {kind}")
+
+    return build
+
+
+def thaw_or_keep(unfreeze):
+    """Frozen sources under --to sync/plain.
+
+    A module bnsurgeon froze (its origin is a trainable class) always goes back; a
+    module frozen in the source model stays frozen unless --frozen unfreeze.
+    """
+
+    def build(module: nn.Module, context: BuildContext) -> nn.Module:
+        origin = getattr(module, "bnsurgeon_origin", None)
+        if origin is not None and not _is_frozen_origin(origin):
+            return unfreeze(module, context)
+        if context.frozen == "unfreeze":
+            return unfreeze(module, context)
+        return context.keep(module, "frozen in the source; kept frozen (--frozen unfreeze to train it)")
+
+    return build

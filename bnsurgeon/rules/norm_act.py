@@ -1,0 +1,33 @@
+"""Rule for batch norm fused with drop + activation: timm's BatchNormAct2d family."""
+
+from __future__ import annotations
+
+from .base import Rule
+from .builders import keep_if, to_frozen_act, to_plain_act, to_sync_act
+
+
+def rules() -> list[Rule]:
+    from ..runtime import SyncBatchNormAct
+
+    result = [
+        Rule(
+            name="bnsurgeon-sync-act",
+            classes=(SyncBatchNormAct,),
+            targets={"sync": keep_if("sync"), "plain": to_plain_act, "frozen": to_frozen_act},
+            description="bnsurgeon SyncBatchNormAct (act and drop kept)",
+        )
+    ]
+    try:
+        from timm.layers import BatchNormAct2d, SyncBatchNormAct as TimmSyncBatchNormAct
+    except ImportError:  # timm is a dependency, but rules must not make it a hard import
+        return result
+    result.insert(
+        0,
+        Rule(
+            name="timm-batchnorm-act",
+            classes=(BatchNormAct2d, TimmSyncBatchNormAct),
+            targets={"sync": to_sync_act, "plain": to_plain_act, "frozen": to_frozen_act},
+            description="timm BatchNormAct2d and SyncBatchNormAct (act and drop kept)",
+        ),
+    )
+    return result

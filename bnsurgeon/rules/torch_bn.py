@@ -1,0 +1,27 @@
+"""Rule for torch's plain batch norm classes and bnsurgeon's SyncBatchNorm."""
+
+from __future__ import annotations
+
+from .base import Rule
+from .builders import keep_if, to_frozen, to_plain, to_sync
+
+
+def rules() -> list[Rule]:
+    from torch import nn
+
+    from ..runtime import SyncBatchNorm
+
+    return [
+        Rule(
+            name="torch-batchnorm",
+            classes=(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
+            targets={"sync": to_sync, "plain": to_plain, "frozen": to_frozen},
+            description="torch BatchNorm1d/2d/3d and torch.nn.SyncBatchNorm",
+        ),
+        Rule(
+            name="bnsurgeon-sync",
+            classes=(SyncBatchNorm,),
+            targets={"sync": keep_if("sync"), "plain": to_plain, "frozen": to_frozen},
+            description="bnsurgeon SyncBatchNorm (restores its recorded original class)",
+        ),
+    ]

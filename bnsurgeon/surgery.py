@@ -1,0 +1,226 @@
+"""Walk a module graph, match BN-family modules to rules by exact type, and rebuild.
+
+By default the source model is left untouched: every converted module is new, every
+container on the way to one is a shallow clone, and everything else (convs, acts,
+Parameters, buffers) is shared. Source and result therefore hold one copy of the
+weights between them, and the pre-write check can compare the two directly.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import LazyModuleError, UnhandledModuleError
+from .fields import qualname
+from .report import ModuleChange, ModuleKept, Report
+from .rules import BuildContext, Registry, Rule, check_target, default_registry
+
+if TYPE_CHECKING:
+    from torch import nn
+
+#: hook dictionaries moved from a replaced module to its replacement (the same dict
+#: objects, so existing RemovableHandles keep working)
+HOOK_ATTRIBUTES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def is_bn_like(module: "nn.Module") -> bool:
+    """A _BatchNorm subclass, or anything holding running_mean and running_var buffers."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    if isinstance(module, _InstanceNorm):
+        return False
+    if isinstance(module, _BatchNorm):
+        return True
+    return "running_mean" in module._buffers and "running_var" in module._buffers
+
+
+def is_uninitialized_lazy(module: "nn.Module") -> bool:
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    return isinstance(module, LazyModuleMixin) and module.has_uninitialized_params()
+
+
+@dataclass
+class PlanEntry:
+    """One BN-like module (once, however many names reach it) and the rule that claims it."""
+
+    module: "nn.Module"
+    paths: list[str]
+    rule: Rule | None
+
+    @property
+    def path(self) -> str:
+        return self.paths[0]
+
+    @property
+    def cls_name(self) -> str:
+        return qualname(type(self.module))
+
+
+def plan(model: "nn.Module", registry: Registry | None = None) -> list[PlanEntry]:
+    """Every BN-like module of ``model`` with all its paths, in first-visit order."""
+    registry = registry or default_registry()
+    entries: dict[int, PlanEntry] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if not is_bn_like(module) and not is_uninitialized_lazy(module):
+            continue
+        entry = entries.get(id(module))
+        if entry is None:
+            entries[id(module)] = PlanEntry(module, [path or "<root>"], registry.lookup(type(module)))
+        else:
+            entry.paths.append(path or "<root>")
+    return list(entries.values())
+
+
+def _describe(entries: list[PlanEntry], limit: int = 12) -> str:
+    shown = [f"{e.path} ({type(e.module).__name__})" for e in entries[:limit]]
+    more = f" and {len(entries) - limit} more" if len(entries) > limit else ""
+    return ", ".join(shown) + more
+
+
+@dataclass
+class ConvertResult:
+    """The converted model, the report, and the untouched source (sharing its tensors)."""
+
+    model: "nn.Module"
+    report: Report
+    source: "nn.Module"
+    exact: bool = True
+    replaced: dict[int, "nn.Module"] = field(default_factory=dict)
+
+
+def convert(
+    model: "nn.Module",
+    to: str = "sync",
+    *,
+    frozen: str = "keep",
+    allow_unhandled: bool = False,
+    process_group: Any = None,
+    inplace: bool = False,
+    registry: Registry | None = None,
+) -> ConvertResult:
+    """Convert every BN-family module of ``model`` to ``to`` (sync, plain or frozen).
+
+    Raises LazyModuleError for an uninitialized LazyBatchNorm and UnhandledModuleError
+    for BN-like modules no rule claims (unless ``allow_unhandled``), before changing
+    anything.
+    """
+    check_target(to, frozen)
+    entries = plan(model, registry)
+    lazy = [e for e in entries if is_uninitialized_lazy(e.module)]
+    if lazy:
+        raise LazyModuleError(f"uninitialized lazy batch norm has no size yet: {_describe(lazy)}")
+    unhandled = [e for e in entries if e.rule is None]
+    if unhandled and not allow_unhandled:
+        raise UnhandledModuleError(f"no rule for BatchNorm-like module(s): {_describe(unhandled)}")
+
+    report = Report(target=to, options={"frozen": frozen, "allow_unhandled": allow_unhandled, "inplace": inplace})
+    replacements: dict[int, nn.Module] = {}
+    exact = True
+    for entry in entries:
+        if entry.rule is None:
+            report.unhandled.append(
+                ModuleKept(entry.path, entry.paths[1:], entry.cls_name, None, "no rule claims this class (left untouched)")
+            )
+            continue
+        context = BuildContext(target=to, frozen=frozen, process_group=process_group)
+        new = entry.rule.build(entry.module, context)
+        if new is entry.module:
+            report.kept.append(
+                ModuleKept(entry.path, entry.paths[1:], entry.cls_name, entry.rule.name, context.kept_reason or "unchanged")
+            )
+            continue
+        _carry_over(entry.module, new, entry.path)
+        replacements[id(entry.module)] = new
+        exact = exact and entry.rule.exact
+        report.changed.append(
+            ModuleChange(
+                path=entry.path,
+                aliases=entry.paths[1:],
+                from_class=entry.cls_name,
+                to_class=qualname(type(new)),
+                rule=entry.rule.name,
+                children=[f"{name}={type(child).__name__}" for name, child in new.named_children()],
+                notes=context.notes,
+            )
+        )
+
+    converted = _rebuild(model, replacements, inplace, {})
+    before = set(model.state_dict(keep_vars=True)) if not inplace else None
+    after = set(converted.state_dict(keep_vars=True))
+    if before is not None:
+        report.keys_added = sorted(after - before)
+        report.keys_removed = sorted(before - after)
+    return ConvertResult(model=converted, report=report, source=model, exact=exact, replaced=replacements)
+
+
+def _carry_over(old: "nn.Module", new: "nn.Module", path: str) -> None:
+    """Move what is not a tensor: hooks, the training flag, a qconfig, the debug label."""
+    for attribute in HOOK_ATTRIBUTES:
+        if attribute in old.__dict__:
+            new.__dict__[attribute] = old.__dict__[attribute]
+    new.training = old.training
+    if hasattr(old, "qconfig"):
+        new.qconfig = old.qconfig
+    if hasattr(type(new), "layer_name"):
+        new.layer_name = path
+
+
+def _shallow_clone(module: "nn.Module") -> "nn.Module":
+    clone = copy.copy(module)
+    for attribute in ("_modules", "_parameters", "_buffers"):
+        clone.__dict__[attribute] = type(module.__dict__[attribute])(module.__dict__[attribute])
+    if "_non_persistent_buffers_set" in module.__dict__:
+        clone.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    return clone
+
+
+def _rebuild(module: "nn.Module", replacements: dict[int, "nn.Module"], inplace: bool, memo: dict[int, "nn.Module"]):
+    """Return ``module`` with replacements applied below it; shared modules stay shared."""
+    key = id(module)
+    if key in memo:
+        return memo[key]
+    if key in replacements:
+        new = replacements[key]
+        memo[key] = new
+        for name, child in list(new._modules.items()):
+            if child is not None:
+                new._modules[name] = _rebuild(child, replacements, inplace, memo)
+        return new
+    memo[key] = module  # provisional, for cycles
+    rebuilt = {
+        name: _rebuild(child, replacements, inplace, memo)
+        for name, child in module._modules.items()
+        if child is not None
+    }
+    if all(rebuilt[name] is module._modules[name] for name in rebuilt):
+        return module
+    target = module if inplace else _shallow_clone(module)
+    target._modules.update(rebuilt)
+    memo[key] = target
+    return target
+
+
+def name_sync_layers(model: "nn.Module") -> int:
+    """Label every bnsurgeon sync layer with its module path (for the debug rank check)."""
+    count = 0
+    for path, module in model.named_modules():
+        if hasattr(type(module), "layer_name") and hasattr(module, "_sync_calls"):
+            module.layer_name = path or "<root>"
+            count += 1
+    return count
