@@ -4,6 +4,9 @@ from .debug import set_sync_debug
 from .distributed import DistributedInfo, init_distributed
 from .layers import FrozenBatchNorm, FrozenBatchNormAct, SyncBatchNorm, SyncBatchNormAct
 from .sync_function import SyncBatchNormFunction
+from . import ddp_compat
+
+ddp_compat.install()
 
 __all__ = [
     "DistributedInfo",
