@@ -54,23 +54,26 @@ def _dtype(case: dict) -> torch.dtype:
 
 
 def _run(module: nn.Module, case: dict, rows: slice) -> dict:
+    device = torch.device(case.get("device", "cpu"))
+    module = module.to(device)
     out: dict = {"y": [], "dx": [], "layout_kept": True}
     for step in range(STEPS):
         x, g = batch(case, step)
-        x = _layout(x[rows].to(_dtype(case)), case).requires_grad_()
+        g = g.to(device)
+        x = _layout(x[rows].to(device=device, dtype=_dtype(case)), case).requires_grad_()
         y = module(x)
         if case.get("memory") == "channels_last" and x.numel():
             out["layout_kept"] &= y.is_contiguous(memory_format=_memory_format(x))
         (y.float() * g[rows]).sum().backward()
         if case.get("memory") == "channels_last" and x.numel():
             out["layout_kept"] &= x.grad.is_contiguous(memory_format=_memory_format(x))
-        out["y"].append(y.detach().float())
-        out["dx"].append(x.grad.float())
-    out["weight_grad"] = None if module.weight is None else module.weight.grad.clone()
-    out["bias_grad"] = None if module.bias is None else module.bias.grad.clone()
+        out["y"].append(y.detach().float().cpu())
+        out["dx"].append(x.grad.float().cpu())
+    out["weight_grad"] = None if module.weight is None else module.weight.grad.cpu().clone()
+    out["bias_grad"] = None if module.bias is None else module.bias.grad.cpu().clone()
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         value = getattr(module, name, None)
-        out[name] = None if value is None else value.clone()
+        out[name] = None if value is None else value.cpu().clone()
     return out
 
 

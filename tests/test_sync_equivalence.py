@@ -83,6 +83,16 @@ def test_sync_matches_plain_bn_on_whole_batch(world_size):
         _compare(case, [per_rank[rank][index] for rank in range(world_size)], reference(case))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fused_kernel_path_matches_plain_bn():
+    """Two gloo ranks on CUDA tensors (NCCL refuses two ranks on one GPU) exercise CudaKernels."""
+    cases = [dict(c, device="cuda") for c in CASES if c.get("dtype") != "bfloat16"]
+    per_rank = run_world(2, sync_rank, cases, timeout=300)
+    for index, case in enumerate(cases):
+        _compare(dict(case, loose=True), [per_rank[rank][index] for rank in range(2)], reference(case))
+
+
 def test_process_group_subgroups_sync_only_within_their_pair():
     case = {"name": "pairs", "shape": (8, 5, 4, 3), "splits": {2: [3, 5]}}
     results = run_world(4, subgroup_rank, case, timeout=240)

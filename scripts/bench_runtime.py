@@ -1,0 +1,126 @@
+"""Per-layer forward+backward time of bnsurgeon's SyncBatchNorm at W gloo ranks on CPU,
+against native nn.BatchNorm (no sync) on the same per-rank tensor and against the two
+collectives alone, interleaved in the same processes.
+
+    python scripts/bench_runtime.py [--world-size 2] [--iters 30] [--threads 1]
+
+Prints per shape: native, collectives, sync (median ms), sync/native and
+sync/floor where floor = native + collectives, then geometric means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+
+SHAPES = [(8, 64, 56, 56), (8, 256, 14, 14), (32, 512, 7, 7), (64, 128)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _native_for(shape, channels):
+    from torch import nn
+
+    return {2: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(shape)](channels)
+
+
+def _time(fn, barrier) -> float:
+    barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _worker(rank, world_size, port, args, results):
+    import torch
+    import torch.distributed as dist
+
+    import bnsurgeon
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))
+    barrier = dist.barrier
+    rows = []
+    for shape in SHAPES:
+        channels = shape[1]
+        generator = torch.Generator().manual_seed(rank)
+        x = torch.randn(shape, generator=generator).requires_grad_()
+        grad = torch.randn(shape, generator=generator)
+        native = _native_for(shape, channels).train()
+        sync = bnsurgeon.convert(_native_for(shape, channels), "sync").model.train()
+        gather_in = torch.zeros(2 * channels + 1)
+        gather_out = torch.zeros(world_size * (2 * channels + 1))
+        reduce_buf = torch.zeros(2 * channels)
+
+        def run_native():
+            native(x).backward(grad)
+
+        def run_sync():
+            sync(x).backward(grad)
+
+        def run_collectives():
+            dist.all_gather_into_tensor(gather_out, gather_in)
+            dist.all_reduce(reduce_buf)
+
+        timings = {"native": [], "collectives": [], "sync": []}
+        for _ in range(args.warmup):
+            run_native(), run_sync(), run_collectives()
+        for _ in range(args.iters):  # interleaved, so drift hits all three alike
+            timings["native"].append(_time(run_native, barrier))
+            timings["collectives"].append(_time(run_collectives, barrier))
+            timings["sync"].append(_time(run_sync, barrier))
+            x.grad = None
+        rows.append({k: statistics.median(v) * 1e3 for k, v in timings.items()})
+    results.put((rank, rows))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    args = parser.parse_args()
+
+    import torch
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [context.Process(target=_worker, args=(r, args.world_size, port, args, results)) for r in range(args.world_size)]
+    for process in processes:
+        process.start()
+    by_rank = dict(results.get(timeout=1800) for _ in processes)
+    for process in processes:
+        process.join()
+
+    print(f"torch {torch.__version__}, CPU, gloo, {args.world_size} ranks x {args.threads} thread(s), "
+          f"median of {args.iters} interleaved iterations (forward + backward, ms, rank 0)")
+    header = f"{'shape':>18} {'native':>9} {'collect.':>9} {'sync':>9} {'sync/native':>12} {'sync/floor':>11}"
+    print(header)
+    ratios_native, ratios_floor = [], []
+    for shape, row in zip(SHAPES, by_rank[0]):
+        floor = row["native"] + row["collectives"]
+        r_native, r_floor = row["sync"] / row["native"], row["sync"] / floor
+        ratios_native.append(r_native)
+        ratios_floor.append(r_floor)
+        print(f"{str(shape):>18} {row['native']:9.3f} {row['collectives']:9.3f} {row['sync']:9.3f} {r_native:12.3f} {r_floor:11.3f}")
+    geo = lambda values: math.exp(sum(math.log(v) for v in values) / len(values))  # noqa: E731
+    print(f"{'geometric mean':>18} {'':9} {'':9} {'':9} {geo(ratios_native):12.3f} {geo(ratios_floor):11.3f}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
