@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib
-import json
 import sys
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -286,6 +285,3 @@ def state_from_checkpoint(raw: RawCheckpoint) -> dict[str, "torch.Tensor"]:
 def architecture_from_checkpoint(raw: RawCheckpoint) -> Architecture:
     return Architecture.from_dict(raw.bnsurgeon("architecture", {}) or {})
 
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)

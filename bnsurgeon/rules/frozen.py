@@ -7,48 +7,38 @@ from .base import Rule
 from .builders import keep_if, thaw_or_keep, to_plain, to_plain_act, to_sync, to_sync_act
 
 
+def _frozen_rule(name: str, cls: type, description: str, *, act: bool, exact: bool = True) -> Rule:
+    """Frozen stays frozen under --to frozen; --to sync/plain thaw per the frozen policy."""
+    sync, plain = (to_sync_act, to_plain_act) if act else (to_sync, to_plain)
+    return Rule(
+        name=name,
+        classes=(cls,),
+        targets={"sync": thaw_or_keep(sync), "plain": thaw_or_keep(plain), "frozen": keep_if("frozen")},
+        description=description,
+        exact=exact,
+    )
+
+
 def rules() -> list[Rule]:
     from ..runtime import FrozenBatchNorm, FrozenBatchNormAct
 
     result = [
-        Rule(
-            name="bnsurgeon-frozen",
-            classes=(FrozenBatchNorm,),
-            targets={"sync": thaw_or_keep(to_sync), "plain": thaw_or_keep(to_plain), "frozen": keep_if("frozen")},
-            description="bnsurgeon FrozenBatchNorm",
-        ),
-        Rule(
-            name="bnsurgeon-frozen-act",
-            classes=(FrozenBatchNormAct,),
-            targets={"sync": thaw_or_keep(to_sync_act), "plain": thaw_or_keep(to_plain_act), "frozen": keep_if("frozen")},
-            description="bnsurgeon FrozenBatchNormAct",
-        ),
+        _frozen_rule("bnsurgeon-frozen", FrozenBatchNorm, "bnsurgeon FrozenBatchNorm", act=False),
+        _frozen_rule("bnsurgeon-frozen-act", FrozenBatchNormAct, "bnsurgeon FrozenBatchNormAct", act=True),
     ]
+    # torchvision's and timm's frozen classes compute x*scale+shift: eval is close, not bitwise
     try:
         from torchvision.ops.misc import FrozenBatchNorm2d
+
+        result.append(_frozen_rule("torchvision-frozen", FrozenBatchNorm2d,
+                                   "torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)", act=False, exact=False))
     except ImportError:
-        FrozenBatchNorm2d = None
-    if FrozenBatchNorm2d is not None:
-        result.append(
-            Rule(
-                name="torchvision-frozen",
-                classes=(FrozenBatchNorm2d,),
-                targets={"sync": thaw_or_keep(to_sync), "plain": thaw_or_keep(to_plain), "frozen": keep_if("frozen")},
-                description="torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)",
-                exact=False,
-            )
-        )
+        pass
     try:
         from timm.layers import FrozenBatchNormAct2d
+
+        result.append(_frozen_rule("timm-frozen-act", FrozenBatchNormAct2d,
+                                   "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)", act=True, exact=False))
     except ImportError:
-        return result
-    result.append(
-        Rule(
-            name="timm-frozen-act",
-            classes=(FrozenBatchNormAct2d,),
-            targets={"sync": thaw_or_keep(to_sync_act), "plain": thaw_or_keep(to_plain_act), "frozen": keep_if("frozen")},
-            description="timm FrozenBatchNormAct2d (x*scale+shift arithmetic)",
-            exact=False,
-        )
-    )
+        pass
     return result
