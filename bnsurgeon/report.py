@@ -92,11 +92,16 @@ def short(cls_name: str) -> str:
     return cls_name.rsplit(".", 1)[-1]
 
 
+def pattern_of(path: str) -> str:
+    """``blocks.3.1.bn1`` -> ``blocks.*.*.bn1``."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", path)
+
+
 def collapse_paths(paths: list[str]) -> list[tuple[str, int]]:
     """Group paths by pattern, numeric components replaced by ``*``: ``blocks.*.bn1`` x 16."""
     groups: dict[str, int] = defaultdict(int)
     for path in paths:
-        groups[re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", path)] += 1
+        groups[pattern_of(path)] += 1
     return sorted(groups.items(), key=lambda item: (-item[1], item[0]))
 
 
@@ -125,8 +130,11 @@ def render_markdown(report: Report) -> str:
         by_class[(change.from_class, change.to_class)].append(change)
     for (src, dst), changes in sorted(by_class.items()):
         lines += [f"### {short(src)} -> {short(dst)} ({len(changes)})", "", "| paths | count | kept children |", "|---|---|---|"]
-        children = sorted({c for change in changes for c in change.children}) or ["-"]
+        children_by_pattern: dict[str, set[str]] = defaultdict(set)
+        for change in changes:
+            children_by_pattern[pattern_of(change.path)].update(change.children)
         for pattern, count in collapse_paths([c.path for c in changes]):
+            children = sorted(children_by_pattern[pattern]) or ["-"]
             lines.append(f"| `{pattern}` | {count} | {', '.join(children)} |")
         notes = sorted({n for change in changes for n in change.notes})
         lines += [""] + [f"> {note}" for note in notes] + ([""] if notes else [])
