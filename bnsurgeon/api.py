@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .checkpoint import RawCheckpoint, check_output_path, read_checkpoint, write_checkpoint, atomic_write
+from .checkpoint import (
+    RawCheckpoint,
+    atomic_write,
+    check_output_path,
+    describe_checkpoint,
+    read_checkpoint,
+    write_checkpoint,
+)
 from .errors import CheckpointError, UsageError, VerificationError
 from .fields import qualname
 from .inspection import Inspection, inspect_model
@@ -23,6 +30,7 @@ from .sources import (
     architecture_from_checkpoint,
     load_source,
     load_weights,
+    looks_like_file,
     parse_architecture,
     state_from_checkpoint,
 )
@@ -41,10 +49,24 @@ def inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
 
     if isinstance(source, nn.Module):
         return inspect_model(source, source=type(source).__name__)
-    loaded = load_source(source, meta=True, **source_options)
+    if not looks_like_file(source):
+        loaded = load_source(source, meta=True, **source_options)
+        return inspect_model(loaded.model, source=loaded.description)
+
+    raw = read_checkpoint(source, trust_pickle=source_options.get("trust_pickle", False))
+    contents = describe_checkpoint(raw)
+    try:
+        loaded = load_source(source, meta=True, raw=raw, **source_options)
+    except UsageError as error:
+        if source_options.get("model"):
+            raise
+        result = Inspection(source=str(source), parameters=0, checkpoint=contents)
+        result.notes.append(f"{error.message}: pass --model ARCH to list its BatchNorm modules")
+        return result
     result = inspect_model(loaded.model, source=loaded.description)
-    if loaded.checkpoint is not None and loaded.weights_key:
-        result.notes.append(f"weights taken from '{loaded.weights_key}'")
+    result.checkpoint = contents
+    if loaded.weights_key:
+        result.notes.append(f"weights taken from '{loaded.weights_key}' (choose another with --weights)")
     return result
 
 

@@ -91,7 +91,6 @@ def _read_safetensors(path: Path) -> RawCheckpoint:
 def _read_torch(path: Path, trust_pickle: bool) -> RawCheckpoint:
     import argparse
     import pickle
-    import zipfile
 
     import torch
 
@@ -110,7 +109,7 @@ def _read_torch(path: Path, trust_pickle: bool) -> RawCheckpoint:
             ) from None
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({_first_line(text)})",
                               "the file is truncated or corrupt; use an intact copy") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, UnicodeDecodeError) as error:
+    except Exception as error:  # garbage makes the unpickler raise anything: IndexError, KeyError, ...
         raise CheckpointError(
             f"{path} is not a readable PyTorch checkpoint ({_first_line(str(error))})",
             "the file is truncated, corrupt, or not a checkpoint; use an intact .pt/.pth/.safetensors file",
@@ -158,6 +157,37 @@ def state_dict_candidates(obj: Any) -> dict[str, dict[str, "torch.Tensor"]]:
             elif isinstance(value, dict) and _is_tensor_dict(value.get("state_dict")):
                 found[f"{key}.state_dict"] = value["state_dict"]
     return found
+
+
+def describe_checkpoint(raw: RawCheckpoint) -> dict[str, Any]:
+    """What a file holds: top-level entries, which of them look like model weights, its metadata."""
+    import torch
+    from torch import nn
+
+    def entry(key: str, value: Any) -> dict[str, Any]:
+        tensors = 0
+        if isinstance(value, torch.Tensor):
+            tensors = 1
+        elif isinstance(value, dict):
+            tensors = sum(isinstance(v, torch.Tensor) for v in value.values())
+        elif isinstance(value, nn.Module):
+            tensors = len(value.state_dict())
+        return {"key": key, "type": type(value).__name__, "tensors": tensors}
+
+    obj = raw.obj
+    if isinstance(obj, dict) and not _is_tensor_dict(obj):
+        entries = [entry(str(k), v) for k, v in obj.items()]
+    else:
+        entries = [entry("<top level>", obj)]
+    weights = {name or "<top level>": len(state) for name, state in state_dict_candidates(obj).items()}
+    return {
+        "path": str(raw.path),
+        "format": "safetensors" if raw.path.suffix in SAFETENSORS_SUFFIXES else "torch",
+        "entries": entries,
+        "model_weights": weights,
+        "bnsurgeon": raw.is_bnsurgeon,
+        "metadata_keys": sorted(raw.metadata),
+    }
 
 
 def strip_common_prefix(state: dict[str, "torch.Tensor"], expected: set[str]) -> tuple[dict[str, "torch.Tensor"], str]:
@@ -210,6 +240,12 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         with open(temp, "rb+") as stream:
             os.fsync(stream.fileno())
         os.replace(temp, path)
+    except OSError as error:
+        temp.unlink(missing_ok=True)
+        raise OutputError(
+            f"could not write {path}: {error.strerror or error}",
+            "free disk space or choose another directory; any previous file there is intact",
+        ) from None
     except BaseException:
         temp.unlink(missing_ok=True)
         raise

@@ -23,7 +23,26 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def render_checkpoint(contents: dict, out: Console) -> None:
+    table = Table(title=f"{contents['path']} ({contents['format']})", title_justify="left")
+    for column in ("entry", "type", "tensors", "model weights?"):
+        table.add_column(column)
+    weights = contents["model_weights"]
+    for entry in contents["entries"]:
+        looks = "yes" if entry["key"] in weights or (entry["key"] == "<top level>" and weights) else ""
+        table.add_row(entry["key"], entry["type"], str(entry["tensors"]), looks)
+    out.print(table)
+    if contents["bnsurgeon"]:
+        out.print("a bnsurgeon checkpoint (self-describing)")
+
+
 def render_inspection(inspection: Inspection, out: Console) -> None:
+    if inspection.checkpoint is not None:
+        render_checkpoint(inspection.checkpoint, out)
+    if not inspection.groups and inspection.checkpoint is not None:
+        for note in inspection.notes:
+            out.print(f"note: {note}")
+        return
     table = Table(title=f"BatchNorm-family modules in {inspection.source}", title_justify="left")
     for column in ("class", "count", "rule", "--to sync", "--to plain", "--to frozen", "torch convert_sync_batchnorm", "example paths"):
         table.add_column(column, overflow="fold")

@@ -175,10 +175,15 @@ def load_source(
     trust_pickle: bool = False,
     meta: bool = False,
     trust_factory: bool = False,
+    raw: RawCheckpoint | None = None,
 ) -> LoadedSource:
-    """Resolve SOURCE to a model with its weights (or on the meta device when ``meta``)."""
-    if looks_like_file(source):
-        return _load_file(Path(source), model, model_args, weights, trust_pickle, meta, trust_factory)
+    """Resolve SOURCE to a model with its weights (or on the meta device when ``meta``).
+
+    ``raw`` is the already-read file, when the caller has read it (read once, not twice).
+    """
+    if raw is not None or looks_like_file(source):
+        raw = raw or read_checkpoint(Path(source), trust_pickle=trust_pickle)
+        return _load_file(raw, model, model_args, weights, meta, trust_factory)
     if model:
         raise UsageError(f"--model is only for checkpoint files; {source!r} already names the model",
                          "drop --model, or pass a checkpoint file")
@@ -187,10 +192,10 @@ def load_source(
     return LoadedSource(built, architecture, architecture.describe(), timm_input_shape(built))
 
 
-def _load_file(path, model, model_args, weights, trust_pickle, meta, trust_factory) -> LoadedSource:
+def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, trust_factory) -> LoadedSource:
     from torch import nn
 
-    raw = read_checkpoint(path, trust_pickle=trust_pickle)
+    path = raw.path
     if isinstance(raw.obj, nn.Module):
         module = raw.obj
         return LoadedSource(module, Architecture("unknown", type(module).__name__), str(path), None, raw)
