@@ -5,7 +5,10 @@ collectives alone, interleaved in the same processes.
     python scripts/bench_runtime.py [--world-size 2] [--iters 30] [--threads 1]
 
 Prints per shape: native, collectives, sync (median ms), sync/native and
-sync/floor where floor = native + collectives, then geometric means.
+sync/floor where floor = native + collectives, then geometric means. A second
+reference, "sequenced", runs native BN with the same two collectives placed where the
+sync layer needs them (gather before normalizing, all_reduce in backward): what any
+sync BN pays for waiting on the other ranks, which the floor leaves out.
 """
 
 from __future__ import annotations
@@ -68,17 +71,34 @@ def _worker(rank, world_size, port, args, results):
         def run_sync():
             sync(x).backward(grad)
 
+        class Sequenced(torch.autograd.Function):
+            """Identity with the sync layer's collectives: gather in forward, all_reduce in backward."""
+
+            @staticmethod
+            def forward(ctx, t):
+                dist.all_gather_into_tensor(gather_out, gather_in)
+                return t.view_as(t)
+
+            @staticmethod
+            def backward(ctx, g):
+                dist.all_reduce(reduce_buf)
+                return g
+
+        def run_sequenced():
+            native(Sequenced.apply(x)).backward(grad)
+
         def run_collectives():
             dist.all_gather_into_tensor(gather_out, gather_in)
             dist.all_reduce(reduce_buf)
 
-        timings = {"native": [], "collectives": [], "sync": []}
+        timings = {"native": [], "collectives": [], "sync": [], "sequenced": []}
         for _ in range(args.warmup):
-            run_native(), run_sync(), run_collectives()
+            run_native(), run_sync(), run_collectives(), run_sequenced()
         for _ in range(args.iters):  # interleaved, so drift hits all three alike
             timings["native"].append(_time(run_native, barrier))
             timings["collectives"].append(_time(run_collectives, barrier))
             timings["sync"].append(_time(run_sync, barrier))
+            timings["sequenced"].append(_time(run_sequenced, barrier))
             x.grad = None
         rows.append({k: statistics.median(v) * 1e3 for k, v in timings.items()})
     results.put((rank, rows))
@@ -108,17 +128,22 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, CPU, gloo, {args.world_size} ranks x {args.threads} thread(s), "
           f"median of {args.iters} interleaved iterations (forward + backward, ms, rank 0)")
-    header = f"{'shape':>18} {'native':>9} {'collect.':>9} {'sync':>9} {'sync/native':>12} {'sync/floor':>11}"
+    header = (f"{'shape':>18} {'native':>9} {'collect.':>9} {'sequenced':>10} {'sync':>9} "
+              f"{'sync/native':>12} {'sync/floor':>11} {'sync/sequenced':>15}")
     print(header)
-    ratios_native, ratios_floor = [], []
+    ratios_native, ratios_floor, ratios_sequenced = [], [], []
     for shape, row in zip(SHAPES, by_rank[0]):
         floor = row["native"] + row["collectives"]
         r_native, r_floor = row["sync"] / row["native"], row["sync"] / floor
+        r_sequenced = row["sync"] / row["sequenced"]
         ratios_native.append(r_native)
         ratios_floor.append(r_floor)
-        print(f"{str(shape):>18} {row['native']:9.3f} {row['collectives']:9.3f} {row['sync']:9.3f} {r_native:12.3f} {r_floor:11.3f}")
+        ratios_sequenced.append(r_sequenced)
+        print(f"{str(shape):>18} {row['native']:9.3f} {row['collectives']:9.3f} {row['sequenced']:10.3f} "
+              f"{row['sync']:9.3f} {r_native:12.3f} {r_floor:11.3f} {r_sequenced:15.3f}")
     geo = lambda values: math.exp(sum(math.log(v) for v in values) / len(values))  # noqa: E731
-    print(f"{'geometric mean':>18} {'':9} {'':9} {'':9} {geo(ratios_native):12.3f} {geo(ratios_floor):11.3f}")
+    print(f"{'geometric mean':>18} {'':9} {'':9} {'':10} {'':9} {geo(ratios_native):12.3f} "
+          f"{geo(ratios_floor):11.3f} {geo(ratios_sequenced):15.3f}")
 
 
 if __name__ == "__main__":
