@@ -246,11 +246,14 @@ def convert_source(
     force: bool = False,
     check: bool = True,
     input_shape: tuple[int, ...] | None = None,
+    verify_world_sizes: tuple[int, ...] = (),
 ) -> ConvertOutcome:
     """The ``bnsurgeon convert`` pipeline. Writes nothing unless every step succeeded."""
     from .rules import check_target
 
     check_target(to, frozen)
+    if verify_world_sizes and not check:
+        raise UsageError("--verify needs the eval check", "drop --no-check")
     out = check_output_path(output, [source], force=force) if output is not None else None
     trust_factory = model is not None
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
@@ -270,9 +273,53 @@ def convert_source(
                 f"converted model's eval outputs differ from the source's (max |diff| "
                 f"{result.report.check.max_abs_diff:.3g}, {result.report.check.mode})"
             )
+        if verify_world_sizes:
+            from .verify import verify_models
+
+            verification = verify_models(loaded.model, result.model, tuple(shape), world_sizes=verify_world_sizes,
+                                         exact=result.exact, source_name=loaded.description)
+            result.report.verification = verification.to_dict()
+            if not verification.passed:
+                failed = verification.first_failure
+                raise VerificationError(
+                    f"verification failed: {failed.name} (max |diff| {failed.max_abs_diff:.3g})"
+                    + (f", first divergent module {failed.first_divergence}" if failed.first_divergence else "")
+                )
     reports = None
     if out is not None:
         result.report.output = str(out)
         save(result, out, loaded.architecture, source=loaded.description)
         reports = write_reports(result, out)
     return ConvertOutcome(result, loaded, out, reports)
+
+
+def _inexact(source: "nn.Module", converted: "nn.Module") -> bool:
+    """True where a module converted from x*scale+shift frozen BN sits: eval is close, not bitwise."""
+    from .rules import default_registry
+
+    theirs = dict(converted.named_modules())
+    for path, module in source.named_modules():
+        rule = default_registry().lookup(type(module))
+        if rule is not None and not rule.exact and path in theirs and type(theirs[path]) is not type(module):
+            return True
+    return False
+
+
+def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), input_shape: tuple[int, ...] | None = None,
+           atol: float | None = None, perturb: bool = True, model: str | None = None,
+           model_args: dict[str, Any] | None = None, trust_pickle: bool = False):
+    """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen)."""
+    from .verify import verify_models
+
+    named_factory = ":" in source and not source.startswith("timm:") and not Path(source).exists()
+    left = load_source(source, model=model, model_args=model_args, trust_pickle=trust_pickle,
+                       trust_factory=model is not None or named_factory)
+    right = load_source(converted, trust_pickle=trust_pickle, trust_factory=named_factory or model is not None)
+    shape = input_shape or left.input_shape or right.input_shape or infer_input_shape(left.model)
+    if shape is None:
+        raise UsageError("cannot tell what input the models take", "pass --input-shape N,C,... (e.g. 4,16,32)")
+    if any(w < 2 for w in world_sizes):
+        raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
+    return verify_models(left.model, right.model, shape, world_sizes=world_sizes, atol=atol, perturb=perturb,
+                         exact=not _inexact(left.model, right.model), source_name=left.description,
+                         converted_name=right.description)

@@ -146,6 +146,7 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Replace OUTPUT if it exists (never the input)."),
     no_check: bool = typer.Option(False, "--no-check", help="Skip the eval-equivalence check before writing."),
     input_shape: Optional[str] = typer.Option(None, "--input-shape", help="Input for the check, e.g. 2,3,224,224 (timm models know theirs)."),
+    verify: bool = typer.Option(False, "--verify", help="Before writing, also run `bnsurgeon verify`'s checks (train, 2 ranks, perturbed) and record them."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="List every path and kept module."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No human output; errors only."),
     as_json: bool = JsonOption,
@@ -163,7 +164,7 @@ def convert(
     outcome = api.convert_source(
         source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
         model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle, force=force,
-        check=not no_check, input_shape=_parse_shape(input_shape),
+        check=not no_check, input_shape=_parse_shape(input_shape), verify_world_sizes=(2,) if verify else (),
     )
     report = outcome.result.report
     if as_json:
@@ -172,6 +173,44 @@ def convert(
         out = console()
         render_report(report, out, verbose=verbose)
         out.print(f"wrote {outcome.output}" + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})" if outcome.reports else ""))
+
+
+@app.command()
+def verify(
+    source: str = SourceArgument,
+    converted: str = typer.Argument(..., help="The converted model, in any SOURCE form."),
+    world_size: List[int] = typer.Option([2], "--world-size", "-w", help="Ranks for the distributed check (repeatable)."),
+    input_shape: Optional[str] = typer.Option(None, "--input-shape", help="e.g. 4,16,32 (timm models know theirs)."),
+    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance instead of bit-identity for eval/train."),
+    no_perturb: bool = typer.Option(False, "--no-perturb", help="Skip the run with perturbed BN statistics and affine parameters."),
+    model: Optional[str] = ModelOption,
+    model_arg: Optional[List[str]] = ModelArgOption,
+    trust_pickle: bool = TrustOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """Prove CONVERTED behaves like SOURCE: eval (bit-identical), train, N gloo ranks, frozen; exit 0/1/2 for CI.
+
+    Example: `bnsurgeon verify efficientnet_b0 b0.sync.safetensors --world-size 2 --world-size 3`
+    """
+    from . import api
+    from .errors import VerificationError
+    from .render import console, emit_json, render_verification
+    from .sources import parse_model_args
+
+    debug = os.environ.get("BNSURGEON_DEBUG", "") not in ("", "0")
+    try:
+        result = api.verify(source, converted, world_sizes=tuple(world_size), input_shape=_parse_shape(input_shape),
+                            atol=atol, perturb=not no_perturb, model=model, model_args=parse_model_args(model_arg),
+                            trust_pickle=trust_pickle)
+    except BnSurgeonError as error:
+        if debug:
+            raise
+        _fail(error.message, error.hint, 1 if isinstance(error, VerificationError) else 2)
+    if as_json:
+        emit_json(result.to_dict())
+    else:
+        render_verification(result, console())
+    raise typer.Exit(0 if result.passed else 1)
 
 
 @app.command()

@@ -103,3 +103,20 @@ def render_rules(rules: list[dict[str, Any]], out: Console) -> None:
     for rule in rules:
         table.add_row(rule["name"], "\n".join(rule["classes"]), "yes" if rule["exact"] else "close", rule["description"])
     out.print(table)
+
+
+def render_verification(verification, out: Console) -> None:
+    table = Table(title=f"verify {verification.converted} against {verification.source}", title_justify="left")
+    for column in ("check", "result", "max |diff|", "detail"):
+        table.add_column(column, overflow="fold")
+    for check in verification.checks:
+        result = {True: "[green]pass[/]", False: "[bold red]FAIL[/]", None: "n/a"}[check.passed]
+        diff = "-" if check.passed is None else f"{check.max_abs_diff:.3g}"
+        table.add_row(check.name, result, diff, check.detail)
+    out.print(table)
+    failed = verification.first_failure
+    if failed is None:
+        out.print(f"[green]all checks passed[/] (input {tuple(verification.input_shape)})")
+    else:
+        where = f": first divergent module {failed.first_divergence}" if failed.first_divergence else ""
+        out.print(f"[bold red]{failed.name} failed[/]{where}", markup=True)

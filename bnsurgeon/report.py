@@ -58,6 +58,7 @@ class Report:
     keys_added: list[str] = field(default_factory=list)
     keys_removed: list[str] = field(default_factory=list)
     check: CheckResult | None = None
+    verification: dict[str, Any] | None = None
     output: str | None = None
     carried: dict[str, str] = field(default_factory=dict)
     schema_version: int = REPORT_SCHEMA_VERSION
@@ -124,6 +125,12 @@ def render_markdown(report: Report) -> str:
             f"Eval check ({check.mode}, input {tuple(check.input_shape)}, seed {check.seed}): "
             f"**{verdict}**, max |diff| = {check.max_abs_diff:.3g}." + (f" {check.note}" if check.note else "")
         )
+    if report.verification is not None:
+        checks = report.verification["checks"]
+        passed = sum(1 for c in checks if c["passed"])
+        skipped = sum(1 for c in checks if c["passed"] is None)
+        lines.append(f"Verification: {passed}/{len(checks) - skipped} checks passed"
+                     + (f", {skipped} not applicable" if skipped else "") + ".")
     lines.append("")
     by_class: dict[tuple[str, str], list[ModuleChange]] = defaultdict(list)
     for change in report.changed:

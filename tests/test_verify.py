@@ -1,0 +1,114 @@
+"""`bnsurgeon verify`: passes for bnsurgeon conversions, fails (exit 1) naming the first
+divergent module for torch's converter, and `convert --verify` records the checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from bnsurgeon.cli import app
+
+pytestmark = pytest.mark.distributed
+runner = CliRunner()
+SMALL = "2,3,64,64"
+
+MODELS = '''
+import torch
+import timm
+from torch import nn
+
+
+def source():
+    torch.manual_seed(0)
+    return timm.create_model("efficientnet_b0", pretrained=False, num_classes=4)
+
+
+def torch_converted():
+    return nn.SyncBatchNorm.convert_sync_batchnorm(source())
+
+
+def bn1d3d():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv1d(4, 8, 3), nn.BatchNorm1d(8), nn.ReLU(), nn.Unflatten(2, (1, 1, -1)),
+                         nn.Conv3d(8, 6, 1), nn.BatchNorm3d(6))
+'''
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    (tmp_path / "vmodels.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+def test_torch_converter_fails_and_names_first_divergent_module(models):
+    result = run("verify", "vmodels:source", "vmodels:torch_converted", "--input-shape", SMALL, "-w", "2")
+    assert result.exit_code == 1, result.output
+    assert "eval failed" in result.output
+    assert "first divergent module bn1 (SyncBatchNorm; in the source BatchNormAct2d)" in result.output
+
+
+def test_bnsurgeon_conversion_passes_at_2_and_3_ranks_and_json_parses(models):
+    out = models / "b0.sync.safetensors"
+    assert run("convert", "vmodels:source", "-o", out).exit_code == 0
+    result = runner.invoke(app, ["verify", "vmodels:source", str(out), "--input-shape", SMALL,
+                                 "-w", "2", "-w", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    names = [c["name"] for c in data["checks"]]
+    assert {"eval", "train, one process", "2 ranks", "3 ranks", "2 ranks (perturbed)", "3 ranks (perturbed)"} <= set(names)
+    assert data["passed"] and all(c["passed"] for c in data["checks"])
+
+
+def test_1d_3d_model_with_explicit_input_shape(models):
+    out = models / "m.sync.safetensors"
+    assert run("convert", "vmodels:bn1d3d", "-o", out, "--input-shape", "4,4,10").exit_code == 0
+    result = run("verify", "vmodels:bn1d3d", out, "--input-shape", "4,4,10", "--no-perturb")
+    assert result.exit_code == 0, result.output
+    assert "all checks passed" in result.output
+
+
+def test_frozen_target_checks_frozen_train_against_source_eval(models):
+    out = models / "b0.frozen.safetensors"
+    assert run("convert", "vmodels:source", "--to", "frozen", "-o", out).exit_code == 0
+    result = runner.invoke(app, ["verify", "vmodels:source", str(out), "--input-shape", SMALL, "--json"])
+    data = json.loads(result.stdout)
+    assert result.exit_code == 0 and "frozen (train) == source (eval)" in [c["name"] for c in data["checks"]]
+
+
+def test_usage_errors_exit_2(models):
+    result = run("verify", "vmodels:source", "no_such.safetensors", "--input-shape", SMALL)
+    assert result.exit_code == 2 and "no such file" in result.output and "Traceback" not in result.output
+
+
+def test_convert_verify_records_checks_in_report(models):
+    out = models / "v.sync.safetensors"
+    result = run("convert", "vmodels:bn1d3d", "-o", out, "--input-shape", "4,4,10", "--verify")
+    assert result.exit_code == 0, result.output
+    report = json.loads((models / "v.sync.safetensors.report.json").read_text())
+    assert report["verification"]["passed"] and any(c["name"] == "2 ranks" for c in report["verification"]["checks"])
+    assert "Verification:" in (models / "v.sync.safetensors.report.md").read_text()
+
+
+def test_perturbation_exposes_what_fresh_bn_hides():
+    """At init BN is near the identity; perturbed identically, a lost activation cannot hide."""
+    import copy
+
+    import torch
+    from timm.layers import BatchNormAct2d
+    from torch import nn
+
+    from bnsurgeon.verify import check_eval, perturb_bn
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), BatchNormAct2d(4, act_layer=nn.Identity))
+    broken = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
+    assert check_eval(model, broken, (2, 3, 4, 4)).passed, "with an identity act nothing is lost"
+    a, b = perturb_bn(copy.deepcopy(model)), perturb_bn(copy.deepcopy(broken))
+    assert torch.equal(a[1].weight, b[1].weight) and torch.equal(a[1].running_var, b[1].running_var)
