@@ -1,0 +1,280 @@
+"""Sweep timm's model zoo (and torchvision's backbones): inspect + convert + eval check for every
+model with BatchNorm-family modules, and whether torch's / timm's own converters preserve eval outputs.
+
+    python scripts/zoo_sweep.py                       # everything; writes docs/zoo_sweep.{jsonl,json,md}
+    python scripts/zoo_sweep.py --limit 20            # the first 20 BN models
+    python scripts/zoo_sweep.py --models resnet18 efficientnet_b0 --no-write
+
+Every model is built with pretrained=False and seed 0. Its BN statistics and affine
+parameters are perturbed (seeded): fresh BN is near the identity and would hide a lost
+activation. One worker process runs the models; the parent kills and restarts it when a
+model exceeds its time box, and records that as a timeout rather than dropping the model.
+Results are appended as JSON lines as they come, so an interrupted sweep keeps what it did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import queue
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DETECTION_BACKBONES = {"fasterrcnn_resnet50_fpn": "resnet50", "fasterrcnn_resnet101_fpn": "resnet101"}
+TORCHVISION_MODELS = ["resnet50", "mobilenet_v3_large", "efficientnet_b0", "regnet_y_400mf", "densenet121",
+                      *DETECTION_BACKBONES]
+
+
+def _equal(a, b) -> tuple[bool, float]:
+    import torch
+
+    if a.shape != b.shape:
+        return False, float("inf")
+    return torch.equal(a, b), (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _outputs(model, x):
+    import torch
+
+    from bnsurgeon.api import _tensors
+
+    with torch.no_grad():
+        return _tensors(model.eval()(x))
+
+
+def _compare(reference, outputs) -> tuple[bool, float]:
+    if len(reference) != len(outputs):
+        return False, float("inf")
+    results = [_equal(a, b) for a, b in zip(reference, outputs)]
+    return all(r[0] for r in results), max((r[1] for r in results), default=0.0)
+
+
+def _build(kind: str, name: str):
+    import torch
+
+    torch.manual_seed(0)
+    if kind == "timm":
+        import timm
+
+        return timm.create_model(name, pretrained=False)
+    import torchvision
+
+    if name in DETECTION_BACKBONES:
+        # detection builders use FrozenBatchNorm2d only with pretrained backbone weights
+        # (none here), so build the backbone with it as detection training does
+        from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+        from torchvision.ops.misc import FrozenBatchNorm2d
+
+        return resnet_fpn_backbone(backbone_name=DETECTION_BACKBONES[name], weights=None, norm_layer=FrozenBatchNorm2d)
+    return torchvision.models.get_model(name, weights=None)
+
+
+def _input_shapes(model, kind: str):
+    """Small input first (fast), then the model's own size for nets that need a fixed one."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    channels, *size = cfg.get("input_size", (3, 224, 224))
+    small = (1, channels, 64, 64)
+    full = (1, channels, *size)
+    return [small, full] if tuple(size) != (64, 64) else [full]
+
+
+def sweep_one(kind: str, name: str) -> dict:
+    """Everything the table needs for one model (runs in the worker)."""
+    import copy
+
+    import torch
+
+    import bnsurgeon
+    from bnsurgeon.inspection import inspect_model
+    from bnsurgeon.verify import perturb_bn
+
+    started = time.perf_counter()
+    row = {"model": name, "source": kind}
+    model = _build(kind, name)
+    inspection = inspect_model(model)
+    row["bn_classes"] = {g.cls.rsplit(".", 1)[-1]: g.count for g in inspection.groups}
+    row["unhandled"] = inspection.unhandled
+    if not inspection.groups:
+        row["status"] = "no BN"
+        return row
+    perturb_bn(model)
+    try:
+        result = bnsurgeon.convert(model, "sync", allow_unhandled=True)
+    except Exception as error:  # a refusal (e.g. lazy BN) is a result, with its reason
+        row.update(status="refused", reason=f"{type(error).__name__}: {error}"[:200])
+        return row
+    row["converted"] = len(result.report.changed)
+    last_error = None
+    for shape in _input_shapes(model, kind):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        try:
+            reference = _outputs(model, x)
+            break
+        except Exception as error:  # wrong input size for this model: try its own size
+            last_error = error
+    else:
+        row.update(status="no input", reason=f"{type(last_error).__name__}: {last_error}"[:200])
+        return row
+    row["input_shape"] = list(shape)
+    same, diff = _compare(reference, _outputs(result.model, x))
+    row["bnsurgeon_exact"], row["bnsurgeon_max_diff"] = same, diff
+    for label, converter in (("torch", torch.nn.SyncBatchNorm.convert_sync_batchnorm), ("timm", _timm_converter())):
+        try:
+            other = converter(copy.deepcopy(model))
+            row[f"{label}_exact"], row[f"{label}_max_diff"] = _compare(reference, _outputs(other, x))
+        except Exception as error:
+            row[f"{label}_exact"], row[f"{label}_error"] = False, f"{type(error).__name__}: {error}"[:160]
+    exact_rules = result.exact
+    row["status"] = "exact" if same else ("close" if not exact_rules and diff < 1e-3 else "FAILED")
+    row["seconds"] = round(time.perf_counter() - started, 2)
+    return row
+
+
+def _timm_converter():
+    from timm.layers import convert_sync_batchnorm
+
+    return convert_sync_batchnorm
+
+
+def _worker(tasks, results):
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        kind, name = task
+        try:
+            results.put(sweep_one(kind, name))
+        except Exception as error:
+            results.put({"model": name, "source": kind, "status": "error", "reason": f"{type(error).__name__}: {error}"[:200]})
+
+
+def bn_model_names(limit: int | None = None) -> list[str]:
+    """timm models whose meta-device build has BN-family modules."""
+    import timm
+    import torch
+
+    from bnsurgeon.surgery import plan
+
+    names = []
+    for name in timm.list_models():
+        try:
+            with torch.device("meta"):
+                model = timm.create_model(name, pretrained=False)
+        except Exception:
+            names.append(name)  # cannot tell on meta: let the sweep decide on CPU
+            continue
+        if plan(model):
+            names.append(name)
+        if limit and len(names) >= limit:
+            break
+    return names
+
+
+def run_sweep(tasks: list[tuple[str, str]], timeout: float, out_path: Path | None) -> list[dict]:
+    context = mp.get_context("spawn")
+    rows = []
+    task_queue, result_queue = context.Queue(), context.Queue()
+    worker = context.Process(target=_worker, args=(task_queue, result_queue), daemon=True)
+    worker.start()
+    sink = open(out_path, "a") if out_path else None
+    try:
+        for index, (kind, name) in enumerate(tasks):
+            task_queue.put((kind, name))
+            try:
+                row = result_queue.get(timeout=timeout)
+            except queue.Empty:
+                worker.kill()
+                worker.join()
+                row = {"model": name, "source": kind, "status": "timeout", "reason": f"over {timeout:.0f}s (time box)"}
+                task_queue, result_queue = context.Queue(), context.Queue()
+                worker = context.Process(target=_worker, args=(task_queue, result_queue), daemon=True)
+                worker.start()
+            rows.append(row)
+            if sink:
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+            print(f"[{index + 1}/{len(tasks)}] {kind}:{name}: {row['status']}", file=sys.stderr, flush=True)
+    finally:
+        task_queue.put(None)
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
+        if sink:
+            sink.close()
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    bn = [r for r in rows if r.get("status") != "no BN"]
+    count = lambda key, value=True: sum(1 for r in bn if r.get(key) == value)  # noqa: E731
+    return {
+        "models_swept": len(bn),
+        "bnsurgeon_bit_identical": count("status", "exact"),
+        "bnsurgeon_close_frozen": count("status", "close"),
+        "bnsurgeon_failed": count("status", "FAILED"),
+        "skipped_timeout": count("status", "timeout"),
+        "skipped_other": sum(1 for r in bn if r.get("status") in ("error", "no input", "refused")),
+        "torch_converter_preserved": count("torch_exact"),
+        "timm_converter_preserved": count("timm_exact"),
+        "with_unhandled_modules": sum(1 for r in bn if r.get("unhandled")),
+    }
+
+
+def write_docs(rows: list[dict], docs: Path) -> None:
+    totals = summarize(rows)
+    (docs / "zoo_sweep.json").write_text(json.dumps({"totals": totals, "models": rows}, indent=1) + "\n")
+    lines = ["# Zoo sweep", "", "Generated by `python scripts/zoo_sweep.py`. Eval outputs on a seeded input after "
+             "perturbing BN statistics and affine parameters (seeded). `yes` = bit-identical.", "",
+             "| " + " | ".join(f"{k.replace('_', ' ')}" for k in totals) + " |",
+             "|" + "---|" * len(totals), "| " + " | ".join(str(v) for v in totals.values()) + " |", "",
+             "| model | BN classes | bnsurgeon | torch converter | timm converter | note |", "|---|---|---|---|---|---|"]
+    mark = lambda r, key: "-" if key not in r else ("yes" if r[key] else f"no ({r.get(key.replace('exact', 'max_diff'), 'error')})")  # noqa: E731
+    for r in rows:
+        if r.get("status") == "no BN":
+            continue
+        classes = ", ".join(f"{k} x{v}" for k, v in (r.get("bn_classes") or {}).items())
+        note = r.get("reason", "") or (f"{r['unhandled']} unhandled (left untouched)" if r.get("unhandled") else "")
+        status = r.get("status")
+        ours = "yes" if status == "exact" else status
+        lines.append(f"| {r['source']}:{r['model']} | {classes} | {ours} | {mark(r, 'torch_exact')} | {mark(r, 'timm_exact')} | {note} |")
+    (docs / "zoo_sweep.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", help="timm names (default: every BN model in timm)")
+    parser.add_argument("--limit", type=int, help="only the first N BN models")
+    parser.add_argument("--timeout", type=float, default=120.0, help="time box per model, seconds")
+    parser.add_argument("--no-torchvision", action="store_true")
+    parser.add_argument("--no-write", action="store_true", help="print the totals, write nothing")
+    parser.add_argument("--resume", action="store_true", help="skip models already in docs/zoo_sweep.jsonl")
+    args = parser.parse_args()
+
+    docs = ROOT / "docs"
+    docs.mkdir(exist_ok=True)
+    jsonl = None if args.no_write else docs / "zoo_sweep.jsonl"
+    names = args.models or bn_model_names(args.limit)
+    tasks = [("timm", n) for n in names]
+    if not args.no_torchvision and not args.models:
+        tasks += [("torchvision", n) for n in TORCHVISION_MODELS]
+    done: list[dict] = []
+    if args.resume and jsonl and jsonl.exists():
+        done = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+        seen = {(r["source"], r["model"]) for r in done}
+        tasks = [t for t in tasks if t not in seen]
+    elif jsonl and jsonl.exists():
+        jsonl.unlink()
+    rows = done + run_sweep(tasks, args.timeout, jsonl)
+    print(json.dumps(summarize(rows), indent=1))
+    if not args.no_write:
+        write_docs(rows, docs)
+
+
+if __name__ == "__main__":
+    main()
