@@ -203,6 +203,15 @@ def test_already_target_is_kept_not_rebuilt(net):
     assert {k.reason for k in again.report.kept} >= {"already sync"}
 
 
+def test_process_group_regroups_an_already_sync_model(net):
+    synced = bnsurgeon.convert(net, "sync").model
+    group = object()  # any process-group handle; only stored here
+    regrouped = bnsurgeon.convert(synced, "sync", process_group=group).model
+    assert regrouped.bn.process_group is group and regrouped.bnact.process_group is group
+    assert regrouped.bn.weight is net.bn.weight and isinstance(regrouped.bnact.act, nn.SiLU)
+    assert synced.bn.process_group is None, "copy-on-write: the input model keeps its group"
+
+
 class MyBN(nn.BatchNorm2d):
     def forward(self, x):
         return super().forward(x) * 2

@@ -84,6 +84,17 @@ def to_plain_act(module: nn.Module, context: BuildContext) -> nn.Module:
     return new
 
 
+def regroup_or_keep(rebuild):
+    """A layer that is already sync: rebuilt (same tensors) when a process_group is given, else kept."""
+
+    def build(module: nn.Module, context: BuildContext) -> nn.Module:
+        if context.process_group is not None and context.process_group is not getattr(module, "process_group", None):
+            return rebuild(module, context)
+        return context.keep(module, "already sync")
+
+    return build
+
+
 def keep_if(kind: str):
     """Builder for a target the module already is."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import Rule
-from .builders import keep_if, to_frozen_act, to_plain_act, to_sync_act
+from .builders import regroup_or_keep, to_frozen_act, to_plain_act, to_sync_act
 
 
 def rules() -> list[Rule]:
@@ -13,7 +13,7 @@ def rules() -> list[Rule]:
         Rule(
             name="bnsurgeon-sync-act",
             classes=(SyncBatchNormAct,),
-            targets={"sync": keep_if("sync"), "plain": to_plain_act, "frozen": to_frozen_act},
+            targets={"sync": regroup_or_keep(to_sync_act), "plain": to_plain_act, "frozen": to_frozen_act},
             description="bnsurgeon SyncBatchNormAct (act and drop kept)",
         )
     ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import Rule
-from .builders import keep_if, to_frozen, to_plain, to_sync
+from .builders import regroup_or_keep, to_frozen, to_plain, to_sync
 
 
 def rules() -> list[Rule]:
@@ -21,7 +21,7 @@ def rules() -> list[Rule]:
         Rule(
             name="bnsurgeon-sync",
             classes=(SyncBatchNorm,),
-            targets={"sync": keep_if("sync"), "plain": to_plain, "frozen": to_frozen},
+            targets={"sync": regroup_or_keep(to_sync), "plain": to_plain, "frozen": to_frozen},
             description="bnsurgeon SyncBatchNorm (restores its recorded original class)",
         ),
     ]
