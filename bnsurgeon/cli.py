@@ -89,6 +89,8 @@ ModelArgOption = typer.Option(None, "--model-arg", help="Constructor argument ke
 WeightsOption = typer.Option(None, "--weights", help="Which state dict to use when the file holds several (e.g. state_dict_ema).")
 TrustOption = typer.Option(False, "--trust-pickle", help="Allow unpickling arbitrary objects. This RUNS CODE from the file: only for files you trust.")
 JsonOption = typer.Option(False, "--json", help="Print one JSON document on stdout (human output stays on stderr).")
+QuietOption = typer.Option(False, "--quiet", "-q", help="No human output; errors only (the exit code says the rest).")
+VerboseOption = typer.Option(False, "--verbose", "-v", help="Show every path, not a few examples.")
 
 
 @app.command()
@@ -99,6 +101,8 @@ def inspect(
     model_arg: Optional[List[str]] = ModelArgOption,
     weights: Optional[str] = WeightsOption,
     trust_pickle: bool = TrustOption,
+    verbose: bool = VerboseOption,
+    quiet: bool = QuietOption,
     as_json: bool = JsonOption,
 ) -> None:
     """List BatchNorm-family modules by class: rule, count, targets, what torch's converter would break.
@@ -113,8 +117,8 @@ def inspect(
                          trust_pickle=trust_pickle)
     if as_json:
         emit_json(result.to_dict())
-    else:
-        render_inspection(result, console())
+    elif not quiet:
+        render_inspection(result, console(), verbose=verbose)
 
 
 def _parse_shape(text: Optional[str]) -> Optional[tuple]:
@@ -147,8 +151,8 @@ def convert(
     no_check: bool = typer.Option(False, "--no-check", help="Skip the eval-equivalence check before writing."),
     input_shape: Optional[str] = typer.Option(None, "--input-shape", help="Input for the check, e.g. 2,3,224,224 (timm models know theirs)."),
     verify: bool = typer.Option(False, "--verify", help="Before writing, also run `bnsurgeon verify`'s checks (train, 2 ranks, perturbed) and record them."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="List every path and kept module."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No human output; errors only."),
+    verbose: bool = VerboseOption,
+    quiet: bool = QuietOption,
     as_json: bool = JsonOption,
 ) -> None:
     """Convert every BatchNorm-family module, check eval outputs are unchanged, write OUTPUT + report.
@@ -186,6 +190,7 @@ def verify(
     model: Optional[str] = ModelOption,
     model_arg: Optional[List[str]] = ModelArgOption,
     trust_pickle: bool = TrustOption,
+    quiet: bool = QuietOption,
     as_json: bool = JsonOption,
 ) -> None:
     """Prove CONVERTED behaves like SOURCE: eval (bit-identical), train, N gloo ranks, frozen; exit 0/1/2 for CI.
@@ -208,7 +213,7 @@ def verify(
         _fail(error.message, error.hint, 1 if isinstance(error, VerificationError) else 2)
     if as_json:
         emit_json(result.to_dict())
-    else:
+    elif not quiet:
         render_verification(result, console())
     raise typer.Exit(0 if result.passed else 1)
 

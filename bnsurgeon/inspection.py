@@ -25,6 +25,7 @@ class ClassGroup:
     targets: dict[str, str]
     examples: list[str]
     torch_converter: str
+    all_paths: list[str] = field(default_factory=list, repr=False)
 
     @property
     def handled(self) -> bool:
@@ -114,6 +115,7 @@ def inspect_model(model: "nn.Module", source: str = "", registry: Registry | Non
                 targets=_target_classes(first.module, first.rule) if first.rule else {t: "UNHANDLED" for t in TARGETS},
                 examples=paths[:EXAMPLE_PATHS],
                 torch_converter=torch_converter_effect(first.module),
+                all_paths=paths,
             )
         )
     parameters = sum(p.numel() for p in model.parameters())

@@ -36,7 +36,7 @@ def render_checkpoint(contents: dict, out: Console) -> None:
         out.print("a bnsurgeon checkpoint (self-describing)")
 
 
-def render_inspection(inspection: Inspection, out: Console) -> None:
+def render_inspection(inspection: Inspection, out: Console, *, verbose: bool = False) -> None:
     if inspection.checkpoint is not None:
         render_checkpoint(inspection.checkpoint, out)
     if not inspection.groups and inspection.checkpoint is not None:
@@ -51,7 +51,7 @@ def render_inspection(inspection: Inspection, out: Console) -> None:
         table.add_row(
             short(group.cls), str(group.count), rule,
             group.targets["sync"], group.targets["plain"], group.targets["frozen"],
-            group.torch_converter, ", ".join(group.examples),
+            group.torch_converter, ", ".join(group.all_paths if verbose else group.examples),
         )
     out.print(table)
     out.print(

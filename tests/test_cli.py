@@ -222,3 +222,28 @@ def test_weights_that_do_not_fit_list_the_keys(tmp_path):
     result = run("convert", path, "-m", "resnet18", "-o", tmp_path / "o.safetensors")
     assert result.exit_code == 6
     assert "shape mismatch" in result.output and "fc.weight" in result.output and "num_classes" in result.output
+
+
+def test_json_and_human_output_carry_the_same_facts(tmp_path):
+    human = run("inspect", "resnet18")
+    data = json.loads(runner.invoke(app, ["inspect", "resnet18", "--json"]).stdout)
+    group = data["groups"][0]
+    assert f"{data['totals']['bn_modules']} BN-family modules" in human.output
+    assert f"{data['totals']['parameters']:,} parameters" in human.output
+    assert group["rule"] in human.output and group["targets"]["sync"] in human.output
+
+    out = tmp_path / "r.safetensors"
+    report = json.loads(runner.invoke(app, ["convert", "resnet18", "-o", str(out), "--json"]).stdout)
+    human = run("convert", "resnet18", "-o", out, "--force")
+    assert f"{report['totals']['changed']} converted" in human.output
+    assert report["check"]["mode"] in human.output and report["schema_version"] == 1
+
+    rules = json.loads(runner.invoke(app, ["rules", "--json"]).stdout)
+    human = run("rules")
+    assert all(rule["name"] in human.output for rule in rules)
+
+
+def test_quiet_prints_nothing_but_errors():
+    assert run("inspect", "resnet18", "--quiet").output == ""
+    failing = run("inspect", "resnet5O", "--quiet")
+    assert failing.exit_code == 3 and "unknown timm model" in failing.output
