@@ -30,6 +30,7 @@ from .sources import (
     architecture_from_checkpoint,
     load_source,
     load_weights,
+    materialize,
     looks_like_file,
     parse_architecture,
     state_from_checkpoint,
@@ -179,11 +180,21 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, trust_fac
                 f"{raw.path} was made from the factory {architecture.name!r}; importing it runs code",
                 f"confirm with --model {architecture.name} (or bnsurgeon.load(path, model={architecture.name!r}))",
             )
-        model = architecture.build(meta=meta)
     options = raw.bnsurgeon("options", {}) or {}
-    result = convert(model, raw.bnsurgeon("target", "sync"), frozen=options.get("frozen", "keep"),
-                     allow_unhandled=bool(options.get("allow_unhandled", False)), inplace=True)
-    rebuilt = result.model
+    target = raw.bnsurgeon("target", "sync")
+
+    def build(on_meta: bool):
+        base = model if model is not None else architecture.build(meta=on_meta)
+        return convert(base, target, frozen=options.get("frozen", "keep"),
+                       allow_unhandled=bool(options.get("allow_unhandled", False)), inplace=True).model
+
+    if meta:
+        rebuilt = build(True)
+    elif model is not None:
+        rebuilt = build(False)
+        load_weights(rebuilt, state_from_checkpoint(raw), raw.path)
+    else:
+        rebuilt = materialize(build, state_from_checkpoint(raw), raw.path)
     recorded = raw.bnsurgeon("classes", {}) or {}
     actual = class_map(rebuilt)
     differing = [p for p in recorded if actual.get(p) != recorded[p]]
@@ -194,12 +205,10 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, trust_fac
             f"{recorded[path]} ({len(differing)} module(s) differ)",
             "use the bnsurgeon/timm versions that wrote the file, or pass the model explicitly",
         )
-    if not meta:
-        load_weights(rebuilt, state_from_checkpoint(raw), raw.path)
     name_sync_layers(rebuilt)
     from .sources import timm_input_shape
 
-    return LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {result.report.target})",
+    return LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",
                         timm_input_shape(rebuilt), raw)
 
 

@@ -99,7 +99,7 @@ def _read_torch(path: Path, trust_pickle: bool) -> RawCheckpoint:
             obj = torch.load(path, map_location="cpu", weights_only=False)
         else:
             with torch.serialization.safe_globals([argparse.Namespace]):
-                obj = torch.load(path, map_location="cpu", weights_only=True)
+                obj = _torch_load(path)
     except pickle.UnpicklingError as error:
         text = str(error)
         if "Weights only load failed" in text or "Unsupported global" in text:
@@ -118,6 +118,16 @@ def _read_torch(path: Path, trust_pickle: bool) -> RawCheckpoint:
     if isinstance(obj, dict) and isinstance(obj.get("bnsurgeon"), dict):
         metadata = {PREFIX + k: v for k, v in obj["bnsurgeon"].items()}
     return RawCheckpoint(path, obj, metadata)
+
+
+def _torch_load(path: Path):
+    """weights_only load, memory-mapped when the file is in torch's zip format (no copy in RAM)."""
+    import zipfile
+
+    import torch
+
+    mmap = zipfile.is_zipfile(path)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def _first_line(text: str) -> str:

@@ -216,10 +216,22 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, trust_facto
     key = _pick_weights(path, candidates, weights)
     state = candidates[key]
     architecture = _architecture_for(path, raw, model, model_args, state)
-    built = architecture.build(meta=meta)
-    state, prefix = strip_common_prefix(state, set(built.state_dict()))
-    if not meta:
-        load_weights(built, state, path)
+    if meta:
+        built = architecture.build(meta=True)
+        state, prefix = strip_common_prefix(state, set(built.state_dict()))
+    else:
+        prefix_found: list[str] = []
+
+        def build(on_meta: bool):
+            return architecture.build(meta=on_meta)
+
+        def fit(built_model, tensors):
+            stripped, stripped_prefix = strip_common_prefix(tensors, set(built_model.state_dict()))
+            prefix_found.append(stripped_prefix)
+            return stripped
+
+        built = materialize(build, state, path, adapt=fit)
+        prefix = prefix_found[-1] if prefix_found else ""
     carried = _carried(raw, key)
     return LoadedSource(built, architecture, f"{path} ({architecture.describe()})", timm_input_shape(built), raw,
                         key or None, prefix, carried)
@@ -258,9 +270,38 @@ def _architecture_for(path, raw: RawCheckpoint, model, model_args, state) -> Arc
                      "pass --model ARCH (a timm name or package.module:function)")
 
 
-def load_weights(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any = "checkpoint") -> None:
-    """Strict load that lists missing, unexpected and shape-mismatched keys when it does not fit."""
-    expected = model.state_dict()
+def materialize(build, state: dict[str, "torch.Tensor"], origin: Any, adapt=None) -> "nn.Module":
+    """The model with the checkpoint's tensors, built on the meta device and assigned.
+
+    No random initialization and no second copy of the weights: the checkpoint's own
+    tensors (memory-mapped where the format allows) become the model's. Models that
+    compute at init or keep non-persistent buffers cannot be built on meta; they fall
+    back to a normal build followed by a copying load.
+    """
+    import torch
+
+    try:
+        model = build(True)
+    except Exception:  # e.g. .tolist()/numpy at init: not buildable on meta
+        model = None
+    if model is not None:
+        tensors = adapt(model, state) if adapt else state
+        expected = model.state_dict()
+        check_fit(model, tensors, origin, expected)
+        tensors = {k: v.to(expected[k].dtype) if v.dtype != expected[k].dtype else v for k, v in tensors.items()}
+        model.load_state_dict(tensors, strict=True, assign=True)
+        leftovers = [t for t in (*model.parameters(), *model.buffers()) if t.is_meta]
+        if not leftovers:
+            return model
+    model = build(False)
+    load_weights(model, adapt(model, state) if adapt else state, origin)
+    return model
+
+
+def check_fit(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any = "checkpoint",
+              expected: dict | None = None) -> None:
+    """Raise WeightsMismatchError listing missing, unexpected and shape-mismatched keys."""
+    expected = expected if expected is not None else model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     mismatched = [
@@ -278,6 +319,11 @@ def load_weights(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: A
             f"weights in {origin} do not fit the architecture: " + "; ".join(parts),
             "check --model and --model-arg (e.g. num_classes=...), or --weights to pick another state dict",
         )
+
+
+def load_weights(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any = "checkpoint") -> None:
+    """Strict copying load with a clear error when the weights do not fit."""
+    check_fit(model, state, origin)
     model.load_state_dict(state, strict=True)
 
 
