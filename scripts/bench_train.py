@@ -1,0 +1,99 @@
+"""DDP training-step time of a converted timm model at W gloo ranks on CPU: bnsurgeon's sync
+layers vs the same model with plain (unsynced) BN, interleaved in the same processes.
+
+    python scripts/bench_train.py [--model resnet18] [--batch 8] [--size 96] [--steps 12]
+
+Prints the median step time of each and the ratio sync/plain (goal <= 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, args, results):
+    import timm
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bnsurgeon
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=300))
+    torch.manual_seed(0)
+    plain = timm.create_model(args.model, pretrained=False, num_classes=10)
+    synced = bnsurgeon.convert(timm.create_model(args.model, pretrained=False, num_classes=10), "sync").model
+    runs = {}
+    for name, model in (("plain", plain), ("sync", synced)):
+        ddp = DistributedDataParallel(model.train())
+        runs[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=generator)
+    y = torch.randint(0, 10, (args.batch,), generator=generator)
+
+    def step(name):
+        ddp, optimizer = runs[name]
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+
+    times = {"plain": [], "sync": []}
+    for index in range(args.warmup + args.steps):
+        for name in ("plain", "sync") if index % 2 == 0 else ("sync", "plain"):  # interleaved, order alternating
+            dist.barrier()
+            start = time.perf_counter()
+            step(name)
+            if index >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    results.put((rank, {k: statistics.median(v) for k, v in times.items()}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8, help="per-rank batch")
+    parser.add_argument("--size", type=int, default=96)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    import torch
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [context.Process(target=_worker, args=(r, args.world_size, port, args, results))
+                 for r in range(args.world_size)]
+    for process in processes:
+        process.start()
+    by_rank = dict(results.get(timeout=3600) for _ in processes)
+    for process in processes:
+        process.join()
+    row = by_rank[0]
+    print(f"torch {torch.__version__}, CPU, gloo, {args.world_size} ranks x {args.threads} thread(s); {args.model}, "
+          f"batch {args.batch}/rank, {args.size}x{args.size}; median of {args.steps} interleaved DDP steps")
+    print(f"plain BN (unsynced): {row['plain'] * 1e3:.1f} ms/step; bnsurgeon sync: {row['sync'] * 1e3:.1f} ms/step; "
+          f"sync/plain = {row['sync'] / row['plain']:.3f}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
