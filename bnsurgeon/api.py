@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import __version__
 from .checkpoint import (
@@ -285,17 +285,25 @@ def convert_source(
     check: bool = True,
     input_shape: tuple[int, ...] | None = None,
     verify_world_sizes: tuple[int, ...] = (),
+    progress: "Callable[[str], None] | None" = None,
 ) -> ConvertOutcome:
-    """The ``bnsurgeon convert`` pipeline. Writes nothing unless every step succeeded."""
+    """The ``bnsurgeon convert`` pipeline. Writes nothing unless every step succeeded.
+
+    ``progress`` is told the name of each phase as it starts (the CLI shows a spinner).
+    """
     from .rules import check_target
+
+    phase = progress or (lambda text: None)
 
     check_target(to, frozen)
     if verify_world_sizes and not check:
         raise UsageError("--verify needs the eval check", "drop --no-check")
     out = check_output_path(output, [source], force=force) if output is not None else None
     trust_factory = model is not None
+    phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, trust_factory=trust_factory)
+    phase(f"converting to {to}")
     result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled)
     result.report.source = loaded.description
     result.report.tool_version = __version__
@@ -307,6 +315,7 @@ def convert_source(
                              "pass --input-shape N,C,H,W (or --no-check)")
         if input_shape is None:
             shape = first_runnable_shape(loaded.model, tuple(shape))
+        phase(f"checking eval outputs on {tuple(shape)}")
         result.report.check = compare_eval(loaded.model, result.model, tuple(shape), exact=result.exact)
         if not result.report.check.passed:
             raise VerificationError(
@@ -316,6 +325,7 @@ def convert_source(
         if verify_world_sizes:
             from .verify import verify_models
 
+            phase("verifying (train, 2 gloo ranks, perturbed)")
             verification = verify_models(loaded.model, result.model, tuple(shape), world_sizes=verify_world_sizes,
                                          exact=result.exact, source_name=loaded.description)
             result.report.verification = verification.to_dict()
@@ -328,6 +338,7 @@ def convert_source(
     reports = None
     if out is not None:
         result.report.output = str(out)
+        phase(f"writing {out}")
         save(result, out, loaded.architecture, source=loaded.description)
         reports = write_reports(result, out)
     return ConvertOutcome(result, loaded, out, reports)

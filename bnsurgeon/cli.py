@@ -162,14 +162,16 @@ def convert(
     `bnsurgeon convert ckpt.pth -m resnet50 --model-arg num_classes=10 -o r50.sync.safetensors`
     """
     from . import api
-    from .render import console, emit_json, render_report
+    from .render import console, emit_json, phases, render_report
     from .sources import parse_model_args
 
-    outcome = api.convert_source(
-        source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
-        model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle, force=force,
-        check=not no_check, input_shape=_parse_shape(input_shape), verify_world_sizes=(2,) if verify else (),
-    )
+    with phases(console(), enabled=not quiet) as progress:
+        outcome = api.convert_source(
+            source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
+            model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle, force=force,
+            check=not no_check, input_shape=_parse_shape(input_shape), verify_world_sizes=(2,) if verify else (),
+            progress=progress,
+        )
     report = outcome.result.report
     if as_json:
         emit_json(report.to_dict())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -16,6 +17,16 @@ from .report import Report, collapse_paths, short
 def console() -> Console:
     """Stderr console: colour only on a terminal, NO_COLOR honoured (Rich reads it)."""
     return Console(stderr=True, highlight=False, soft_wrap=False)
+
+
+@contextmanager
+def phases(out: Console, enabled: bool = True):
+    """A spinner on stderr naming the current phase (only on a terminal); yields the updater."""
+    if not enabled or not out.is_terminal:
+        yield lambda text: None
+        return
+    with out.status("starting") as status:
+        yield lambda text: status.update(f"{text} ...")
 
 
 def emit_json(data: Any) -> None:
