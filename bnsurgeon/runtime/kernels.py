@@ -5,8 +5,8 @@ Two implementations with one interface, chosen by the input's device:
 * ``GenericKernels`` (the CPU path, valid on any device): one-pass local statistics
   (``torch.batch_norm_update_stats``), normalization as an eval-mode ``batch_norm`` with
   the global statistics (one fused pass, layout kept), the backward reductions from
-  ``aten.native_batch_norm_backward`` (one fused pass), the input gradient from two
-  ``addcmul`` passes.
+  ``aten.native_batch_norm_backward`` (one fused pass), the input gradient from one
+  eval-mode ``batch_norm`` pass plus one ``addcmul_``.
 * ``CudaKernels``: the fused kernels torch's own SyncBatchNorm uses.
 
 Statistics are float32 (float64 for float64 inputs) whatever the input dtype. Nothing
@@ -72,9 +72,14 @@ class GenericKernels:
         b = -scale * invstd * invstd * sum_dy_xmu * inv_count
         c = -scale * sum_dy * inv_count - b * mean
         ndim = x.dim()
-        dx = torch.addcmul(channel_view(c, ndim), dy, channel_view(a, ndim))
+        if x.dtype == invstd.dtype:
+            # x*b + c as an eval-mode batch_norm (mean 0, var 1, eps 0: the scale is exactly 1),
+            # one fused per-channel pass, then + dy*a in place: ~2x faster than two addcmuls
+            dx = F.batch_norm(x, torch.zeros_like(b), torch.ones_like(b), b, c, False, 0.0, 0.0)
+            return dx.addcmul_(dy, channel_view(a, ndim))
+        dx = torch.addcmul(channel_view(c, ndim), dy, channel_view(a, ndim))  # low precision: accumulate in fp32
         dx.addcmul_(x, channel_view(b, ndim))
-        return dx.to(x.dtype) if dx.dtype != x.dtype else dx
+        return dx.to(x.dtype)
 
 
 class CudaKernels:
