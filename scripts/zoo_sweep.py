@@ -133,6 +133,17 @@ def sweep_one(kind: str, name: str) -> dict:
     return row
 
 
+def dist_check(row: dict, timeout: float) -> dict:
+    """2-rank verify (float64, perturbed BN) of one swept model: bnsurgeon's check_ranks."""
+    import bnsurgeon
+    from bnsurgeon.verify import check_ranks, perturb_bn
+
+    model = perturb_bn(_build(row["source"], row["model"]))
+    converted = bnsurgeon.convert(model, "sync", allow_unhandled=True).model
+    outcome = check_ranks(model, converted, tuple(row["input_shape"]), 2, timeout=timeout)
+    return {"ranks2": outcome.passed, "ranks2_max_diff": outcome.max_abs_diff, "ranks2_detail": outcome.detail}
+
+
 def _timm_converter():
     from timm.layers import convert_sync_batchnorm
 
@@ -223,6 +234,8 @@ def summarize(rows: list[dict]) -> dict:
         "torch_converter_preserved": count("torch_exact"),
         "timm_converter_preserved": count("timm_exact"),
         "with_unhandled_modules": sum(1 for r in bn if r.get("unhandled")),
+        "two_rank_verify_sampled": sum(1 for r in bn if "ranks2" in r),
+        "two_rank_verify_passed": count("ranks2"),
     }
 
 
@@ -233,7 +246,8 @@ def write_docs(rows: list[dict], docs: Path) -> None:
              "perturbing BN statistics and affine parameters (seeded). `yes` = bit-identical.", "",
              "| " + " | ".join(f"{k.replace('_', ' ')}" for k in totals) + " |",
              "|" + "---|" * len(totals), "| " + " | ".join(str(v) for v in totals.values()) + " |", "",
-             "| model | BN classes | bnsurgeon | torch converter | timm converter | note |", "|---|---|---|---|---|---|"]
+             "| model | BN classes | bnsurgeon | torch converter | timm converter | 2 ranks | note |",
+             "|---|---|---|---|---|---|---|"]
     mark = lambda r, key: "-" if key not in r else ("yes" if r[key] else f"no ({r.get(key.replace('exact', 'max_diff'), 'error')})")  # noqa: E731
     for r in rows:
         if r.get("status") == "no BN":
@@ -242,7 +256,9 @@ def write_docs(rows: list[dict], docs: Path) -> None:
         note = r.get("reason", "") or (f"{r['unhandled']} unhandled (left untouched)" if r.get("unhandled") else "")
         status = r.get("status")
         ours = "yes" if status == "exact" else status
-        lines.append(f"| {r['source']}:{r['model']} | {classes} | {ours} | {mark(r, 'torch_exact')} | {mark(r, 'timm_exact')} | {note} |")
+        ranks = "-" if "ranks2" not in r else ("pass" if r["ranks2"] else "FAIL")
+        lines.append(f"| {r['source']}:{r['model']} | {classes} | {ours} | {mark(r, 'torch_exact')} | "
+                     f"{mark(r, 'timm_exact')} | {ranks} | {note} |")
     (docs / "zoo_sweep.md").write_text("\n".join(lines) + "\n")
 
 
@@ -254,6 +270,8 @@ def main() -> None:
     parser.add_argument("--no-torchvision", action="store_true")
     parser.add_argument("--no-write", action="store_true", help="print the totals, write nothing")
     parser.add_argument("--resume", action="store_true", help="skip models already in docs/zoo_sweep.jsonl")
+    parser.add_argument("--dist-sample", type=int, default=0, metavar="K",
+                        help="also run the 2-rank verify on every K-th bit-identical model (sorted by name)")
     args = parser.parse_args()
 
     docs = ROOT / "docs"
@@ -271,6 +289,14 @@ def main() -> None:
     elif jsonl and jsonl.exists():
         jsonl.unlink()
     rows = done + run_sweep(tasks, args.timeout, jsonl)
+    if args.dist_sample:
+        sample = sorted((r for r in rows if r.get("status") == "exact"), key=lambda r: (r["source"], r["model"]))
+        for row in sample[:: args.dist_sample]:
+            try:
+                row.update(dist_check(row, args.timeout))
+            except Exception as error:
+                row.update(ranks2=False, ranks2_detail=f"{type(error).__name__}: {error}"[:200])
+            print(f"2 ranks {row['source']}:{row['model']}: {row['ranks2']}", file=sys.stderr, flush=True)
     print(json.dumps(summarize(rows), indent=1))
     if not args.no_write:
         write_docs(rows, docs)
