@@ -16,18 +16,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import statistics
 import time
-from datetime import timedelta
 
 SHAPES = [(8, 64, 56, 56), (8, 256, 14, 14), (32, 512, 7, 7), (64, 128)]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _native_for(shape, channels):
@@ -43,15 +36,13 @@ def _time(fn, barrier) -> float:
     return time.perf_counter() - start
 
 
-def _worker(rank, world_size, port, args, results):
+def _worker(rank, world_size, args):
     import torch
     import torch.distributed as dist
 
     import bnsurgeon
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))
     barrier = dist.barrier
     rows = []
     for shape in SHAPES:
@@ -101,8 +92,7 @@ def _worker(rank, world_size, port, args, results):
             timings["sequenced"].append(_time(run_sequenced, barrier))
             x.grad = None
         rows.append({k: statistics.median(v) * 1e3 for k, v in timings.items()})
-    results.put((rank, rows))
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -114,17 +104,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    import torch.multiprocessing as mp
+    from bnsurgeon.multiproc import run_world
 
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    processes = [context.Process(target=_worker, args=(r, args.world_size, port, args, results)) for r in range(args.world_size)]
-    for process in processes:
-        process.start()
-    by_rank = dict(results.get(timeout=1800) for _ in processes)
-    for process in processes:
-        process.join()
+    by_rank = run_world(args.world_size, _worker, args, timeout=3600, collective_timeout=600)
 
     print(f"torch {torch.__version__}, CPU, gloo, {args.world_size} ranks x {args.threads} thread(s), "
           f"median of {args.iters} interleaved iterations (forward + backward, ms, rank 0)")

@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
-from datetime import timedelta
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
-
-def _worker(rank, world_size, port, args, results):
+def _worker(rank, world_size, args):
     import timm
     import torch
     import torch.distributed as dist
@@ -32,8 +25,6 @@ def _worker(rank, world_size, port, args, results):
     import bnsurgeon
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=300))
     torch.manual_seed(0)
     plain = timm.create_model(args.model, pretrained=False, num_classes=10)
     synced = bnsurgeon.convert(timm.create_model(args.model, pretrained=False, num_classes=10), "sync").model
@@ -59,8 +50,7 @@ def _worker(rank, world_size, port, args, results):
             step(name)
             if index >= args.warmup:
                 times[name].append(time.perf_counter() - start)
-    results.put((rank, {k: statistics.median(v) for k, v in times.items()}))
-    dist.destroy_process_group()
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
@@ -75,18 +65,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    import torch.multiprocessing as mp
+    from bnsurgeon.multiproc import run_world
 
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    processes = [context.Process(target=_worker, args=(r, args.world_size, port, args, results))
-                 for r in range(args.world_size)]
-    for process in processes:
-        process.start()
-    by_rank = dict(results.get(timeout=3600) for _ in processes)
-    for process in processes:
-        process.join()
+    by_rank = run_world(args.world_size, _worker, args, timeout=3600, collective_timeout=600)
     row = by_rank[0]
     print(f"torch {torch.__version__}, CPU, gloo, {args.world_size} ranks x {args.threads} thread(s); {args.model}, "
           f"batch {args.batch}/rank, {args.size}x{args.size}; median of {args.steps} interleaved DDP steps")
