@@ -64,8 +64,12 @@ def only_bn_trains(model: "nn.Module") -> "nn.Module":
     return model
 
 
-def perturb_bn(model: "nn.Module", seed: int = SEED) -> "nn.Module":
-    """Set every BN-family module's weight, bias and running stats to seeded values keyed by its path."""
+def perturb_bn(model: "nn.Module", seed: int = SEED, strength: float = 1.0) -> "nn.Module":
+    """Set every BN-family module's weight, bias and running stats to seeded values keyed by its path.
+
+    ``strength`` scales the spread around the identity (weight 1, bias 0, mean 0, var 1);
+    deep nets whose activations overflow at 1.0 get a milder one.
+    """
     import torch
 
     with torch.no_grad():
@@ -78,9 +82,10 @@ def perturb_bn(model: "nn.Module", seed: int = SEED) -> "nn.Module":
                     continue
                 generator = torch.Generator().manual_seed(seed + zlib.crc32(f"{path}.{name}".encode()))
                 if name == "running_var":
-                    values = torch.rand(tensor.shape, generator=generator) + 0.5
+                    values = 1.0 + strength * (torch.rand(tensor.shape, generator=generator) - 0.5)
                 else:
-                    values = torch.randn(tensor.shape, generator=generator) * 0.5 + (1.0 if name == "weight" else 0.0)
+                    noise = torch.randn(tensor.shape, generator=generator) * 0.5 * strength
+                    values = noise + (1.0 if name == "weight" else 0.0)
                 tensor.copy_(values)
     return model
 
