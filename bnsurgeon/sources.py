@@ -278,7 +278,6 @@ def materialize(build, state: dict[str, "torch.Tensor"], origin: Any, adapt=None
     compute at init or keep non-persistent buffers cannot be built on meta; they fall
     back to a normal build followed by a copying load.
     """
-    import torch
 
     try:
         model = build(True)

@@ -207,6 +207,10 @@ def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, l
     return CheckOutcome(label, ok, diff, tol.describe(), where)
 
 
+def _running_stats(model: "nn.Module") -> dict[str, "torch.Tensor"]:
+    return {n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))}
+
+
 def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="train, one process") -> CheckOutcome:
     """Outputs and running-stat updates of one train-mode forward (copies: the caller's models are untouched)."""
     import torch
@@ -215,10 +219,8 @@ def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, 
     x = _input(shape, source, seed)
     with torch.no_grad():
         ok, diff = _within(_tensors(source(x.clone())), _tensors(converted(x.clone())), tol)
-    stats_source = [b for n, b in source.named_buffers() if n.endswith(("running_mean", "running_var"))]
-    stats_converted = dict((n, b) for n, b in converted.named_buffers() if n.endswith(("running_mean", "running_var")))
-    names = [n for n, _ in source.named_buffers() if n.endswith(("running_mean", "running_var"))]
-    stats_ok, stats_diff = _within(stats_source, [stats_converted.get(n, torch.empty(0)) for n in names], tol)
+    expected, actual = _running_stats(source), _running_stats(converted)
+    stats_ok, stats_diff = _within(list(expected.values()), [actual.get(n, torch.empty(0)) for n in expected], tol)
     where = None
     if not ok:
         where = first_divergent_module(source, converted, x, tol)

@@ -121,8 +121,12 @@ class CudaKernels:
         )
 
 
+#: read once at import: kernels_for runs on every forward and backward of every sync layer
+_FORCE_GENERIC = os.environ.get("BNSURGEON_GENERIC_KERNELS") == "1"
+
+
 def kernels_for(x: torch.Tensor):
     """CUDA tensors use the fused kernels unless BNSURGEON_GENERIC_KERNELS=1 asks otherwise."""
-    if x.is_cuda and os.environ.get("BNSURGEON_GENERIC_KERNELS") != "1":
+    if x.is_cuda and not _FORCE_GENERIC:
         return CudaKernels
     return GenericKernels
