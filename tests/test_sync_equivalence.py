@@ -116,3 +116,30 @@ def test_variance_is_exact_when_mean_dwarfs_std():
     assert abs(var.item() - true_var) / true_var < 1e-5
     naive = (gathered[:, 0] * (gathered[:, 2] + gathered[:, 1] ** 2)).sum() / 4000 - mean ** 2
     assert abs(naive.item() - true_var) / true_var > 1e-2, "the naive formula should fail this case"
+
+
+@pytest.mark.parametrize("layout", ["planar", "planar_3d", "channels_last", "2d"])
+def test_local_stats_are_exact_when_mean_dwarfs_std(layout):
+    """CPU local statistics against float64 with |mean| up to 5e4 x std.
+
+    NCHW-contiguous inputs take the centred two-pass path, which must be exact to float32
+    rounding. Channels-last and (N, C) inputs use torch's own vectorized kernel, the one
+    native BN uses: its mean is rounded in float32 before the second pass, so it may be
+    off by (mean error / std)^2 (~1e-4 here), but never catastrophically.
+    """
+    from bnsurgeon.runtime.kernels import GenericKernels
+
+    generator = torch.Generator().manual_seed(1)
+    shape = {"planar": (6, 5, 7, 9), "channels_last": (6, 5, 7, 9), "2d": (300, 5), "planar_3d": (4, 5, 80)}[layout]
+    x = torch.randn(shape, generator=generator) + 1e4 * torch.arange(1, 6).view((1, 5) + (1,) * (len(shape) - 2))
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    mean, var, centred = GenericKernels.local_stats(x)
+    planar = layout.startswith("planar")
+    assert (centred is not None) == planar
+    dims = [0, *range(2, x.dim())]
+    exact = x.double()
+    true_mean, true_var = exact.mean(dims), exact.var(dims, unbiased=False)
+    assert torch.allclose(mean.double(), true_mean, rtol=1e-6, atol=0)  # float32 ulp is 6e-8
+    var_error = ((var.double() - true_var).abs() / true_var).max().item()
+    assert var_error < (1e-5 if planar else 1e-3)

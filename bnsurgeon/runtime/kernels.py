@@ -2,15 +2,23 @@
 
 Two implementations with one interface, chosen by the input's device:
 
-* ``GenericKernels`` (the CPU path, valid on any device): one-pass local statistics
-  (``torch.batch_norm_update_stats``), normalization as an eval-mode ``batch_norm`` with
-  the global statistics (one fused pass, layout kept), the backward reductions from
-  ``aten.native_batch_norm_backward`` (one fused pass), the input gradient from one
-  eval-mode ``batch_norm`` pass plus one ``addcmul_``.
+* ``GenericKernels`` (the CPU path, valid on any device), built so that each pass over
+  the activation is one vectorized torch kernel and nothing is allocated that native BN
+  does not allocate too:
+
+  - local statistics: for NCHW-contiguous inputs, torch's one-pass kernel is a scalar
+    loop (~10x slower than a vectorized pass), so the input is centred on its
+    vectorized-sum mean and the corrected two-pass formula reads
+    sum(d) and sum(d^2) from one ``native_batch_norm_backward`` reduction; the centred
+    copy then becomes the output in place. Channels-last and (N, C) inputs use
+    ``torch.batch_norm_update_stats``, which is vectorized there.
+  - backward: sum(dy) and sum(dy * xhat) from one fused reduction; the input gradient
+    from one eval-mode ``batch_norm`` pass plus one in-place ``addcmul_``.
 * ``CudaKernels``: the fused kernels torch's own SyncBatchNorm uses.
 
-Statistics are float32 (float64 for float64 inputs) whatever the input dtype. Nothing
-here reads a device value on the host.
+Statistics are float32 (float64 for float64 inputs) whatever the input dtype. The
+reduced backward term is kernel-specific (sum(dy*xhat) here, sum(dy*(x-mean)) for the
+CUDA kernels); the caller all-reduces it without looking inside.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_native_batch_norm_backward = torch.ops.aten.native_batch_norm_backward
 
 
 def stats_dtype(x: torch.Tensor) -> torch.dtype:
@@ -32,76 +40,112 @@ def channel_view(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.view((1, -1) + (1,) * (ndim - 2))
 
 
+def _is_planar(x: torch.Tensor) -> bool:
+    """NCHW-style contiguous with more than one element per (sample, channel) plane."""
+    return x.dim() > 2 and x.is_contiguous() and x.numel() > x.shape[0] * x.shape[1]
+
+
 class GenericKernels:
     """CPU path, built from torch ops that exist on every device."""
 
     @staticmethod
-    def local_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_stats(x: torch.Tensor, eps: float = 1e-5):
+        """(mean, biased var, centred) of the local batch; ``centred`` feeds ``normalize``."""
         channels = x.shape[1]
         dtype = stats_dtype(x)
         if x.numel() == 0:
             zeros = torch.zeros(channels, dtype=dtype, device=x.device)
-            return zeros, zeros.clone()
+            return zeros, zeros.clone(), None
+        if x.dtype == dtype and _is_planar(x):
+            return _centred_stats(x)
         source = x.to(dtype) if x.dtype != dtype else x
         mean, var = torch.batch_norm_update_stats(source, None, None, 0.0)
-        return mean, var
+        return mean, var, None
 
     @staticmethod
-    def normalize(x, weight, bias, mean, var, invstd, eps):
-        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+    def normalize(x, weight, bias, mean, var, invstd, eps, centred=None):
+        if centred is None:
+            return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        # y = (x - mean) * scale + bias = d * scale + ((shift - mean) * scale + bias), in place on d
+        d, shift = centred
+        scale = invstd if weight is None else invstd * weight
+        offset = (shift - mean).mul_(scale)
+        if bias is not None:
+            offset.add_(bias)
+        ndim = d.dim()
+        return d.mul_(channel_view(scale.to(d.dtype), ndim)).add_(channel_view(offset.to(d.dtype), ndim))
 
     @staticmethod
     def backward_reduce(dy, x, weight, mean, invstd, eps):
-        """Local sum(dy), sum(dy * (x - mean)) and sum(dy * xhat) per channel."""
+        """Local (sum(dy), term to all-reduce, sum(dy * xhat)); here the term is sum(dy * xhat)."""
         if x.numel() == 0:
             zeros = torch.zeros_like(mean)
             return zeros, zeros.clone(), zeros.clone()
         if x.dtype != mean.dtype:
             x, dy = x.to(mean.dtype), dy.to(mean.dtype)
-        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        _, sum_dy_xhat, sum_dy = _native_batch_norm_backward(
             dy, x, None, None, None, mean, invstd, True, eps, [False, True, True]
         )
-        return sum_dy, sum_dy_xhat / invstd, sum_dy_xhat
+        return sum_dy, sum_dy_xhat, sum_dy_xhat
 
     @staticmethod
-    def grad_input(dy, x, weight, mean, invstd, sum_dy, sum_dy_xmu, count):
-        """dx = w*invstd*(dy - sum_dy/n - (x-mean)*invstd^2*sum_dy_xmu/n), as dy*a + x*b + c."""
-        scale = invstd if weight is None else weight.to(invstd.dtype) * invstd
-        inv_count = 1.0 / count.clamp(min=1)
-        a = scale
-        b = -scale * invstd * invstd * sum_dy_xmu * inv_count
-        c = -scale * sum_dy * inv_count - b * mean
+    def grad_input(dy, x, weight, mean, var, invstd, eps, sum_dy, sum_dy_xhat, total):
+        """dx = scale * (dy - sum_dy/n - xhat * sum_dy_xhat/n), scale = weight * invstd."""
         ndim = x.dim()
+        scale = invstd if weight is None else weight.to(invstd.dtype) * invstd
+        coef = scale * (-1.0 / max(total, 1)) if isinstance(total, (int, float)) else -scale / total.clamp(min=1)
         if x.dtype == invstd.dtype:
-            # x*b + c as an eval-mode batch_norm (mean 0, var 1, eps 0: the scale is exactly 1),
-            # one fused per-channel pass, then + dy*a in place: ~2x faster than two addcmuls
-            dx = F.batch_norm(x, torch.zeros_like(b), torch.ones_like(b), b, c, False, 0.0, 0.0)
-            return dx.addcmul_(dy, channel_view(a, ndim))
-        dx = torch.addcmul(channel_view(c, ndim), dy, channel_view(a, ndim))  # low precision: accumulate in fp32
+            # xhat * (coef*sum_dy_xhat) + coef*sum_dy as one eval-mode batch_norm pass, then + dy*scale in place
+            dx = F.batch_norm(x, mean, var, coef * sum_dy_xhat, coef * sum_dy, False, 0.0, eps)
+            return dx.addcmul_(dy, channel_view(scale, ndim))
+        # low precision: accumulate dy*a + x*b + c in the stats dtype, cast once
+        b = coef * sum_dy_xhat * invstd
+        c = coef * sum_dy - b * mean
+        dx = torch.addcmul(channel_view(c, ndim), dy, channel_view(scale, ndim))
         dx.addcmul_(x, channel_view(b, ndim))
         return dx.to(x.dtype)
+
+
+def _centred_stats(x: torch.Tensor):
+    """Corrected two-pass statistics, three vectorized passes instead of torch's scalar one.
+
+    shift = sum(x)/n; d = x - shift; mean = shift + sum(d)/n; var = sum(d^2)/n - (sum(d)/n)^2.
+    Exact to rounding even when |mean| >> std, because d is already centred.
+    """
+    ndim = x.dim()
+    count = x.numel() // x.shape[1]
+    shift = x.sum([0, *range(2, ndim)]).div_(count)
+    d = x - channel_view(shift, ndim)
+    # with dy = d, save_mean = shift, save_invstd = 1: grad_weight = sum(d * (x - shift)) = sum(d^2), grad_bias = sum(d)
+    _, sum_sq, sum_d = _native_batch_norm_backward(
+        d, x, None, None, None, shift, torch.ones_like(shift), True, 0.0, [False, True, True]
+    )
+    correction = sum_d.div_(count)
+    mean = shift + correction
+    var = sum_sq.div_(count).addcmul_(correction, correction, value=-1).clamp_(min=0)
+    return mean, var, (d, shift)
 
 
 class CudaKernels:
     """CUDA path on torch's fused sync-BN kernels (the ones torch.nn.SyncBatchNorm uses)."""
 
     @staticmethod
-    def local_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_stats(x: torch.Tensor, eps: float = 1e-5):
         if x.numel() == 0:
             zeros = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
-            return zeros, zeros.clone()
+            return zeros, zeros.clone(), None
         mean, invstd = torch.batch_norm_stats(x, eps)
-        var = (invstd.pow(-2) - eps).clamp_(min=0)
-        return mean, var
+        return mean, (invstd.pow(-2) - eps).clamp_(min=0), None
 
     @staticmethod
-    def normalize(x, weight, bias, mean, var, invstd, eps):
+    def normalize(x, weight, bias, mean, var, invstd, eps, centred=None):
         if x.numel() == 0:
             return torch.empty_like(x)
         return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
 
     @staticmethod
     def backward_reduce(dy, x, weight, mean, invstd, eps):
+        """Local (sum(dy), sum(dy * (x - mean)), sum(dy * xhat)); the middle term is all-reduced."""
         if x.numel() == 0:
             zeros = torch.zeros_like(mean)
             return zeros, zeros.clone(), zeros.clone()
@@ -113,11 +157,11 @@ class CudaKernels:
         return sum_dy, sum_dy_xmu, sum_dy_xhat
 
     @staticmethod
-    def grad_input(dy, x, weight, mean, invstd, sum_dy, sum_dy_xmu, count):
+    def grad_input(dy, x, weight, mean, var, invstd, eps, sum_dy, sum_dy_xmu, total):
         if x.numel() == 0:
             return torch.empty_like(x)
         return torch.batch_norm_backward_elemt(
-            dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count.to(torch.int32)
+            dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total.to(torch.int32).view(1)
         )
 
 

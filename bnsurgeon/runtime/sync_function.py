@@ -1,9 +1,11 @@
 """The autograd Function behind bnsurgeon's synchronized batch norm.
 
 Forward: local (count, mean, biased var) -> ONE all_gather -> Chan merge weighted by
-counts -> running-stat update -> normalize. Backward: local sum(dy), sum(dy*(x-mean))
--> ONE all_reduce of both packed together -> input gradient. grad_weight and grad_bias
-stay local (DDP averages parameter gradients itself). See DESIGN.md, "The runtime layers".
+counts -> running-stat update -> normalize. Backward: local sum(dy) and the kernel's
+reduced term -> ONE all_reduce of both packed together -> input gradient. grad_weight
+and grad_bias stay local (DDP averages parameter gradients itself). See DESIGN.md, "The
+runtime layers". Every op here is on (C,)-sized tensors except the kernels' passes, and
+on CPU the global count is read on the host (there is no device to synchronize with).
 """
 
 from __future__ import annotations
@@ -22,26 +24,42 @@ def merge_stats(gathered: torch.Tensor, channels: int) -> tuple[torch.Tensor, to
     Never E[x^2] - E[x]^2: that cancels catastrophically when |mean| >> std. Ranks with
     zero count drop out through their weight, with no host synchronization.
     """
-    counts = gathered[:, :1]
-    means = gathered[:, 1 : 1 + channels]
-    variances = gathered[:, 1 + channels :]
+    counts, means, variances = gathered.split([1, channels, channels], dim=1)
     total = counts.sum(0)
-    weights = counts / total.clamp(min=1)
-    mean = (weights * means).sum(0)
-    var = (weights * (variances + (means - mean).square())).sum(0)
-    return total, mean, var
+    weights = counts.div(total.clamp(min=1)).t()  # (1, W)
+    mean = weights.mm(means)
+    deviation = means - mean
+    spread = torch.addcmul(variances, deviation, deviation)
+    var = weights.mm(spread)
+    return total, mean.view(-1), var.view(-1)
 
 
 def update_running_stats(running_mean, running_var, mean, var, total, momentum: float) -> None:
-    """Momentum update; running_var takes the unbiased var over the global count."""
+    """Momentum update; running_var takes the unbiased var over the global count.
+
+    ``total`` is a Python number when it lives on the host (CPU), else a tensor, so that
+    the CUDA path never synchronizes; an empty global batch leaves the statistics alone.
+    """
     if running_mean is None or running_var is None:
         return
-    factor = (total > 0).to(mean.dtype) * momentum
-    unbiased = var * (total / (total - 1).clamp(min=1))
-    new_mean = running_mean.to(mean.dtype) * (1 - factor) + mean * factor
-    new_var = running_var.to(var.dtype) * (1 - factor) + unbiased * factor
-    running_mean.copy_(new_mean)
-    running_var.copy_(new_var)
+    if isinstance(total, (int, float)):
+        if total == 0:
+            return
+        factor = momentum
+        unbiased = var * (total / max(total - 1, 1))
+    else:
+        factor = (total > 0).to(mean.dtype) * momentum
+        unbiased = var * (total / (total - 1).clamp(min=1))
+    _lerp_into(running_mean, mean, factor)
+    _lerp_into(running_var, unbiased, factor)
+
+
+def _lerp_into(buffer: torch.Tensor, value: torch.Tensor, factor) -> None:
+    """buffer += factor * (value - buffer), computed in the statistics' precision."""
+    if buffer.dtype == value.dtype:
+        buffer.lerp_(value, factor)
+    else:
+        buffer.copy_(buffer.to(value.dtype).lerp_(value, factor))
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -53,38 +71,41 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if x.is_cuda:
             x = x.contiguous(memory_format=_memory_format(x))
         channels = x.shape[1]
-        local_mean, local_var = kernels.local_stats(x, eps)
-        count = torch.full((1,), x.numel() // max(channels, 1), dtype=local_mean.dtype, device=x.device)
+        local_mean, local_var, centred = kernels.local_stats(x, eps)
+        count = local_mean.new_full((1,), x.numel() // max(channels, 1))
         local = torch.cat([count, local_mean, local_var])
 
         if debug.enabled():
             debug.check_same_layer(layer, world_size, group, x.device)
         gathered = all_gather_rows(local, world_size, group)
         total, mean, var = merge_stats(gathered, channels)
+        if not x.is_cuda:
+            total = int(total.item())  # a host read is free on CPU and saves ~10 small ops
         invstd = torch.rsqrt(var + eps)
         update_running_stats(running_mean, running_var, mean, var, total, momentum)
 
-        y = kernels.normalize(x, weight, bias, mean, var, invstd, eps)
-        ctx.save_for_backward(x, weight, mean, invstd, total)
+        y = kernels.normalize(x, weight, bias, mean, var, invstd, eps, centred)
+        ctx.save_for_backward(x, weight, mean, var, invstd)
+        ctx.total = total
         ctx.eps = eps
         ctx.group = group
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weight, mean, invstd, total = ctx.saved_tensors
+        x, weight, mean, var, invstd = ctx.saved_tensors
         kernels = kernels_for(x)
         if x.is_cuda:
             grad_output = grad_output.contiguous(memory_format=_memory_format(x))
-        sum_dy, sum_dy_xmu, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
+        sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
 
         grad_input = None
         if ctx.needs_input_grad[0]:
-            packed = torch.cat([sum_dy, sum_dy_xmu])
+            packed = torch.cat([sum_dy, sum_term])
             dist.all_reduce(packed, group=ctx.group)
-            global_sum_dy, global_sum_dy_xmu = packed.chunk(2)
+            global_sum_dy, global_sum_term = packed.chunk(2)
             grad_input = kernels.grad_input(
-                grad_output, x, weight, mean, invstd, global_sum_dy, global_sum_dy_xmu, total
+                grad_output, x, weight, mean, var, invstd, ctx.eps, global_sum_dy, global_sum_term, ctx.total
             )
 
         grad_weight = grad_bias = None
