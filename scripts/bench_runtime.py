@@ -9,8 +9,9 @@ floor = native + collectives, then geometric means; once from the medians and on
 from the minimums (on a small shared machine the median of a sub-millisecond
 collective is mostly scheduler noise, the minimum is its intrinsic cost). A second
 reference, "sequenced", runs native BN with the same two collectives placed where the
-sync layer needs them (gather before normalizing, all_reduce in backward): what any
-sync BN pays for waiting on the other ranks, which the floor leaves out.
+sync layer needs them (bench_common.py: a gather before normalizing, a sum over ranks in
+backward): what any sync BN pays for waiting on the other ranks, which the floor leaves
+out.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def _worker(rank, world_size, args):
     import torch.distributed as dist
 
     import bnsurgeon
+    from bench_common import LayerCollectives, sequenced
 
     torch.set_num_threads(args.threads)
     barrier = dist.barrier
@@ -54,9 +56,7 @@ def _worker(rank, world_size, args):
         grad = torch.randn(shape, generator=generator)
         native = _native_for(shape, channels).train()
         sync = bnsurgeon.convert(_native_for(shape, channels), "sync").model.train()
-        gather_in = torch.zeros(2 * channels + 1)
-        gather_out = torch.zeros(world_size * (2 * channels + 1))
-        reduce_buf = torch.zeros(2 * channels)
+        collectives = LayerCollectives(channels, world_size)
 
         def run_native():
             native(x).backward(grad)
@@ -64,25 +64,10 @@ def _worker(rank, world_size, args):
         def run_sync():
             sync(x).backward(grad)
 
-        class Sequenced(torch.autograd.Function):
-            """Identity with the sync layer's collectives: gather in forward, all_reduce in backward."""
-
-            @staticmethod
-            def forward(ctx, t):
-                dist.all_gather_into_tensor(gather_out, gather_in)
-                return t.view_as(t)
-
-            @staticmethod
-            def backward(ctx, g):
-                dist.all_reduce(reduce_buf)
-                return g
-
         def run_sequenced():
-            native(Sequenced.apply(x)).backward(grad)
+            native(sequenced(x, collectives)).backward(grad)
 
-        def run_collectives():
-            dist.all_gather_into_tensor(gather_out, gather_in)
-            dist.all_reduce(reduce_buf)
+        run_collectives = collectives.both
 
         timings = {"native": [], "collectives": [], "sync": [], "sequenced": []}
         for _ in range(args.warmup):

@@ -2,7 +2,8 @@
 
 Forward: local (count, mean, biased var) -> ONE all_gather -> Chan merge weighted by
 counts -> running-stat update -> normalize. Backward: local sum(dy) and the kernel's
-reduced term -> ONE all_reduce of both packed together -> input gradient. grad_weight
+reduced term -> ONE sum over ranks of both packed together (an all_reduce on CUDA, an
+all_gather + local sum on gloo, see collectives.py) -> input gradient. grad_weight
 and grad_bias stay local (DDP averages parameter gradients itself). See DESIGN.md, "The
 runtime layers". Every op here is on (C,)-sized tensors except the kernels' passes, and
 on CPU the global count is read on the host (there is no device to synchronize with).
@@ -11,10 +12,9 @@ on CPU the global count is read on the host (there is no device to synchronize w
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from . import debug
-from .collectives import all_gather_rows
+from .collectives import all_gather_rows, all_reduce_sum
 from .kernels import kernels_for
 
 
@@ -89,6 +89,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         ctx.total = total
         ctx.eps = eps
         ctx.group = group
+        ctx.world_size = world_size
         return y
 
     @staticmethod
@@ -101,8 +102,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
         grad_input = None
         if ctx.needs_input_grad[0]:
-            packed = torch.cat([sum_dy, sum_term])
-            dist.all_reduce(packed, group=ctx.group)
+            packed = all_reduce_sum(torch.cat([sum_dy, sum_term]), ctx.world_size, ctx.group)
             global_sum_dy, global_sum_term = packed.chunk(2)
             grad_input = kernels.grad_input(
                 grad_output, x, weight, mean, var, invstd, ctx.eps, global_sum_dy, global_sum_term, ctx.total
