@@ -143,3 +143,32 @@ def test_local_stats_are_exact_when_mean_dwarfs_std(layout):
     assert torch.allclose(mean.double(), true_mean, rtol=1e-6, atol=0)  # float32 ulp is 6e-8
     var_error = ((var.double() - true_var).abs() / true_var).max().item()
     assert var_error < (1e-5 if planar else 1e-3)
+
+
+@pytest.mark.parametrize("total", [0, 1, 37])
+def test_device_count_path_matches_host_count_path(total):
+    """The CUDA path keeps the global count on the device (no host sync); CPU reads it on the host.
+
+    Both branches of the running-stat update and of the generic input gradient must agree,
+    including an empty global batch (statistics untouched) and a single sample.
+    """
+    from bnsurgeon.runtime.kernels import GenericKernels
+    from bnsurgeon.runtime.sync_function import update_running_stats
+
+    generator = torch.Generator().manual_seed(2)
+    mean, var = torch.randn(4, generator=generator), torch.rand(4, generator=generator) + 0.5
+    buffers = {}
+    for kind, count in (("host", total), ("device", torch.tensor([float(total)]))):
+        running_mean, running_var = torch.zeros(4), torch.ones(4)
+        update_running_stats(running_mean, running_var, mean, var, count, 0.1)
+        buffers[kind] = (running_mean, running_var)
+    torch.testing.assert_close(buffers["host"], buffers["device"], rtol=0, atol=0)
+    if total == 0:
+        assert torch.equal(buffers["host"][0], torch.zeros(4)) and torch.equal(buffers["host"][1], torch.ones(4))
+
+    x, dy = torch.randn(3, 4, 5, generator=generator), torch.randn(3, 4, 5, generator=generator)
+    weight, invstd = torch.rand(4, generator=generator) + 0.5, torch.rsqrt(var + 1e-5)
+    sums = torch.randn(4, generator=generator), torch.randn(4, generator=generator)
+    host = GenericKernels.grad_input(dy, x, weight, mean, var, invstd, 1e-5, *sums, total)
+    device = GenericKernels.grad_input(dy, x, weight, mean, var, invstd, 1e-5, *sums, torch.tensor([float(total)]))
+    torch.testing.assert_close(host, device, rtol=1e-6, atol=1e-6)
