@@ -26,6 +26,31 @@ def test_apply_keeps_activations_and_revert_restores_exact_classes():
     assert type(reverted[1]) is BatchNormAct2d and type(reverted[2]) is nn.BatchNorm1d
 
 
+def test_revert_after_unfreeze_restores_frozen_classes_with_what_they_learned():
+    from timm.layers import FrozenBatchNormAct2d
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), FrozenBatchNorm2d(4), FrozenBatchNormAct2d(4, act_layer=nn.SiLU),
+                          nn.BatchNorm2d(4))
+    for module in model[1:3]:
+        module.running_mean.uniform_(-1, 1)
+        module.running_var.uniform_(0.5, 2)
+    plugin = BNSurgeonLayerSync(frozen="unfreeze")
+    plugin.apply(model)
+    assert [type(m).__name__ for m in model[1:]] == ["SyncBatchNorm", "SyncBatchNormAct", "SyncBatchNorm"]
+    model.train()(torch.randn(8, 3, 5, 5))  # thawed layers learn (world of one: plain BN arithmetic)
+    learned = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    plugin.revert(model)
+    assert [type(m) for m in model[1:]] == [FrozenBatchNorm2d, FrozenBatchNormAct2d, nn.BatchNorm2d]
+    assert isinstance(model[2].act, nn.SiLU)
+    state = model.state_dict()
+    for key, value in learned.items():
+        assert torch.equal(state[key], value), key
+    assert "1.num_batches_tracked" not in state and "3.num_batches_tracked" in state
+    model.eval()(torch.randn(2, 3, 5, 5))
+
+
 def test_trainer_two_cpu_processes_match_full_batch_training(tmp_path):
     import lightning.pytorch as pl
 

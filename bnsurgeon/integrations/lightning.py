@@ -18,6 +18,7 @@ except ImportError:  # the older package name
 
 from torch.nn import Module
 
+from ..rules.builders import is_frozen_origin, refreeze
 from ..surgery import convert
 
 
@@ -35,5 +36,21 @@ class BNSurgeonLayerSync(TorchSyncBatchNorm):
                        process_group=self.process_group, inplace=True).model
 
     def revert(self, model: Module) -> Module:
-        """Back to BatchNorm1d/2d/3d and BatchNormAct2d as they were before ``apply``."""
-        return convert(model, "plain", frozen=self.frozen, allow_unhandled=self.allow_unhandled, inplace=True).model
+        """Back to the classes as they were before ``apply``.
+
+        BatchNorm1d/2d/3d and BatchNormAct2d come back through the plain conversion; a
+        layer that ``frozen="unfreeze"`` thawed goes back to its frozen class
+        (torchvision/timm FrozenBatchNorm2d, FrozenBatchNormAct2d), keeping what it learned.
+        """
+        thawed = {
+            path: module.bnsurgeon_origin
+            for path, module in model.named_modules()
+            if is_frozen_origin(getattr(module, "bnsurgeon_origin", None) or "")
+        }
+        model = convert(model, "plain", frozen=self.frozen, allow_unhandled=self.allow_unhandled, inplace=True).model
+        for path, origin in thawed.items():
+            restored = refreeze(model.get_submodule(path), origin)
+            if restored is not None and path:  # a root module cannot be swapped in place
+                parent, _, name = path.rpartition(".")
+                setattr(model.get_submodule(parent), name, restored)
+        return model

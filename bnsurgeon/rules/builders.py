@@ -12,7 +12,7 @@ from .base import BuildContext
 _PLAIN_BN = {qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
 
 
-def _is_frozen_origin(origin: str) -> bool:
+def is_frozen_origin(origin: str) -> bool:
     return "Frozen" in origin.rsplit(".", 1)[-1]
 
 
@@ -55,12 +55,12 @@ def to_plain(module: nn.Module, context: BuildContext) -> nn.Module:
     cls = _PLAIN_BN.get(fields.origin)
     if cls is None:
         cls = nn.BatchNorm2d
-        if not _is_frozen_origin(fields.origin):
+        if not is_frozen_origin(fields.origin):
             context.notes.append(
                 f"original BN dimensionality unknown (from {fields.origin}); chose BatchNorm2d "
                 "(same arithmetic for any input rank, only its input-rank check differs)"
             )
-    momentum = fields.momentum if fields.momentum is not None or not _is_frozen_origin(fields.origin) else 0.1
+    momentum = fields.momentum if fields.momentum is not None or not is_frozen_origin(fields.origin) else 0.1
     new = cls(fields.num_features, fields.eps, momentum, fields.affine, fields.track_running_stats, device="meta")
     return _with_tensors(new, fields)
 
@@ -113,10 +113,59 @@ def thaw_or_keep(unfreeze):
 
     def build(module: nn.Module, context: BuildContext) -> nn.Module:
         origin = getattr(module, "bnsurgeon_origin", None)
-        if origin is not None and not _is_frozen_origin(origin):
+        if origin is not None and not is_frozen_origin(origin):
             return unfreeze(module, context)
         if context.frozen == "unfreeze":
             return unfreeze(module, context)
         return context.keep(module, "frozen in the source; kept frozen (--frozen unfreeze to train it)")
 
     return build
+
+
+def frozen_origin_classes() -> dict[str, type]:
+    """The frozen classes a layer can be thawed from, by qualified name (a fixed allow-list)."""
+    from ..runtime import FrozenBatchNorm, FrozenBatchNormAct
+
+    classes: list[type] = [FrozenBatchNorm, FrozenBatchNormAct]
+    try:
+        from torchvision.ops.misc import FrozenBatchNorm2d
+
+        classes.append(FrozenBatchNorm2d)
+    except ImportError:
+        pass
+    try:
+        from timm.layers import FrozenBatchNormAct2d
+
+        classes.append(FrozenBatchNormAct2d)
+    except ImportError:
+        pass
+    return {qualname(cls): cls for cls in classes}
+
+
+def refreeze(module: nn.Module, origin: str) -> nn.Module | None:
+    """``module`` (plain or sync, thawed from a frozen ``origin``) as that frozen class again.
+
+    Holds the module's current tensors, so what was trained while thawed is kept; act and
+    drop modules are reused. None when ``origin`` is not a frozen class bnsurgeon knows.
+    """
+    from ..runtime import FrozenBatchNorm
+
+    cls = frozen_origin_classes().get(origin)
+    if cls is None:
+        return None
+    if issubclass(cls, FrozenBatchNorm):
+        new = cls.from_module(module)
+        new.bnsurgeon_origin = None  # frozen in the source, as it was
+        return new
+    fields = read_fields(module)
+    if "Act" in cls.__name__:
+        new = cls(fields.num_features, fields.eps, apply_act=False)
+        if fields.act is not None:
+            new.act = fields.act
+        if fields.drop is not None:
+            new.drop = fields.drop
+    else:
+        new = cls(fields.num_features, fields.eps)
+    attach_affine(new, fields, as_parameters=False)
+    attach_stats(new, fields, with_counter=False)
+    return new
