@@ -23,6 +23,7 @@ from .checkpoint import (
 from .errors import CheckpointError, UsageError, VerificationError
 from .fields import qualname
 from .inspection import Inspection, inspect_model
+from .outputs import flatten_tensors
 from .report import CheckResult
 from .sources import (
     Architecture,
@@ -38,7 +39,6 @@ from .sources import (
 from .surgery import ConvertResult, convert, name_sync_layers, plan
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
 CHECK_SEED = 0
@@ -125,18 +125,6 @@ def first_runnable_shape(model: "nn.Module", shape: tuple[int, ...]) -> tuple[in
     return candidates[-1]
 
 
-def _tensors(output: Any) -> list["torch.Tensor"]:
-    import torch
-
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        return [t for value in output.values() for t in _tensors(value)]
-    if isinstance(output, (list, tuple)):
-        return [t for value in output for t in _tensors(value)]
-    return []
-
-
 def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: tuple[int, ...], *,
                  exact: bool = True, seed: int = CHECK_SEED) -> CheckResult:
     """Eval outputs of both models on one seeded input: bit for bit, or within fp tolerance."""
@@ -151,8 +139,8 @@ def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: tuple
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         converted.eval()
-        expected = _tensors(source(x.clone()))
-        actual = _tensors(converted(x.clone()))
+        expected = flatten_tensors(source(x.clone()))
+        actual = flatten_tensors(converted(x.clone()))
     diff = 0.0
     passed = len(expected) == len(actual) and len(expected) > 0
     for a, b in zip(expected, actual):

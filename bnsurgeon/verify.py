@@ -14,6 +14,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .outputs import flatten_tensors
 from .surgery import is_bn_like
 
 if TYPE_CHECKING:
@@ -90,12 +91,6 @@ def perturb_bn(model: "nn.Module", seed: int = SEED, strength: float = 1.0) -> "
     return model
 
 
-def _tensors(output: Any) -> list["torch.Tensor"]:
-    from .api import _tensors as flatten
-
-    return flatten(output)
-
-
 def _max_diff(expected: list, actual: list) -> tuple[float, bool]:
     if len(expected) != len(actual) or any(a.shape != b.shape for a, b in zip(expected, actual)):
         return float("inf"), False
@@ -148,7 +143,7 @@ def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torc
         for path, module in model.named_modules():
             if path:
                 handles.append(module.register_forward_hook(
-                    lambda m, i, o, path=path: recorded[key].append((path, type(m).__name__, _tensors(o)))))
+                    lambda m, i, o, path=path: recorded[key].append((path, type(m).__name__, flatten_tensors(o)))))
         return handles
 
     handles = hook_all(source, "source") + hook_all(converted, "converted")
@@ -202,7 +197,7 @@ def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, l
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         converted.eval()
-        ok, diff = _within(_tensors(source(x.clone())), _tensors(converted(x.clone())), tol)
+        ok, diff = _within(flatten_tensors(source(x.clone())), flatten_tensors(converted(x.clone())), tol)
         where = None if ok else first_divergent_module(source, converted, x, tol)
     return CheckOutcome(label, ok, diff, tol.describe(), where)
 
@@ -218,7 +213,7 @@ def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, 
     source, converted = only_bn_trains(copy.deepcopy(source)), only_bn_trains(copy.deepcopy(converted))
     x = _input(shape, source, seed)
     with torch.no_grad():
-        ok, diff = _within(_tensors(source(x.clone())), _tensors(converted(x.clone())), tol)
+        ok, diff = _within(flatten_tensors(source(x.clone())), flatten_tensors(converted(x.clone())), tol)
     expected, actual = _running_stats(source), _running_stats(converted)
     stats_ok, stats_diff = _within(list(expected.values()), [actual.get(n, torch.empty(0)) for n in expected], tol)
     where = None
@@ -238,7 +233,7 @@ def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         only_bn_trains(converted)
-        ok, diff = _within(_tensors(source(x.clone())), _tensors(converted(x.clone())), tol)
+        ok, diff = _within(flatten_tensors(source(x.clone())), flatten_tensors(converted(x.clone())), tol)
     return CheckOutcome(label, ok, diff, f"{tol.describe()}; frozen BN ignores batch statistics")
 
 
@@ -252,7 +247,7 @@ def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], 
     start = sum(splits[:rank])
     rows = slice(start, start + splits[rank])
     xs = x[rows].clone().requires_grad_()
-    outputs = _tensors(model(xs))
+    outputs = flatten_tensors(model(xs))
     loss = sum((o * g[rows]).sum() for o, g in zip(outputs, grad))
     loss.backward()
     return {
@@ -280,7 +275,7 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn((batch, *shape[1:]), generator=generator, dtype=torch.float64)
     xr = x.clone().requires_grad_()
-    outputs = _tensors(source64(xr))
+    outputs = flatten_tensors(source64(xr))
     grad = [torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in outputs]
     sum((o * g).sum() for o, g in zip(outputs, grad)).backward()
     buffer = io.BytesIO()

@@ -45,7 +45,7 @@ def _equal(a, b) -> tuple[bool, float]:
 def _outputs(model, x):
     import torch
 
-    from bnsurgeon.api import _tensors
+    from bnsurgeon.outputs import flatten_tensors as _tensors
 
     with torch.no_grad():
         return _tensors(model.eval()(x))
