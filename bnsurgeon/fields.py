@@ -107,3 +107,11 @@ def attach_stats(target: "nn.Module", fields: BNFields, *, with_counter: bool) -
         target._buffers["num_batches_tracked"] = counter
     elif "num_batches_tracked" in target._buffers:
         del target._buffers["num_batches_tracked"]
+
+
+def attach_children(target: "nn.Module", fields: BNFields) -> None:
+    """Give ``target`` the source's own act and drop modules (identity, hooks and state survive)."""
+    if fields.act is not None:
+        target.act = fields.act
+    if fields.drop is not None:
+        target.drop = fields.drop

@@ -8,6 +8,8 @@ native BN behind this stand-in is the floor a sync layer can reach on the same m
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from bnsurgeon.runtime.collectives import all_gather_rows, all_reduce_sum
@@ -61,3 +63,7 @@ def add_sequenced_collectives(model: torch.nn.Module, world_size: int) -> int:
             module.register_forward_pre_hook(lambda _, args, c=collectives: (sequenced(args[0], c), *args[1:]))
             count += 1
     return count
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))

@@ -13,7 +13,6 @@ Goals (performance issue): bnsurgeon/torch < 1, bnsurgeon/plain <= 1.2. Needs a 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 
@@ -84,6 +83,7 @@ def main() -> None:
     from torch import nn
     from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFunction
 
+    from bench_common import geometric_mean
     from bnsurgeon.multiproc import free_port
     from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
 
@@ -127,8 +127,8 @@ def main() -> None:
             ratios_plain.append(row["ours"] / row["plain"])
             print(f"{str(shape):>20} {layout:>14} {row['plain']:8.3f} {row['torch']:11.3f} {row['ours']:10.3f} "
                   f"{ratios_torch[-1]:11.3f} {ratios_plain[-1]:11.3f}")
-    geo = lambda values: math.exp(sum(map(math.log, values)) / len(values))  # noqa: E731
-    print(f"{'geometric mean':>20} {'':>14} {'':8} {'':11} {'':10} {geo(ratios_torch):11.3f} {geo(ratios_plain):11.3f}")
+    print(f"{'geometric mean':>20} {'':>14} {'':8} {'':11} {'':10} {geometric_mean(ratios_torch):11.3f} "
+          f"{geometric_mean(ratios_plain):11.3f}")
 
     x = torch.randn(SHAPES[1], device=device, dtype=dtype)
     layer = nn.BatchNorm2d(SHAPES[1][1]).to(device).train()

@@ -17,7 +17,6 @@ out.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import time
@@ -102,6 +101,8 @@ def main() -> None:
 
 
 def _print_table(statistic: str, rows: list[dict]) -> None:
+    from bench_common import geometric_mean
+
     print(f"\n{statistic}:")
     print(f"{'shape':>18} {'native':>9} {'collect.':>9} {'sequenced':>10} {'sync':>9} "
           f"{'sync/native':>12} {'sync/floor':>11} {'sync/sequenced':>15}")
@@ -113,7 +114,7 @@ def _print_table(statistic: str, rows: list[dict]) -> None:
         print(f"{str(shape):>18} {row['native']:9.3f} {row['collectives']:9.3f} {row['sequenced']:10.3f} "
               f"{row['sync']:9.3f} {ratios['native'][-1]:12.3f} {ratios['floor'][-1]:11.3f} "
               f"{ratios['sequenced'][-1]:15.3f}")
-    geo = {name: math.exp(sum(map(math.log, values)) / len(values)) for name, values in ratios.items()}
+    geo = {name: geometric_mean(values) for name, values in ratios.items()}
     print(f"{'geometric mean':>18} {'':9} {'':9} {'':10} {'':9} {geo['native']:12.3f} "
           f"{geo['floor']:11.3f} {geo['sequenced']:15.3f}")
 

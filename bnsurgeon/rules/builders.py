@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..fields import BNFields, attach_affine, attach_stats, qualname, read_fields
+from ..fields import BNFields, attach_affine, attach_children, attach_stats, qualname, read_fields
 from .base import BuildContext
 
 _PLAIN_BN = {qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
@@ -77,10 +77,7 @@ def to_plain_act(module: nn.Module, context: BuildContext) -> nn.Module:
         apply_act=False, device="meta",
     )
     _with_tensors(new, fields)
-    if fields.act is not None:
-        new.act = fields.act
-    if fields.drop is not None:
-        new.drop = fields.drop
+    attach_children(new, fields)
     return new
 
 
@@ -160,10 +157,7 @@ def refreeze(module: nn.Module, origin: str) -> nn.Module | None:
     fields = read_fields(module)
     if "Act" in cls.__name__:
         new = cls(fields.num_features, fields.eps, apply_act=False)
-        if fields.act is not None:
-            new.act = fields.act
-        if fields.drop is not None:
-            new.drop = fields.drop
+        attach_children(new, fields)
     else:
         new = cls(fields.num_features, fields.eps)
     attach_affine(new, fields, as_parameters=False)

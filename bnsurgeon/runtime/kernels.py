@@ -73,7 +73,7 @@ class GenericKernels:
         if bias is not None:
             offset.add_(bias)
         ndim = d.dim()
-        return d.mul_(channel_view(scale.to(d.dtype), ndim)).add_(channel_view(offset.to(d.dtype), ndim))
+        return d.mul_(channel_view(scale, ndim)).add_(channel_view(offset, ndim))  # d is in the stats dtype
 
     @staticmethod
     def backward_reduce(dy, x, weight, mean, invstd, eps):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..fields import BNFields, attach_affine, attach_stats, read_fields
+from ..fields import BNFields, attach_affine, attach_children, attach_stats, read_fields
 from . import debug
 from .sync_function import SyncBatchNormFunction
 
@@ -34,14 +34,6 @@ def _norm_act_children(module: nn.Module, act_layer, act_kwargs, apply_act: bool
         kwargs.setdefault("inplace", inplace)
         act = create_act_layer(act_layer, **kwargs)
     module.act = nn.Identity() if act is None else act
-
-
-def _reuse_children(module: nn.Module, fields: BNFields) -> None:
-    """Keep the source's own act/drop objects (identity, hooks and state survive)."""
-    if fields.act is not None:
-        module.act = fields.act
-    if fields.drop is not None:
-        module.drop = fields.drop
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
@@ -163,7 +155,7 @@ class SyncBatchNormAct(SyncBatchNorm):
     @staticmethod
     def _adopt(new: nn.Module, fields: BNFields) -> None:
         SyncBatchNorm._adopt(new, fields)
-        _reuse_children(new, fields)
+        attach_children(new, fields)
 
 
 class FrozenBatchNorm(nn.Module):
@@ -224,7 +216,7 @@ class FrozenBatchNorm(nn.Module):
         attach_affine(new, fields, as_parameters=False)
         attach_stats(new, fields, with_counter=fields.num_batches_tracked is not None)
         if isinstance(new, FrozenBatchNormAct):
-            _reuse_children(new, fields)
+            attach_children(new, fields)
         new.bnsurgeon_origin = fields.origin
         return new
 
