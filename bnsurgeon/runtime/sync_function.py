@@ -7,6 +7,9 @@ all_gather + local sum on gloo, see collectives.py) -> input gradient. grad_weig
 and grad_bias stay local (DDP averages parameter gradients itself). See DESIGN.md, "The
 runtime layers". Every op here is on (C,)-sized tensors except the kernels' passes, and
 on CPU the global count is read on the host (there is no device to synchronize with).
+On any other device nothing is ever read back: the count stays a device tensor, so the
+layer can run inside CUDA graph capture (tests run this path on meta tensors, which
+raise on any host read).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             debug.check_same_layer(layer, world_size, group, x.device)
         gathered = all_gather_rows(local, world_size, group)
         total, mean, var = merge_stats(gathered, channels)
-        if not x.is_cuda:
+        if counts_on_host(x):
             total = int(total.item())  # a host read is free on CPU and saves ~10 small ops
         invstd = torch.rsqrt(var + eps)
         update_running_stats(running_mean, running_var, mean, var, total, momentum)
@@ -114,6 +117,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_bias = sum_dy.to(weight.dtype if weight is not None else sum_dy.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def counts_on_host(x: torch.Tensor) -> bool:
+    """Whether the global count may be read on the host: only when ``x`` already lives there."""
+    return x.device.type == "cpu"
 
 
 def _memory_format(x: torch.Tensor) -> torch.memory_format:

@@ -1,0 +1,77 @@
+"""The sync layer's device path (CUDA and any non-CPU device), checked without a GPU.
+
+On a device the global count must never be read back to the host, or the layer could
+not run inside CUDA graph capture. CI has no GPU, so two stand-ins check the glue between
+the kernels: meta tensors (which raise on any host read) run the whole forward and
+backward, and CPU tensors with the device branch forced must equal plain BN. Both
+simulate two identical ranks: the gather returns the local row twice and the sum over
+ranks doubles the local sums, so the reference is plain BN on the batch concatenated
+with itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from bnsurgeon.runtime import sync_function
+from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
+
+
+@pytest.fixture
+def two_identical_ranks(monkeypatch):
+    monkeypatch.setattr(sync_function, "all_gather_rows", lambda local, world_size, group: torch.stack([local, local]))
+    monkeypatch.setattr(sync_function, "all_reduce_sum", lambda local, world_size, group: local * 2)
+
+
+def _apply(x, bn: nn.BatchNorm2d | nn.BatchNorm1d):
+    return SyncBatchNormFunction.apply(
+        x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, bn.momentum, None, 2, None
+    )
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5, 5), (4, 3, 5, 2, 2)])
+def test_device_path_never_reads_a_value_on_the_host(two_identical_ranks, shape):
+    """Meta tensors have no data: .item(), bool(tensor) or int(tensor) anywhere in the
+    forward or backward would raise here, exactly where a CUDA sync would happen."""
+    assert not sync_function.counts_on_host(torch.empty(1, device="meta"))
+    bn = (nn.BatchNorm2d(3) if len(shape) == 4 else nn.BatchNorm3d(3)).to("meta")
+    x = torch.empty(shape, device="meta", requires_grad=True)
+    y = _apply(x, bn)
+    y.backward(torch.empty(shape, device="meta"))
+    assert y.shape == shape and y.device.type == "meta"
+    assert x.grad.shape == shape and bn.weight.grad.shape == (3,) and bn.bias.grad.shape == (3,)
+
+
+@pytest.mark.parametrize("layout", ["planar", "channels_last", "2d"])
+def test_device_branch_matches_plain_bn_on_cpu(two_identical_ranks, monkeypatch, layout):
+    """The branch that keeps the count on the device, run on CPU values, against plain BN."""
+    monkeypatch.setattr(sync_function, "counts_on_host", lambda x: False)
+    generator = torch.Generator().manual_seed(4)
+    shape = (3, 5) if layout == "2d" else (3, 5, 4, 6)
+    x = torch.randn(shape, generator=generator) * 3 + 2
+    dy = torch.randn(shape, generator=generator)
+    if layout == "channels_last":
+        x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
+    plain = nn.BatchNorm1d(5) if layout == "2d" else nn.BatchNorm2d(5)
+    with torch.no_grad():
+        plain.weight.copy_(torch.rand(5, generator=generator) + 0.5)
+        plain.bias.copy_(torch.randn(5, generator=generator))
+    ours = type(plain)(5)
+    ours.load_state_dict(plain.state_dict())
+
+    x_ours = x.clone().requires_grad_()
+    y = _apply(x_ours, ours)
+    y.backward(dy)
+    both = torch.cat([x, x]).requires_grad_()
+    expected = plain(both)
+    expected.backward(torch.cat([dy, dy]))
+
+    n = shape[0]
+    torch.testing.assert_close(y, expected[:n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x_ours.grad, both.grad[:n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(2 * ours.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(2 * ours.bias.grad, plain.bias.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.running_mean, plain.running_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.running_var, plain.running_var, rtol=1e-6, atol=1e-6)
