@@ -19,10 +19,11 @@ def all_gather_rows(local: torch.Tensor, world_size: int, group) -> torch.Tensor
 def all_reduce_sum(local: torch.Tensor, world_size: int, group) -> torch.Tensor:
     """Sum of a small 1-D tensor over the group, identical on every rank.
 
-    On devices (NCCL and the like) an all_reduce. On CPU an all_gather plus a local sum: gloo's ring
-    all_reduce needs twice the message rounds of its all_gather, and for the few KB of
-    batch-norm statistics the rounds are the whole cost (2 ranks: median 383 vs 465 us,
-    3 ranks: 1183 vs 1956 us on this project's 2-core machine).
+    Off the CPU (NCCL and other device backends) an all_reduce. On CPU an all_gather
+    plus a local sum: gloo's ring all_reduce needs twice the message rounds of its
+    all_gather, and for the few KB of batch-norm statistics the rounds are the whole cost
+    (2 ranks: median 383 vs 465 us, 3 ranks: 1183 vs 1956 us on this project's 2-core
+    machine).
     """
     if local.device.type != "cpu":
         dist.all_reduce(local, group=group)
