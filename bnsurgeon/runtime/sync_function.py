@@ -2,8 +2,8 @@
 
 Forward: local (count, mean, biased var) -> ONE all_gather -> Chan merge weighted by
 counts -> running-stat update -> normalize. Backward: local sum(dy) and the kernel's
-reduced term -> ONE sum over ranks of both packed together (an all_reduce on CUDA, an
-all_gather + local sum on gloo, see collectives.py) -> input gradient. grad_weight
+reduced term -> ONE sum over ranks of both packed together (an all_reduce on devices,
+an all_gather + local sum on CPU, see collectives.py) -> input gradient. grad_weight
 and grad_bias stay local (DDP averages parameter gradients itself). See DESIGN.md, "The
 runtime layers". Every op here is on (C,)-sized tensors except the kernels' passes, and
 on CPU the global count is read on the host (there is no device to synchronize with).
