@@ -191,7 +191,7 @@ def _is_frozen_model(model: "nn.Module") -> bool:
 def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="eval") -> CheckOutcome:
     import torch
 
-    from .api import preserved_modes
+    from .checks import preserved_modes
 
     x = _input(shape, source, seed)
     with preserved_modes(source, converted), torch.no_grad():
@@ -227,7 +227,7 @@ def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
                  label="frozen (train) == source (eval)") -> CheckOutcome:
     import torch
 
-    from .api import preserved_modes
+    from .checks import preserved_modes
 
     x = _input(shape, source, seed)
     with preserved_modes(source, converted), torch.no_grad():

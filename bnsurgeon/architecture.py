@@ -1,0 +1,149 @@
+"""How to build a model again: a timm name or an importable factory, with kwargs.
+
+Every model-building path records an ``Architecture`` so that the written checkpoint
+is self-describing and ``bnsurgeon.load`` can rebuild the same model.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint import RawCheckpoint
+from .errors import SourceNotFoundError, UsageError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+SEED = 0
+@dataclass
+class Architecture:
+    """How to build the model again: a timm name or an importable factory, with kwargs."""
+
+    kind: str  # "timm" | "factory" | "unknown"
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Architecture":
+        return cls(kind=data.get("kind", "unknown"), name=data.get("name", ""), kwargs=dict(data.get("kwargs") or {}))
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        prefix = "timm:" if self.kind == "timm" else ""
+        return f"{prefix}{self.name}" + (f"({args})" if args else "")
+
+    def build(self, *, meta: bool = False) -> "nn.Module":
+        """Instantiate with seeded init (or on the meta device: no weights allocated)."""
+        import torch
+
+        with torch.device("meta") if meta else _seeded(SEED):
+            if self.kind == "timm":
+                return _create_timm(self.name, self.kwargs)
+            if self.kind == "factory":
+                return _call_factory(self.name, self.kwargs)
+        raise UsageError(
+            "the checkpoint does not record an architecture bnsurgeon can rebuild",
+            "pass the model (--model ARCH, or bnsurgeon.load(path, model=...))",
+        )
+
+
+@contextmanager
+def _seeded(seed: int):
+    import torch
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def parse_model_args(pairs: list[str] | None) -> dict[str, Any]:
+    """``key=value`` strings -> kwargs; values parsed as Python literals when they are."""
+    result: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise UsageError(f"--model-arg {pair!r} is not key=value", "write it like num_classes=10")
+        key, raw = pair.split("=", 1)
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        result[key.strip()] = value
+    return result
+
+
+def _timm_name(name: str) -> str:
+    return name[len("timm:"):] if name.startswith("timm:") else name
+
+
+def _create_timm(name: str, kwargs: dict[str, Any]) -> "nn.Module":
+    import timm
+
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models() for the names"
+        raise SourceNotFoundError(f"unknown timm model {name!r}", hint)
+    try:
+        return timm.create_model(name, pretrained=False, **kwargs)
+    except TypeError as error:
+        raise UsageError(f"timm model {name!r} does not accept these arguments: {error}", "check --model-arg") from None
+
+
+def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
+    from torch import nn
+
+    module_name, _, function_name = target.partition(":")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise SourceNotFoundError(f"cannot import {module_name!r} for factory {target!r} ({error})",
+                                  "run from the directory that holds the package, or install it") from None
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise SourceNotFoundError(f"{module_name} has no callable {function_name!r}", "write SOURCE as package.module:function")
+    model = factory(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"factory {target!r} returned {type(model).__name__}, not an nn.Module", "return the model from it")
+    return model
+
+
+def parse_architecture(spec: str, kwargs: dict[str, Any] | None = None) -> Architecture:
+    """``resnet50`` / ``timm:resnet50`` -> timm; ``pkg.mod:fn`` -> factory."""
+    kwargs = dict(kwargs or {})
+    if spec.startswith("timm:") or ":" not in spec:
+        return Architecture("timm", _timm_name(spec), kwargs)
+    return Architecture("factory", spec, kwargs)
+
+
+def timm_input_shape(model: "nn.Module", batch: int = 2) -> tuple[int, ...] | None:
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    size = cfg.get("input_size")
+    return (batch, *size) if size else None
+
+
+@dataclass
+class LoadedSource:
+    """A model ready for surgery, and what is known about where it came from."""
+
+    model: "nn.Module"
+    architecture: Architecture
+    description: str
+    input_shape: tuple[int, ...] | None = None
+    checkpoint: RawCheckpoint | None = None
+    weights_key: str | None = None
+    stripped_prefix: str = ""
+    carried: dict[str, Any] = field(default_factory=dict)

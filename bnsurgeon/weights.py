@@ -1,0 +1,67 @@
+"""Put a checkpoint's tensors into a model: strictly, and without a second copy where possible."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import WeightsMismatchError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+def materialize(build, state: dict[str, "torch.Tensor"], origin: Any, adapt=None) -> "nn.Module":
+    """The model with the checkpoint's tensors, built on the meta device and assigned.
+
+    No random initialization and no second copy of the weights: the checkpoint's own
+    tensors (memory-mapped where the format allows) become the model's. Models that
+    compute at init or keep non-persistent buffers cannot be built on meta; they fall
+    back to a normal build followed by a copying load.
+    """
+
+    try:
+        model = build(True)
+    except Exception:  # e.g. .tolist()/numpy at init: not buildable on meta
+        model = None
+    if model is not None:
+        tensors = adapt(model, state) if adapt else state
+        expected = model.state_dict()
+        check_fit(model, tensors, origin, expected)
+        tensors = {k: v.to(expected[k].dtype) if v.dtype != expected[k].dtype else v for k, v in tensors.items()}
+        model.load_state_dict(tensors, strict=True, assign=True)
+        leftovers = [t for t in (*model.parameters(), *model.buffers()) if t.is_meta]
+        if not leftovers:
+            return model
+    model = build(False)
+    load_weights(model, adapt(model, state) if adapt else state, origin)
+    return model
+
+
+def check_fit(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any = "checkpoint",
+              expected: dict | None = None) -> None:
+    """Raise WeightsMismatchError listing missing, unexpected and shape-mismatched keys."""
+    expected = expected if expected is not None else model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}"
+        for k in expected
+        if k in state and tuple(state[k].shape) != tuple(expected[k].shape)
+    ]
+    if missing or unexpected or mismatched:
+        parts = []
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+            if items:
+                shown = ", ".join(items[:4]) + (f" (+{len(items) - 4} more)" if len(items) > 4 else "")
+                parts.append(f"{label} {len(items)}: {shown}")
+        raise WeightsMismatchError(
+            f"weights in {origin} do not fit the architecture: " + "; ".join(parts),
+            "check --model and --model-arg (e.g. num_classes=...), or --weights to pick another state dict",
+        )
+
+
+def load_weights(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any = "checkpoint") -> None:
+    """Strict copying load with a clear error when the weights do not fit."""
+    check_fit(model, state, origin)
+    model.load_state_dict(state, strict=True)
