@@ -88,3 +88,7 @@ class VerificationError(BnSurgeonError):
 
 class DistributedMismatchError(RuntimeError):
     """Ranks reached different sync layers: they would otherwise hang or mix statistics."""
+
+
+class DistributedTimeoutError(RuntimeError):
+    """A sync layer's collective did not complete within BNSURGEON_DIST_TIMEOUT: a rank is elsewhere or gone."""

@@ -9,6 +9,7 @@ weights between them, and the pre-write check can compare the two directly.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +21,10 @@ from .rules import BuildContext, Registry, Rule, check_target, default_registry
 if TYPE_CHECKING:
     from torch import nn
 
-#: hook dictionaries moved from a replaced module to its replacement (the same dict
-#: objects, so existing RemovableHandles keep working)
+#: every hook attribute torch's nn.Module has (hook dicts and the full/legacy backward-hook
+#: flag ``_is_full_backward_hook``), moved from a replaced module to its replacement as the
+#: same objects, so existing RemovableHandles keep working; read from torch itself, so a
+#: hook kind added by a newer torch is carried too
 HOOK_ATTRIBUTES = (
     "_forward_hooks",
     "_forward_hooks_with_kwargs",
@@ -30,11 +33,21 @@ HOOK_ATTRIBUTES = (
     "_forward_pre_hooks_with_kwargs",
     "_backward_hooks",
     "_backward_pre_hooks",
+    "_is_full_backward_hook",
     "_state_dict_hooks",
     "_state_dict_pre_hooks",
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
+
+
+@functools.lru_cache(maxsize=None)
+def hook_attributes() -> tuple[str, ...]:
+    """HOOK_ATTRIBUTES plus any hook attribute the installed torch's nn.Module adds."""
+    from torch import nn
+
+    extra = tuple(name for name in nn.Module().__dict__ if "hook" in name and name not in HOOK_ATTRIBUTES)
+    return HOOK_ATTRIBUTES + extra
 
 
 def is_bn_like(module: "nn.Module") -> bool:
@@ -121,6 +134,7 @@ def convert(
     anything.
     """
     check_target(to, frozen)
+    _refuse_ddp_copy(model, inplace)
     entries = plan(model, registry)
     lazy = [e for e in entries if is_uninitialized_lazy(e.module)]
     if lazy:
@@ -161,6 +175,7 @@ def convert(
         )
 
     converted = _rebuild(model, replacements, inplace, {})
+    name_sync_layers(converted)
     before = set(model.state_dict(keep_vars=True)) if not inplace else None
     after = set(converted.state_dict(keep_vars=True))
     if before is not None:
@@ -169,15 +184,33 @@ def convert(
     return ConvertResult(model=converted, report=report, source=model, exact=exact, replaced=replacements)
 
 
+def _refuse_ddp_copy(model: "nn.Module", inplace: bool) -> None:
+    """A copy of a DistributedDataParallel goes through its pickling: that fails for a
+    subgroup and, for the default group, silently builds a second gradient reducer."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if inplace:
+        return
+    wrapped = [path or "<root>" for path, module in model.named_modules() if isinstance(module, DistributedDataParallel)]
+    if wrapped:
+        from .errors import UsageError
+
+        raise UsageError(
+            f"cannot convert a copy of a DistributedDataParallel-wrapped model ({', '.join(wrapped)})",
+            "convert the inner model and wrap it again (bnsurgeon.convert(ddp.module, ...)), "
+            "or convert it in place with inplace=True",
+        )
+
+
 def _carry_over(old: "nn.Module", new: "nn.Module", path: str) -> None:
-    """Move what is not a tensor: hooks, the training flag, a qconfig, the debug label."""
-    for attribute in HOOK_ATTRIBUTES:
+    """Move what is not a tensor: hooks, the training flag, a qconfig, the layer's name."""
+    for attribute in hook_attributes():
         if attribute in old.__dict__:
             new.__dict__[attribute] = old.__dict__[attribute]
     new.training = old.training
     if hasattr(old, "qconfig"):
         new.qconfig = old.qconfig
-    if hasattr(type(new), "layer_name"):
+    if isinstance(getattr(type(new), "layer_name", None), property):
         new.layer_name = path
 
 
@@ -217,10 +250,10 @@ def _rebuild(module: "nn.Module", replacements: dict[int, "nn.Module"], inplace:
 
 
 def name_sync_layers(model: "nn.Module") -> int:
-    """Label every bnsurgeon sync layer with its module path (for the debug rank check)."""
+    """Name every bnsurgeon sync layer by its module path: the identity its rows carry (runtime/identity.py)."""
     count = 0
     for path, module in model.named_modules():
-        if hasattr(type(module), "layer_name") and hasattr(module, "_sync_calls"):
+        if isinstance(getattr(type(module), "layer_name", None), property):
             module.layer_name = path or "<root>"
             count += 1
     return count

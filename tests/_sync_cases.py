@@ -40,6 +40,8 @@ def batch(case: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(case["shape"], generator=generator) * case.get("scale", 2.0) + case.get("offset", 0.5)
     g = torch.randn(case["shape"], generator=generator)
+    if case.get("round_to"):  # the float32 reference sees the low-precision model's input values
+        x = x.to(getattr(torch, case["round_to"])).float()
     return x, g
 
 
@@ -56,12 +58,16 @@ def _dtype(case: dict) -> torch.dtype:
 def _run(module: nn.Module, case: dict, rows: slice) -> dict:
     device = torch.device(case.get("device", "cpu"))
     module = module.to(device)
+    if case.get("model_dtype"):  # the whole model cast, weights and running stats included
+        module = module.to(getattr(torch, case["model_dtype"]))
     out: dict = {"y": [], "dx": [], "layout_kept": True}
     for step in range(STEPS):
         x, g = batch(case, step)
         g = g.to(device)
         x = _layout(x[rows].to(device=device, dtype=_dtype(case)), case).requires_grad_()
-        y = module(x)
+        with torch.autocast(device.type, dtype=getattr(torch, case.get("autocast", "bfloat16")),
+                            enabled="autocast" in case):
+            y = module(x)
         if case.get("memory") == "channels_last" and x.numel():
             out["layout_kept"] &= y.is_contiguous(memory_format=_memory_format(x))
         (y.float() * g[rows]).sum().backward()
@@ -69,11 +75,11 @@ def _run(module: nn.Module, case: dict, rows: slice) -> dict:
             out["layout_kept"] &= x.grad.is_contiguous(memory_format=_memory_format(x))
         out["y"].append(y.detach().float().cpu())
         out["dx"].append(x.grad.float().cpu())
-    out["weight_grad"] = None if module.weight is None else module.weight.grad.cpu().clone()
-    out["bias_grad"] = None if module.bias is None else module.bias.grad.cpu().clone()
+    out["weight_grad"] = None if module.weight is None else module.weight.grad.float().cpu()
+    out["bias_grad"] = None if module.bias is None else module.bias.grad.float().cpu()
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         value = getattr(module, name, None)
-        out[name] = None if value is None else value.cpu().clone()
+        out[name] = None if value is None else (value.float() if value.is_floating_point() else value).cpu().clone()
     return out
 
 
@@ -82,7 +88,13 @@ def _memory_format(x: torch.Tensor):
 
 
 def reference(case: dict) -> dict:
-    return _run(make_plain(case), case, slice(None))
+    """Plain BN on the whole batch; for a low-precision model, in float32 on the same rounded values."""
+    if case.get("model_dtype"):
+        low = getattr(torch, case["model_dtype"])
+        rounded = make_plain(case).to(low).float()
+        return _run(rounded, dict(case, model_dtype=None, dtype="float32", round_to=case["model_dtype"]), slice(None))
+    plain_case = {k: v for k, v in case.items() if k != "autocast"}  # the reference is plain BN without autocast
+    return _run(make_plain(case), plain_case, slice(None))
 
 
 def sync_rank(rank: int, world_size: int, cases: list[dict]) -> list[dict]:

@@ -33,7 +33,7 @@ def test_skipped_layer_is_named_with_debug_switch():
     results = run_world(2, skip_layer_rank, True, timeout=120, collective_timeout=20)
     for text in results:
         assert "DistributedMismatchError" in text, text
-        assert "'0' (call 1)" in text and "'2' (call 1)" in text
+        assert "'0' forward call 1 (4 channels" in text and "'2' forward call 1 (6 channels" in text, text
 
 
 def test_skipped_layer_without_debug_fails_within_timeout_instead_of_hanging():

@@ -24,8 +24,8 @@ from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
 
 @pytest.fixture
 def two_identical_ranks(monkeypatch):
-    monkeypatch.setattr(sync_function, "all_gather_rows", lambda local, world_size, group: torch.stack([local, local]))
-    monkeypatch.setattr(sync_function, "all_reduce_sum", lambda local, world_size, group: local * 2)
+    monkeypatch.setattr(sync_function, "all_gather_rows", lambda local, world_size, group, *_: torch.stack([local, local]))
+    monkeypatch.setattr(sync_function, "all_reduce_sum", lambda local, world_size, group, *_: local * 2)
 
 
 def _apply(x, bn: nn.BatchNorm2d | nn.BatchNorm1d):

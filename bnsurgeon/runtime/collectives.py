@@ -1,31 +1,69 @@
-"""The collective shapes the sync layers use, in one place."""
+"""The collective shapes the sync layers use, in one place, each bounded in time.
+
+Every collective is issued with ``async_op=True`` and waited on with the
+``BNSURGEON_DIST_TIMEOUT`` bound (``timeout.py``) when its tensors live on the CPU
+(gloo, which honours ``Work.wait(timeout)``), so a rank that never arrives is an error
+naming the layer, whoever initialised the process group. On a device backend (NCCL)
+``wait(timeout)`` would block the host until the collective finishes, which the sync
+layer must never do (CUDA graphs, overlap); there the bound is the process group's own
+timeout and its watchdog (``init_distributed`` sets it from the same variable).
+
+The gather uses the torch version's own name for the flat all_gather:
+``all_gather_single`` where it exists (``all_gather_into_tensor`` is deprecated there
+and warns on every call), else ``all_gather_into_tensor`` (torch 2.4 to 2.13).
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..errors import DistributedTimeoutError
+from .timeout import collective_timeout
 
-def all_gather_rows(local: torch.Tensor, world_size: int, group) -> torch.Tensor:
+_flat_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _finish(work, local: torch.Tensor, describe: Callable[[], str] | None) -> None:
+    """Wait for ``work``: bounded on the CPU, stream-ordered (no host wait) on devices."""
+    if local.device.type != "cpu":
+        work.wait()
+        return
+    timeout = collective_timeout()
+    try:
+        work.wait(timeout)
+    except RuntimeError as error:
+        what = describe() if describe is not None else "a bnsurgeon collective"
+        raise DistributedTimeoutError(
+            f"{what} did not complete within {timeout.total_seconds():g} s (BNSURGEON_DIST_TIMEOUT): "
+            "another rank of its group skipped this layer, ran a different number of train-mode "
+            f"forwards, or died. Backend said: {str(error).splitlines()[0][:300]}"
+        ) from error
+
+
+def all_gather_rows(local: torch.Tensor, world_size: int, group, describe: Callable[[], str] | None = None) -> torch.Tensor:
     """One all_gather of a 1-D tensor; row r of the result is rank r's tensor.
 
-    The output is allocated flat because gloo's all_gather_into_tensor requires it.
+    The output is allocated flat because gloo's flat all_gather requires it.
     """
     gathered = local.new_empty(world_size * local.numel())
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    _finish(_flat_all_gather(gathered, local, group=group, async_op=True), local, describe)
     return gathered.view(world_size, local.numel())
 
 
-def all_reduce_sum(local: torch.Tensor, world_size: int, group) -> torch.Tensor:
+def all_reduce_sum(local: torch.Tensor, world_size: int, group, describe: Callable[[], str] | None = None) -> torch.Tensor:
     """Sum of a small 1-D tensor over the group, identical on every rank.
 
     Off the CPU (NCCL and other device backends) an all_reduce. On CPU an all_gather
     plus a local sum: gloo's ring all_reduce needs twice the message rounds of its
     all_gather, and for the few KB of batch-norm statistics the rounds are the whole cost
     (2 ranks: median 383 vs 465 us, 3 ranks: 1183 vs 1956 us on this project's 2-core
-    machine).
+    machine). The sync layer itself sends its CPU backward row through
+    ``all_gather_rows`` (the row carries the layer check); this helper is the plain sum.
     """
     if local.device.type != "cpu":
-        dist.all_reduce(local, group=group)
+        _finish(dist.all_reduce(local, group=group, async_op=True), local, describe)
         return local
-    return all_gather_rows(local, world_size, group).sum(0)
+    return all_gather_rows(local, world_size, group, describe).sum(0)

@@ -6,7 +6,9 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
-DEFAULT_TIMEOUT_S = 600.0
+from .timeout import DEFAULT_TIMEOUT_S, dist_timeout_s
+
+__all__ = ["DEFAULT_TIMEOUT_S", "DistributedInfo", "init_distributed"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    seconds = timeout_s if timeout_s is not None else float(os.environ.get("BNSURGEON_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    seconds = timeout_s if timeout_s is not None else dist_timeout_s()
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=timedelta(seconds=seconds), **kwargs)

@@ -65,6 +65,12 @@ class GenericKernels:
     @staticmethod
     def normalize(x, weight, bias, mean, var, invstd, eps, centred=None):
         if centred is None:
+            # a model cast to bf16/fp16 has low-precision weight and bias; CPU batch_norm takes
+            # low-precision input only with parameters in the statistics' dtype
+            if weight is not None and weight.dtype != mean.dtype:
+                weight = weight.to(mean.dtype)
+            if bias is not None and bias.dtype != mean.dtype:
+                bias = bias.to(mean.dtype)
             return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
         # y = (x - mean) * scale + bias = d * scale + ((shift - mean) * scale + bias), in place on d
         d, shift = centred

@@ -11,7 +11,9 @@ eval mode, so a frozen model is bit-identical to the source BN model in eval mod
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+import inspect
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,8 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fields import BNFields, attach_affine, attach_children, attach_stats, read_fields
-from . import debug
+from .identity import LayerIdentity, default_name
 from .sync_function import SyncBatchNormFunction
+
+_TORCH_TAKES_BIAS = "bias" in inspect.signature(nn.SyncBatchNorm.__init__).parameters
+
+
+def _describe_group(group) -> str:
+    """'the process group of ranks [0, 1]' (or of N ranks when the ranks cannot be listed)."""
+    try:
+        return f"the process group of ranks {dist.get_process_group_ranks(group)}"
+    except Exception:  # not initialized here, or an older torch
+        return "a process group other than the default one"
 
 
 def _norm_act_children(module: nn.Module, act_layer, act_kwargs, apply_act: bool, inplace: bool, drop_layer) -> None:
@@ -37,38 +49,124 @@ def _norm_act_children(module: nn.Module, act_layer, act_kwargs, apply_act: bool
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
-    """Synchronized batch norm that also runs on CPU/gloo, and knows the class it came from."""
+    """Synchronized batch norm that also runs on CPU/gloo, and knows the class it came from.
 
-    #: qualified name of the class this module was converted from (None if built directly)
-    bnsurgeon_origin: str | None = None
-    #: module path used by the debug rank check; set by surgery
-    layer_name: str = ""
+    Takes every constructor argument torch's ``nn.SyncBatchNorm`` takes (``bias`` too,
+    also on torch versions whose class lacks it). A ``deepcopy`` (an EMA copy) shares the
+    process group; pickling cannot hold a process group, see ``__getstate__``.
+    """
+
+    #: qualified name of the class this module was converted from (None if built directly);
+    #: not annotated, because TorchScript cannot read a postponed ``Optional[str]`` class annotation
+    bnsurgeon_origin = None
+    __jit_unused_properties__ = ["layer_name"]
+    __jit_ignored_attributes__ = ["bnsurgeon_origin", "_identity", "_pickled_group"]
 
     def __init__(
         self,
         num_features: int,
         eps: float = 1e-5,
-        momentum: float | None = 0.1,
+        momentum: Optional[float] = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
         process_group: Any = None,
         device=None,
         dtype=None,
+        *,
+        bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype)
-        self._sync_calls = 0
+        if _TORCH_TAKES_BIAS:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype,
+                             bias=bias)
+        else:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype)
+            if affine and not bias:
+                self.register_parameter("bias", None)
+        self._identity = LayerIdentity(default_name(type(self).__name__, num_features))
+        self._pickled_group: Optional[str] = None
+
+    @property
+    def layer_name(self) -> str:
+        """Name in the header of this layer's rows (identity.py): the module path once converted or loaded."""
+        return self._identity.name
+
+    @layer_name.setter
+    def layer_name(self, name: str) -> None:
+        self._identity = LayerIdentity(name)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
+        """bnsurgeon's conversion under torch's name: exact-type rules, act/drop and hooks kept, in place.
+
+        Like torch's, it converts ``module``'s children in place and returns the (possibly
+        new) root; unlike torch's, it returns bnsurgeon's layers, which train on CPU too,
+        and refuses BN subclasses no rule claims instead of converting them silently.
+        """
+        from ..surgery import convert
+
+        return convert(module, "sync", process_group=process_group, inplace=True).model
+
+    def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
+        """A deep copy (timm's ModelEma, swa_utils) shares the process group instead of pickling it."""
+        group = self.__dict__.get("process_group")
+        if group is not None:
+            memo[id(group)] = group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __getstate__(self) -> dict:
+        """Pickling (torch.save of a whole model) drops a subgroup: a ProcessGroup cannot be pickled.
+
+        The unpickled layer remembers which group it had and refuses to train synced until
+        one is given again (``bnsurgeon.convert(model, "sync", process_group=..., inplace=True)``),
+        rather than silently syncing over the default group. The default group (None) pickles as is.
+        """
+        state = self.__dict__.copy()
+        group = state.get("process_group")
+        if group is not None:
+            state["process_group"] = None
+            state["_pickled_group"] = _describe_group(group)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_pickled_group", None)
+        if "_identity" not in self.__dict__:  # pickled by a bnsurgeon without layer identities
+            self._identity = LayerIdentity(state.get("layer_name") or default_name(type(self).__name__, self.num_features))
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
+    @torch.jit.unused
     def _sync_group(self):
         """The process group to synchronize over, or None when plain BN is what torch would run."""
         if not (dist.is_available() and dist.is_initialized()):
             return None, 1
         group = self.process_group
+        if group is None and self.__dict__.get("_pickled_group"):
+            from ..errors import UsageError
+
+            raise UsageError(
+                f"sync batch norm '{self.layer_name}' was pickled while syncing over {self._pickled_group}; "
+                "a process group cannot be pickled, so it has none now",
+                "give it again: bnsurgeon.convert(model, 'sync', process_group=group, inplace=True)",
+            )
         world_size = dist.get_world_size(group) if group is not None else dist.get_world_size()
         return (group, world_size) if world_size > 1 else (None, 1)
+
+    @torch.jit.unused
+    def _sync_forward(self, x: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                      factor: float) -> Optional[torch.Tensor]:
+        """The synchronized batch norm, or None when torch would run plain BN (no group, world of one)."""
+        group, world_size = self._sync_group()
+        if world_size <= 1:
+            return None
+        return SyncBatchNormFunction.apply(
+            x, self.weight, self.bias, running_mean, running_var, self.eps, factor, group, world_size, self._identity,
+        )
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
@@ -81,17 +179,10 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         running_mean = self.running_mean if use_buffers else None
         running_var = self.running_var if use_buffers else None
 
-        if bn_training and self.training:
-            group, world_size = self._sync_group()
-            if world_size > 1:
-                layer = None
-                if debug.enabled():
-                    self._sync_calls += 1
-                    layer = (self.layer_name or f"{type(self).__name__}({self.num_features})", self._sync_calls)
-                return SyncBatchNormFunction.apply(
-                    x, self.weight, self.bias, running_mean, running_var,
-                    self.eps, factor, group, world_size, layer,
-                )
+        if bn_training and self.training and not torch.jit.is_scripting():
+            synced = self._sync_forward(x, running_mean, running_var, factor)
+            if synced is not None:
+                return synced
         return F.batch_norm(x, running_mean, running_var, self.weight, self.bias, bn_training, factor, self.eps)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -138,8 +229,11 @@ class SyncBatchNormAct(SyncBatchNorm):
         process_group: Any = None,
         device=None,
         dtype=None,
+        *,
+        bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype,
+                         bias=bias)
         _norm_act_children(self, act_layer, act_kwargs, apply_act, inplace, drop_layer)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -166,9 +260,10 @@ class FrozenBatchNorm(nn.Module):
     ``num_batches_tracked`` counter when the source had one so a round trip loses nothing.
     """
 
-    bnsurgeon_origin: str | None = None
+    bnsurgeon_origin = None  # qualified name of the source class (None if built directly)
+    __jit_ignored_attributes__ = ["bnsurgeon_origin"]
 
-    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True, momentum: float | None = 0.1,
+    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True, momentum: Optional[float] = 0.1,
                  track_count: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}

@@ -1,11 +1,13 @@
 """The autograd Function behind bnsurgeon's synchronized batch norm.
 
-Forward: local (count, mean, biased var) -> ONE all_gather -> Chan merge weighted by
+Forward: local (count, mean, biased var) behind the layer's header (identity.py) -> ONE
+all_gather -> header check (ranks at different layers raise) -> Chan merge weighted by
 counts -> running-stat update -> normalize. Backward: local sum(dy) and the kernel's
 reduced term -> ONE sum over ranks of both packed together (an all_reduce on devices,
-an all_gather + local sum on CPU, see collectives.py) -> input gradient. grad_weight
+an all_gather of a headed row + local sum on CPU) -> input gradient. grad_weight
 and grad_bias stay local (DDP averages parameter gradients itself). See DESIGN.md, "The
-runtime layers". Every op here is on (C,)-sized tensors except the kernels' passes, and
+runtime layers". Autocast is off inside (statistics are float32 whatever the input).
+Every op here is on (C,)-sized tensors except the kernels' passes, and
 on CPU the global count is read on the host (there is no device to synchronize with).
 On any other device nothing is ever read back: the count stays a device tensor, so the
 layer can run inside CUDA graph capture (tests run this path on meta tensors, which
@@ -14,10 +16,13 @@ raise on any host read).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import debug
 from .collectives import all_gather_rows, all_reduce_sum
+from .identity import HEADER, backward_header, check_headers, describe_header
 from .kernels import kernels_for
 
 
@@ -66,57 +71,139 @@ def _lerp_into(buffer: torch.Tensor, value: torch.Tensor, factor) -> None:
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Batch norm over the union of all ranks' batches in ``group``."""
+    """Batch norm over the union of all ranks' batches in ``group``.
+
+    ``identity`` (a ``LayerIdentity`` or None) names the layer in the header of every
+    row this layer sends; see identity.py for the check it makes possible.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, layer):
-        kernels = kernels_for(x)
-        if x.is_cuda:
-            x = x.contiguous(memory_format=_memory_format(x))
-        channels = x.shape[1]
-        local_mean, local_var, centred = kernels.local_stats(x, eps)
-        count = local_mean.new_full((1,), x.numel() // max(channels, 1))
-        local = torch.cat([count, local_mean, local_var])
-
-        if debug.enabled():
-            debug.check_same_layer(layer, world_size, group, x.device)
-        gathered = all_gather_rows(local, world_size, group)
-        total, mean, var = merge_stats(gathered, channels)
-        if counts_on_host(x):
-            total = int(total.item())  # a host read is free on CPU and saves ~10 small ops
-        invstd = torch.rsqrt(var + eps)
-        update_running_stats(running_mean, running_var, mean, var, total, momentum)
-
-        y = kernels.normalize(x, weight, bias, mean, var, invstd, eps, centred)
-        ctx.save_for_backward(x, weight, mean, var, invstd)
-        ctx.total = total
-        ctx.eps = eps
-        ctx.group = group
-        ctx.world_size = world_size
-        return y
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity):
+        with _statistics_precision(x):
+            return _forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weight, mean, var, invstd = ctx.saved_tensors
-        kernels = kernels_for(x)
-        if x.is_cuda:
-            grad_output = grad_output.contiguous(memory_format=_memory_format(x))
-        sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
+        with _statistics_precision(grad_output):
+            return _backward(ctx, grad_output)
 
-        grad_input = None
-        if ctx.needs_input_grad[0]:
-            packed = all_reduce_sum(torch.cat([sum_dy, sum_term]), ctx.world_size, ctx.group)
-            global_sum_dy, global_sum_term = packed.chunk(2)
-            grad_input = kernels.grad_input(
-                grad_output, x, weight, mean, var, invstd, ctx.eps, global_sum_dy, global_sum_term, ctx.total
-            )
 
-        grad_weight = grad_bias = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = sum_dy_xhat.to(weight.dtype)
-        if ctx.needs_input_grad[2]:
-            grad_bias = sum_dy.to(weight.dtype if weight is not None else sum_dy.dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+def _backward(ctx, grad_output):
+    x, weight, mean, var, invstd, header = ctx.saved_tensors
+    kernels = kernels_for(x)
+    if x.is_cuda:
+        grad_output = grad_output.contiguous(memory_format=_memory_format(x))
+    sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
+
+    grad_input = None
+    if ctx.needs_input_grad[0]:
+        global_sum_dy, global_sum_term = _sum_over_ranks(ctx, header, sum_dy, sum_term, counts_on_host(x))
+        grad_input = kernels.grad_input(
+            grad_output, x, weight, mean, var, invstd, ctx.eps, global_sum_dy, global_sum_term, ctx.total
+        )
+
+    grad_weight = grad_bias = None
+    if weight is not None and ctx.needs_input_grad[1]:
+        grad_weight = sum_dy_xhat.to(weight.dtype)
+    if ctx.needs_input_grad[2]:
+        grad_bias = sum_dy.to(weight.dtype if weight is not None else sum_dy.dtype)
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity):
+    kernels = kernels_for(x)
+    if x.is_cuda:
+        x = x.contiguous(memory_format=_memory_format(x))
+    channels = x.shape[1]
+    local_mean, local_var, centred = kernels.local_stats(x, eps)
+    if identity is not None:
+        header = identity.next_header(x, local_mean.dtype)
+    else:
+        header = local_mean.new_zeros(HEADER)
+    count = local_mean.new_full((1,), x.numel() // max(channels, 1))
+    local = torch.cat([header, count, local_mean, local_var])
+    on_host = counts_on_host(x)
+    name = identity.name if identity is not None else "<anonymous>"
+
+    def describe() -> str:
+        return f"sync batch norm {describe_header(local[:HEADER])}"
+
+    if debug.enabled():
+        debug.check_same_layer(local[:HEADER], world_size, group, describe)
+    gathered = all_gather_rows(local, world_size, group, describe)
+    check_headers(gathered, group, on_host, name)
+    total, mean, var = merge_stats(gathered[:, HEADER:], channels)
+    if on_host:
+        total = int(total.item())  # a host read is free on CPU and saves ~10 small ops
+        if total == 1:
+            raise ValueError(_one_value_message(x, world_size, name))
+    else:
+        torch._assert_async(total != 1, _one_value_message(x, world_size, name))
+    invstd = torch.rsqrt(var + eps)
+    update_running_stats(running_mean, running_var, mean, var, total, momentum)
+
+    y = kernels.normalize(x, weight, bias, mean, var, invstd, eps, centred)
+    ctx.save_for_backward(x, weight, mean, var, invstd, local[:HEADER])
+    ctx.total = total
+    ctx.eps = eps
+    ctx.group = group
+    ctx.world_size = world_size
+    ctx.describe = describe
+    return y
+
+
+def _sum_over_ranks(ctx, header, sum_dy, sum_term, on_host: bool):
+    """Both backward sums over the ranks, in one collective.
+
+    On the CPU the row is an all_gather that starts with the forward's header (phase 2),
+    so a rank in this backward that meets a rank in some other layer's collective is named
+    (identity.py); on devices an all_reduce of the two sums.
+    """
+    def describe() -> str:
+        return ctx.describe().replace(" forward ", " backward ", 1)
+
+    if on_host:
+        row = torch.cat([*backward_header(header), sum_dy, sum_term])
+        if debug.enabled():
+            debug.check_same_layer(row[:HEADER], ctx.world_size, ctx.group, describe)
+        gathered = all_gather_rows(row, ctx.world_size, ctx.group, describe)
+        check_headers(gathered, ctx.group, True, "")
+        packed = gathered[:, HEADER + 1:].sum(0)
+    else:
+        if debug.enabled():
+            debug.check_same_layer(torch.cat(backward_header(header)), ctx.world_size, ctx.group, describe)
+        packed = all_reduce_sum(torch.cat([sum_dy, sum_term]), ctx.world_size, ctx.group, describe)
+    return packed.chunk(2)
+
+
+def _one_value_message(x: torch.Tensor, world_size: int, name: str) -> str:
+    """torch's words for a batch with one value per channel, for the global batch."""
+    return (
+        f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)} on this rank "
+        f"and 1 value per channel over all {world_size} ranks of sync batch norm '{name}'"
+    )
+
+
+try:
+    torch.is_autocast_enabled("cpu")
+
+    def _autocast_on(device_type: str) -> bool:
+        return torch.is_autocast_enabled(device_type)
+except TypeError:  # torch < 2.4 style signature
+    def _autocast_on(device_type: str) -> bool:
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def _statistics_precision(x: torch.Tensor):
+    """Autocast off around the per-channel math (merge, running stats, normalize): statistics stay fp32.
+
+    Under autocast ``mm`` and friends would run in bf16/fp16; the kernels already take low
+    precision inputs and weights with float32 statistics themselves.
+    """
+    device_type = x.device.type
+    if device_type in ("cpu", "cuda") and _autocast_on(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def counts_on_host(x: torch.Tensor) -> bool:

@@ -1,0 +1,159 @@
+"""Which layer, which call: the header every sync-layer row carries, and its check.
+
+The forward all_gather already sends one row per rank. Its first ``HEADER`` slots say
+which layer sent it, so every rank sees every rank's layer at no extra collective and
+no extra round trip, and ranks that reached different layers raise
+``DistributedMismatchError`` instead of mixing their statistics:
+
+    [id0, id1, id2, id3, channels, dtype, call, phase | count, mean(C), var(C)]   forward
+    [id0, id1, id2, id3, channels, dtype, call, phase | 0, sum_dy(C), sum_term(C)] CPU backward
+
+- ``id0..id3``: a 64-bit hash (blake2b) of the layer's name, in four 16-bit slots, so
+  each is an integer that float32 represents exactly (float32 is exact only up to 2^24).
+- ``channels`` and the input ``dtype`` code; ``call``: how many synchronized
+  (train-mode) forwards this layer has run in this process, modulo 2^24 (eval-mode
+  forwards never sync, so they never count); ``phase``: 1 forward, 2 backward. A CPU
+  backward row has the same length as its forward row, so a rank in a backward that
+  meets a rank in an extra forward is named too.
+- The name is the module path (set at conversion and at ``bnsurgeon.load``); a layer
+  built directly and never converted is named by class, width and construction order in
+  its process (``SyncBatchNorm#3(64)``), the same on every rank that builds the same
+  layers in the same order.
+- Activation-checkpointing recomputation runs the forward again on every rank alike,
+  so the counts stay in step.
+
+Rows can only be compared when they have the same size: ranks at layers of different
+widths (or float64 against float32 statistics) send rows of different lengths, which
+gloo reports by aborting the rank with the shorter row ("Received data size doesn't
+match expected size"); no check inside a row can prevent that without a second
+collective. ``BNSURGEON_SYNC_DEBUG=1`` adds that collective (``debug.py``): a fixed-size
+header gather before every collective, which names those mismatches too.
+
+On the CPU the comparison is a host read of the gathered header (the rows are on the
+host already). On devices it is ``torch._assert_async`` (no host synchronization): the
+error surfaces at the device's next synchronization, names this rank's layer, and on
+CUDA leaves the context unusable, as any device-side assert does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import torch
+
+from ..errors import DistributedMismatchError
+
+HEADER = 8
+FORWARD, BACKWARD = 1, 2
+_CALL_MODULUS = 2**24
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_PHASES = {FORWARD: "forward", BACKWARD: "backward"}
+
+#: layer id -> name, for every layer named in this process (ranks hold the same model,
+#: so a rank can name the layer another rank reports)
+_names: dict[int, str] = {}
+_construction_order = itertools.count()
+
+
+def layer_id(name: str) -> int:
+    """Stable 64-bit identity of a layer name (the same in every process), registered for messages."""
+    value = int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+    _names[value] = name
+    return value
+
+
+def default_name(kind: str, num_features: int) -> str:
+    """Name of a layer built directly: class, width, and its construction order in this process."""
+    return f"{kind}#{next(_construction_order)}({num_features})"
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
+
+
+class LayerIdentity:
+    """A layer's name, its 64-bit id, and the per-device header tensors holding its call count."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.id = layer_id(name)
+        self._headers: dict = {}
+
+    def __getstate__(self):
+        return {"name": self.name}
+
+    def __setstate__(self, state) -> None:
+        self.__init__(state["name"])
+
+    def __deepcopy__(self, memo):
+        return LayerIdentity(self.name)
+
+    def next_header(self, x: torch.Tensor, stats_dtype: torch.dtype) -> torch.Tensor:
+        """This call's forward header, on ``x``'s device in ``stats_dtype``; advances the call count.
+
+        The count lives in the header tensor itself and is advanced in place (no host value,
+        so the same code runs on devices and under graph capture).
+        """
+        key = (x.device, stats_dtype, x.dtype, x.shape[1])
+        header = self._headers.get(key)
+        if header is None:
+            slots = [(self.id >> shift) & 0xFFFF for shift in (48, 32, 16, 0)]
+            slots += [x.shape[1] % _CALL_MODULUS, _dtype_code(x.dtype), 0, FORWARD]
+            with torch.inference_mode(False):  # a normal tensor, updatable in and out of inference mode
+                header = torch.tensor(slots, dtype=stats_dtype).to(x.device)
+            self._headers[key] = header
+        header[6:7].add_(1).remainder_(_CALL_MODULUS)
+        return header
+
+
+_BACKWARD_TAILS: dict = {}
+
+
+def backward_header(forward_row: torch.Tensor) -> list[torch.Tensor]:
+    """Pieces that start a CPU backward row: the forward's header with phase 2 and an empty count slot."""
+    key = (forward_row.device, forward_row.dtype)
+    tail = _BACKWARD_TAILS.get(key)
+    if tail is None:
+        tail = _BACKWARD_TAILS[key] = torch.tensor([BACKWARD, 0], dtype=forward_row.dtype, device=forward_row.device)
+    return [forward_row[: HEADER - 1], tail]
+
+
+def describe_header(header: torch.Tensor | list) -> str:
+    """'name' forward call 3 (64 channels, float32) from one header row."""
+    values = [int(v) for v in (header.tolist() if isinstance(header, torch.Tensor) else header)]
+    ident = (values[0] << 48) | (values[1] << 32) | (values[2] << 16) | values[3]
+    name = _names.get(ident, f"<unnamed layer id {ident:#018x}>") if ident else "<anonymous layer>"
+    dtype = _DTYPES[values[5] - 1] if 0 < values[5] <= len(_DTYPES) else "unknown dtype"
+    phase = _PHASES.get(values[7], f"phase {values[7]}")
+    return f"'{name}' {phase} call {values[6]} ({values[4]} channels, {str(dtype).replace('torch.', '')})"
+
+
+def mismatch_error(headers: torch.Tensor, group) -> DistributedMismatchError:
+    """The error naming each rank's layer and call, from the gathered (W, HEADER) headers."""
+    import torch.distributed as dist
+
+    rows = headers.tolist()
+    seen = []
+    for group_rank, row in enumerate(rows):
+        rank = dist.get_global_rank(group, group_rank) if group is not None else group_rank
+        seen.append(f"rank {rank}: {describe_header(row)}")
+    return DistributedMismatchError(
+        "sync batch norm ranks are at different layers or calls: " + "; ".join(seen)
+        + ". Every rank must run the same sync layers, in the same order, the same number of times in "
+        "train mode (data-dependent control flow, or an extra train-mode forward on one rank?)."
+    )
+
+
+def check_headers(gathered: torch.Tensor, group, on_host: bool, layer_name: str) -> None:
+    """Raise on every rank when the rows' headers differ; ``gathered`` is the (W, row) result."""
+    headers = gathered[:, :HEADER]
+    if on_host:
+        if not torch.equal(headers, headers[:1].expand_as(headers)):
+            raise mismatch_error(headers, group)
+        return
+    torch._assert_async(
+        (headers == headers[:1]).all(),
+        f"bnsurgeon: sync layer '{layer_name}' met other ranks at a different layer or call "
+        "(rerun with BNSURGEON_SYNC_DEBUG=1 to name every rank's layer)",
+    )

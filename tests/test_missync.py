@@ -1,0 +1,88 @@
+"""Never a silent mis-sync, never an endless hang: 2 gloo ranks that disagree about
+which layer, call, dtype or batch they are at raise a named error on every rank; a rank
+that stays away is a timeout naming the layer, with the user's own process group; plus
+the API cases that need a process group (subgroup deepcopy/pickle, DDP-wrapped convert,
+no deprecation warning from a synced step)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from _dist import run_world
+from _missync_cases import SCENARIOS, scenarios_rank, skipped_layer_timeout_rank
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict]:
+    return run_world(2, scenarios_rank, SCENARIOS, timeout=240, collective_timeout=30)
+
+
+def _both(outcomes, name) -> list[str]:
+    return [outcomes[rank][name] for rank in (0, 1)]
+
+
+def test_synced_step_emits_no_future_warning(outcomes):
+    for text in _both(outcomes, "no_future_warning"):
+        assert text == "ok: no warnings", text
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_layers_taken_in_swapped_order_raise_naming_each_ranks_layer(outcomes, named):
+    for text in _both(outcomes, "swapped_layers" if named else "swapped_unnamed_layers"):
+        assert text.startswith("DistributedMismatchError"), text
+        if named:
+            assert "rank 0: 'first' forward call 1" in text and "rank 1: 'second' forward call 1" in text, text
+        else:  # built directly: named by class, width and construction order
+            names = re.findall(r"rank \d: 'SyncBatchNorm#\d+\(4\)' forward call 1", text)
+            assert len(names) == 2 and names[0].split("'")[1] != names[1].split("'")[1], text
+
+
+def test_extra_train_forward_on_one_rank_raises_instead_of_hanging(outcomes):
+    for text in _both(outcomes, "extra_forward"):
+        assert text.startswith("DistributedMismatchError"), text
+        assert "rank 0: '0' forward call 2" in text and "rank 1: '0' backward call 1" in text, text
+
+
+def test_input_dtype_mismatch_is_named(outcomes):
+    for text in _both(outcomes, "dtype_mismatch"):
+        assert text.startswith("DistributedMismatchError"), text
+        assert "(4 channels, float32)" in text and "(4 channels, bfloat16)" in text, text
+
+
+def test_one_value_per_channel_over_the_global_batch_raises_on_every_rank(outcomes):
+    for text in _both(outcomes, "one_value_per_channel"):
+        assert text.startswith("ValueError: Expected more than 1 value per channel when training"), text
+
+
+def test_debug_switch_names_a_skipped_last_layer(outcomes):
+    for text in _both(outcomes, "debug_skip_last_layer"):
+        assert text.startswith("DistributedMismatchError"), text
+        assert "rank 0: '2' forward call 1 (6 channels" in text and "rank 1: '0' backward call 1 (4 channels" in text
+
+
+def test_subgroup_model_deepcopies_sharing_the_group_and_pickles_without_it(outcomes):
+    for text in _both(outcomes, "subgroup_deepcopy_and_pickle"):
+        assert text.startswith("ok: deepcopy shares the group"), text
+        assert "UsageError" in text and "ranks [0, 1]" in text and "process_group=" in text, text
+
+
+def test_ddp_wrapped_model_copy_conversion_is_refused_with_the_fix(outcomes):
+    for text in _both(outcomes, "ddp_wrapped_convert"):
+        assert text.startswith("ok: copy refused with [UsageError"), text
+        assert "ddp.module" in text and "inplace=True" in text, text
+
+
+def test_timeout_variable_bounds_the_collective_with_a_users_own_process_group():
+    started = time.monotonic()
+    results = run_world(2, skipped_layer_timeout_rank, "3", timeout=120, collective_timeout=60, allow_errors=True)
+    assert time.monotonic() - started < 50
+    status, text = results[0]
+    assert status == "ok" and text.startswith("DistributedTimeoutError"), results
+    seconds = float(text.split(" after ")[1].split(" s")[0])
+    assert 2.5 < seconds < 15, text
+    assert "'0' forward call 1" in text and "BNSURGEON_DIST_TIMEOUT" in text, text
