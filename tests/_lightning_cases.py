@@ -55,3 +55,78 @@ def reference_state():
         ((net(x) * g).sum() / N).backward()
         optimizer.step()
     return net.state_dict()
+
+
+class PrecisionModule(pl.LightningModule):
+    """A tiny conv net with a BatchNormAct2d and a BatchNorm2d for the precision runs.
+
+    The two ranks get batches from different distributions (the sampler deals samples
+    alternately, and every odd sample is shifted by +3), so unsynced BN would end with
+    running means ~1.5 away from the full-batch ones.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.net = precision_net()
+
+    def training_step(self, batch, index):
+        x, g = batch
+        return (self.net(x).float() * g.float()).sum() * self.trainer.world_size / N
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*precision_data()), batch_size=N // self.trainer.world_size, shuffle=False)
+
+
+def precision_net():
+    from timm.layers import BatchNormAct2d
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), BatchNormAct2d(8, act_layer=torch.nn.SiLU),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4),
+    )
+
+
+def precision_data():
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(N, 3, 8, 8, generator=generator)
+    x[1::2] += 3.0
+    g = torch.randn(N, 4, generator=generator)
+    return x, g
+
+
+def precision_reference_state():
+    """Full-batch float32 training of the same net: what synced low-precision training approximates."""
+    net = precision_net().train()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    x, g = precision_data()
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        ((net(x) * g).sum() / N).backward()
+        optimizer.step()
+    return net.state_dict()
+
+
+def precision_rank(rank: int, world_size: int, precisions: list[str]) -> dict:
+    """Worker: one Lightning Trainer per precision inside an already-initialized gloo world
+    (Lightning sees the torchrun-style variables and joins it: one spawn for every precision)."""
+    import os
+
+    from bnsurgeon.integrations.lightning import BNSurgeonLayerSync
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
+    states = {}
+    for precision in precisions:
+        module = PrecisionModule()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world_size, strategy="ddp", sync_batchnorm=True, plugins=[BNSurgeonLayerSync()],
+            max_steps=STEPS, precision=precision, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module)
+        states[precision] = {name: value.float().clone() for name, value in module.net.state_dict().items()}
+    return states
