@@ -88,7 +88,7 @@ def test_trainer_trains_synced_in_every_low_precision_cpu_allows(low_precision_s
     """Lightning's CPU low precisions (bf16 autocast, the whole model in bf16 or fp16) train
     synced on 2 gloo ranks: every rank's running statistics, kept in float32 by the layer,
     land on full-batch float32 training within the precision's rounding, far from what
-    unsynced BN gives (~1.5 off). ("16-mixed" is fp16 autocast, which Lightning refuses on CPU.)"""
+    unsynced BN gives (~0.2 off). ("16-mixed" is fp16 autocast: on CPU Lightning runs it as bf16-mixed.)"""
     from _lightning_cases import STEPS, precision_reference_state
 
     expected = precision_reference_state()
