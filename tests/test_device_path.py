@@ -28,9 +28,12 @@ def two_identical_ranks(monkeypatch):
     monkeypatch.setattr(sync_function, "all_reduce_sum", lambda local, world_size, group, *_: local * 2)
 
 
-def _apply(x, bn: nn.BatchNorm2d | nn.BatchNorm1d):
+def _apply(x, bn: nn.BatchNorm2d | nn.BatchNorm1d, name: str = "blocks.0.bn1"):
+    """Through the layer's header (identity.py), as a converted layer runs it."""
+    from bnsurgeon.runtime.identity import LayerIdentity
+
     return SyncBatchNormFunction.apply(
-        x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, bn.momentum, None, 2, None
+        x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, bn.momentum, None, 2, LayerIdentity(name)
     )
 
 
@@ -102,3 +105,18 @@ def test_device_branch_matches_plain_bn(two_identical_ranks, monkeypatch, device
     stats_tol = {"rtol": 1e-6, "atol": 1e-6} if device == "cpu" else {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(ours.running_mean, plain.running_mean, **stats_tol)
     torch.testing.assert_close(ours.running_var, plain.running_var, **stats_tol)
+
+
+def test_device_branch_header_mismatch_is_a_device_assert_naming_the_layer(monkeypatch):
+    """Off the CPU the header check is ``torch._assert_async`` (no host read); on CPU values
+    that assert raises at once, so CI sees the message a GPU run reports at its next sync."""
+    def other_rank_elsewhere(local, world_size, group, *_):
+        other = local.clone()
+        other[:4] += 1  # another layer's id
+        return torch.stack([local, other])
+
+    monkeypatch.setattr(sync_function, "all_gather_rows", other_rank_elsewhere)
+    monkeypatch.setattr(sync_function, "counts_on_host", lambda x: False)
+    bn = nn.BatchNorm2d(3)
+    with pytest.raises(RuntimeError, match="sync layer 'stages.1.bn2' met other ranks at a different layer or call"):
+        _apply(torch.randn(4, 3, 2, 2), bn, name="stages.1.bn2")
