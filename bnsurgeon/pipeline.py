@@ -28,13 +28,15 @@ def inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     if isinstance(source, nn.Module):
         return inspect_model(source, source=type(source).__name__)
     if not looks_like_file(source):
-        loaded = load_source(source, meta=True, **source_options)
-        return inspect_model(loaded.model, source=loaded.description)
+        loaded, note = _load_for_inspection(source, **source_options)
+        result = inspect_model(loaded.model, source=loaded.description)
+        result.notes += [note] if note else []
+        return result
 
     raw = read_checkpoint(source, trust_pickle=source_options.get("trust_pickle", False))
     contents = describe_checkpoint(raw)
     try:
-        loaded = load_source(source, meta=True, raw=raw, **source_options)
+        loaded, note = _load_for_inspection(source, raw=raw, **source_options)
     except UsageError as error:
         if source_options.get("model"):
             raise
@@ -42,10 +44,30 @@ def inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
         result.notes.append(f"{error.message}: pass --model ARCH to list its BatchNorm modules")
         return result
     result = inspect_model(loaded.model, source=loaded.description)
+    result.notes += [note] if note else []
     result.checkpoint = contents
     if loaded.weights_key:
         result.notes.append(f"weights taken from '{loaded.weights_key}' (choose another with --weights)")
     return result
+
+
+def _load_for_inspection(source: str, **options: Any) -> "tuple[LoadedSource, str | None]":
+    """On the meta device (no weights allocated) when the model allows it, else built for real.
+
+    Factories that compute on their weights at init (torchvision RegNet, ultralytics YAML
+    models: ``.item()``/copies out of a tensor) cannot be built on meta; ``convert`` falls
+    back to a real build for them and so does ``inspect``.
+    """
+    from .errors import BnSurgeonError
+
+    try:
+        return load_source(source, meta=True, **options), None
+    except BnSurgeonError:
+        raise
+    except Exception as error:  # not buildable on meta: build it for real
+        reason = str(error).strip().splitlines()[0][:120] if str(error).strip() else type(error).__name__
+        loaded = load_source(source, meta=False, **options)
+        return loaded, f"built with real weights: the model cannot be built on the meta device ({reason})"
 
 
 @dataclass
