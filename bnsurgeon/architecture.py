@@ -147,3 +147,4 @@ class LoadedSource:
     weights_key: str | None = None
     stripped_prefix: str = ""
     carried: dict[str, Any] = field(default_factory=dict)
+    check_input: Any = None  # a CheckInput recorded in a bnsurgeon checkpoint (validated)

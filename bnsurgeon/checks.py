@@ -11,6 +11,8 @@ from .report import CheckResult
 if TYPE_CHECKING:
     from torch import nn
 
+    from .check_input import CheckInput
+
 CHECK_SEED = 0
 
 
@@ -26,17 +28,39 @@ def preserved_modes(*models: "nn.Module"):
 
 
 def infer_input_shape(model: "nn.Module", batch: int = 2) -> tuple[int, ...] | None:
-    """A plausible input from the first layer with weights (timm models give their own)."""
-    from torch import nn
+    """A plausible input tensor shape, sized for the first conv/linear the forward reaches."""
+    from .check_input import infer_check_input
 
-    spatial = {nn.Conv1d: (64,), nn.Conv2d: (64, 64), nn.Conv3d: (16, 16, 16)}
-    for module in model.modules():
-        for cls, dims in spatial.items():
-            if type(module) is cls:
-                return (batch, module.in_channels, *dims)
-        if type(module) is nn.Linear:
-            return (batch, module.in_features)
-    return None
+    found = infer_check_input(model, batch)
+    return found.shape if found is not None else None
+
+
+def resolve_check_input(model: "nn.Module", *, input_shape: "tuple[int, ...] | None" = None,
+                        example_input: "CheckInput | None" = None, recorded: "CheckInput | None" = None,
+                        own_shape: "tuple[int, ...] | None" = None) -> "CheckInput | None":
+    """The input the checks use, first found: --input-shape, --example-input, what the
+    checkpoint recorded, the model's own (timm), else inferred from the first conv reached.
+
+    Only a shape that bnsurgeon chose itself is shrunk to a smaller spatial size.
+    """
+    from .check_input import CheckInput, infer_check_input
+
+    if input_shape is not None and example_input is not None:
+        from .errors import UsageError
+
+        raise UsageError("--input-shape and --example-input both say what the input is", "pass one of them")
+    if input_shape is not None:
+        return CheckInput.of_shape(tuple(input_shape))
+    if example_input is not None:
+        return example_input
+    if recorded is not None:
+        return recorded
+    if own_shape is not None:
+        return CheckInput.of_shape(first_runnable_shape(model, tuple(own_shape)))
+    inferred = infer_check_input(model)
+    if inferred is not None and inferred.kind == "tensor":
+        return CheckInput.of_shape(first_runnable_shape(model, inferred.shape))
+    return inferred
 
 
 CHECK_SIDE = 64
@@ -68,22 +92,26 @@ def first_runnable_shape(model: "nn.Module", shape: tuple[int, ...]) -> tuple[in
     return candidates[-1]
 
 
-def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: tuple[int, ...], *,
+def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: "tuple[int, ...] | CheckInput", *,
                  exact: bool = True, seed: int = CHECK_SEED) -> CheckResult:
     """Eval outputs of both models on one seeded input: bit for bit, or within fp tolerance."""
     import torch
+
+    from .check_input import CheckInput, clone_value
+
+    check_input = CheckInput.of_shape(input_shape)
 
     reference = next(iter(source.parameters()), None)
     if reference is None:
         reference = next(iter(source.buffers()), None)
     dtype = reference.dtype if reference is not None and reference.is_floating_point() else torch.float32
     device = reference.device if reference is not None else torch.device("cpu")
-    x = torch.randn(input_shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+    x = check_input.make(seed=seed, dtype=dtype, device=device)
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         converted.eval()
-        expected = flatten_tensors(source(x.clone()))
-        actual = flatten_tensors(converted(x.clone()))
+        expected = flatten_tensors(source(clone_value(x)))
+        actual = flatten_tensors(converted(clone_value(x)))
     diff = 0.0
     passed = len(expected) == len(actual) and len(expected) > 0
     for a, b in zip(expected, actual):
@@ -97,7 +125,20 @@ def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: tuple
             scale = a.float().abs().max().item() if a.numel() else 1.0
             passed = passed and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5 * max(scale, 1.0))
     mode = "bit-identical" if exact else "close (rtol 1e-4; frozen x*scale+shift vs batch_norm arithmetic)"
-    return CheckResult(passed, mode, diff, list(input_shape), seed)
+    vacuous = vacuous_reason(expected)  # the check then proves little: said, not hidden (verify fails on it)
+    note = f"inconclusive: {vacuous}; run bnsurgeon verify (--example-input, --compare-at)" if vacuous else ""
+    shape = list(check_input.shape) if check_input.shape is not None else []
+    return CheckResult(passed, mode, diff, shape, seed, note, check_input.describe())
+
+
+def vacuous_reason(outputs: list) -> str | None:
+    """Why a comparison of these outputs proves nothing: no values at all, or non-finite ones."""
+    if not outputs or all(t.numel() == 0 for t in outputs):
+        return "the outputs are empty (e.g. a detector returned 0 boxes)"
+    bad = [t for t in outputs if t.is_floating_point() and t.numel() and not bool(t.isfinite().all())]
+    if bad:
+        return f"{len(bad)} of {len(outputs)} output tensors hold NaN/inf"
+    return None
 
 
 def _inexact(source: "nn.Module", converted: "nn.Module") -> bool:

@@ -90,6 +90,15 @@ TrustOption = typer.Option(False, "--trust-pickle", help="Allow unpickling arbit
 JsonOption = typer.Option(False, "--json", help="Print one JSON document on stdout (human output stays on stderr).")
 QuietOption = typer.Option(False, "--quiet", "-q", help="No human output; errors only (the exit code says the rest).")
 VerboseOption = typer.Option(False, "--verbose", "-v", help="Show every path, not a few examples.")
+ExampleInputOption = typer.Option(None, "--example-input", help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector; recorded in the output.")
+
+
+def _example_input(path: Optional[Path]):
+    if path is None:
+        return None
+    from .check_input import load_example_input
+
+    return load_example_input(path)
 
 
 @app.command()
@@ -149,6 +158,7 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Replace OUTPUT if it exists (never the input)."),
     no_check: bool = typer.Option(False, "--no-check", help="Skip the eval-equivalence check before writing."),
     input_shape: Optional[str] = typer.Option(None, "--input-shape", help="Input for the check, e.g. 2,3,224,224 (timm models know theirs)."),
+    example_input: Optional[Path] = ExampleInputOption,
     verify: bool = typer.Option(False, "--verify", help="Before writing, also run `bnsurgeon verify`'s checks (train, 2 ranks, perturbed) and record them."),
     verbose: bool = VerboseOption,
     quiet: bool = QuietOption,
@@ -168,7 +178,8 @@ def convert(
         outcome = api.convert_source(
             source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
             model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle, force=force,
-            check=not no_check, input_shape=_parse_shape(input_shape), verify_world_sizes=(2,) if verify else (),
+            check=not no_check, input_shape=_parse_shape(input_shape), example_input=_example_input(example_input),
+            verify_world_sizes=(2,) if verify else (),
             progress=progress,
         )
     report = outcome.result.report
@@ -186,6 +197,8 @@ def verify(
     converted: str = typer.Argument(..., help="The converted model, in any SOURCE form."),
     world_size: List[int] = typer.Option([2], "--world-size", "-w", help="Ranks for the distributed check (repeatable)."),
     input_shape: Optional[str] = typer.Option(None, "--input-shape", help="e.g. 4,16,32 (timm models know theirs)."),
+    example_input: Optional[Path] = ExampleInputOption,
+    compare_at: Optional[str] = typer.Option(None, "--compare-at", help="Compare the output of this submodule (e.g. backbone) instead of the model's: for detectors whose head output is not comparable."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance instead of bit-identity for eval/train."),
     no_perturb: bool = typer.Option(False, "--no-perturb", help="Skip the run with perturbed BN statistics and affine parameters."),
     model: Optional[str] = ModelOption,
@@ -207,7 +220,8 @@ def verify(
     try:
         result = api.verify(source, converted, world_sizes=tuple(world_size), input_shape=_parse_shape(input_shape),
                             atol=atol, perturb=not no_perturb, model=model, model_args=parse_model_args(model_arg),
-                            trust_pickle=trust_pickle)
+                            trust_pickle=trust_pickle, example_input=_example_input(example_input),
+                            compare_at=compare_at)
     except BnSurgeonError as error:
         if debug:
             raise

@@ -16,3 +16,32 @@ def flatten_tensors(output: Any) -> list:
     if isinstance(output, (list, tuple)):
         return [t for value in output for t in flatten_tensors(value)]
     return []
+
+
+def per_sample(output: Any, batch: int) -> "list[list] | None":
+    """``output`` cut into ``batch`` samples, each a flat list of tensors; None when it is not per sample.
+
+    Batch-first tensors (alone, in dicts, lists or tuples) are cut along their first
+    dimension; a list of ``batch`` dicts (a detector's one result per image) is taken
+    item by item. Anything else (a scalar loss, a tensor without the batch dimension)
+    cannot be lined up sample by sample.
+    """
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        if output.dim() and output.shape[0] == batch:
+            return [[output[i]] for i in range(batch)]
+        return None
+    if isinstance(output, (list, tuple)) and len(output) == batch and all(isinstance(o, dict) for o in output):
+        return [flatten_tensors(o) for o in output]
+    if isinstance(output, dict):
+        parts = [per_sample(value, batch) for value in output.values()]
+    elif isinstance(output, (list, tuple)):
+        parts = [per_sample(value, batch) for value in output]
+        if any(part is None for part in parts) and len(output) == batch:
+            return [flatten_tensors(o) for o in output]
+    else:
+        return [[] for _ in range(batch)]  # not a tensor: nothing to compare
+    if any(part is None for part in parts):
+        return None
+    return [[t for part in parts for t in part[i]] for i in range(batch)]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import __version__
 from .architecture import LoadedSource
 from .checkpoint import check_output_path, describe_checkpoint, read_checkpoint
-from .checks import _inexact, compare_eval, first_runnable_shape, infer_input_shape
+from .checks import _inexact, compare_eval, resolve_check_input
 from .errors import UsageError, VerificationError
 from .inspection import Inspection, inspect_model
 from .sources import load_source, looks_like_file
@@ -19,6 +19,8 @@ from .writing import save, write_reports
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from .check_input import CheckInput
 
 
 def inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
@@ -92,6 +94,7 @@ def convert_source(
     force: bool = False,
     check: bool = True,
     input_shape: tuple[int, ...] | None = None,
+    example_input: "CheckInput | None" = None,
     verify_world_sizes: tuple[int, ...] = (),
     progress: "Callable[[str], None] | None" = None,
 ) -> ConvertOutcome:
@@ -116,25 +119,26 @@ def convert_source(
     result.report.source = loaded.description
     result.report.tool_version = __version__
     result.report.carried = {k: f"{v} (not written)" for k, v in loaded.carried.items()}
+    check_input = None
     if check:
-        shape = input_shape or loaded.input_shape or infer_input_shape(loaded.model)
-        if shape is None:
+        check_input = resolve_check_input(loaded.model, input_shape=input_shape, example_input=example_input,
+                                          recorded=loaded.check_input, own_shape=loaded.input_shape)
+        if check_input is None:
             raise UsageError("cannot tell what input the model takes for the equivalence check",
-                             "pass --input-shape N,C,H,W (or --no-check)")
-        if input_shape is None:
-            shape = first_runnable_shape(loaded.model, tuple(shape))
-        phase(f"checking eval outputs on {tuple(shape)}")
-        result.report.check = compare_eval(loaded.model, result.model, tuple(shape), exact=result.exact)
-        if not result.report.check.passed:
+                             "pass --input-shape N,C,H,W or --example-input x.pt (or --no-check)")
+        phase(f"checking eval outputs on {check_input.describe()}")
+        result.report.check = compare_eval(loaded.model, result.model, check_input, exact=result.exact)
+        check_result = result.report.check
+        if not check_result.passed:
             raise VerificationError(
                 f"converted model's eval outputs differ from the source's (max |diff| "
-                f"{result.report.check.max_abs_diff:.3g}, {result.report.check.mode})"
+                f"{check_result.max_abs_diff:.3g}, {check_result.mode})"
             )
         if verify_world_sizes:
             from .verify import verify_models
 
             phase("verifying (train, 2 gloo ranks, perturbed)")
-            verification = verify_models(loaded.model, result.model, tuple(shape), world_sizes=verify_world_sizes,
+            verification = verify_models(loaded.model, result.model, check_input, world_sizes=verify_world_sizes,
                                          exact=result.exact, source_name=loaded.description)
             result.report.verification = verification.to_dict()
             if not verification.passed:
@@ -147,14 +151,16 @@ def convert_source(
     if out is not None:
         result.report.output = str(out)
         phase(f"writing {out}")
-        save(result, out, loaded.architecture, source=loaded.description)
+        save(result, out, loaded.architecture, source=loaded.description,
+             check_input=check_input or loaded.check_input)
         reports = write_reports(result, out)
     return ConvertOutcome(result, loaded, out, reports)
 
 
 def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), input_shape: tuple[int, ...] | None = None,
            atol: float | None = None, perturb: bool = True, model: str | None = None,
-           model_args: dict[str, Any] | None = None, trust_pickle: bool = False):
+           model_args: dict[str, Any] | None = None, trust_pickle: bool = False,
+           example_input: "CheckInput | None" = None, compare_at: str | None = None):
     """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen)."""
     from .verify import verify_models
 
@@ -162,13 +168,14 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     left = load_source(source, model=model, model_args=model_args, trust_pickle=trust_pickle,
                        trust_factory=model is not None or named_factory)
     right = load_source(converted, trust_pickle=trust_pickle, trust_factory=named_factory or model is not None)
-    shape = input_shape or left.input_shape or right.input_shape or infer_input_shape(left.model)
-    if shape is None:
-        raise UsageError("cannot tell what input the models take", "pass --input-shape N,C,... (e.g. 4,16,32)")
-    if input_shape is None:
-        shape = first_runnable_shape(left.model, tuple(shape))
     if any(w < 2 for w in world_sizes):
         raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
-    return verify_models(left.model, right.model, shape, world_sizes=world_sizes, atol=atol, perturb=perturb,
+    check_input = resolve_check_input(left.model, input_shape=input_shape, example_input=example_input,
+                                      recorded=left.check_input or right.check_input,
+                                      own_shape=left.input_shape or right.input_shape)
+    if check_input is None:
+        raise UsageError("cannot tell what input the models take",
+                         "pass --input-shape N,C,... (e.g. 4,16,32) or --example-input x.pt")
+    return verify_models(left.model, right.model, check_input, world_sizes=world_sizes, atol=atol, perturb=perturb,
                          exact=not _inexact(left.model, right.model), source_name=left.description,
-                         converted_name=right.description)
+                         converted_name=right.description, compare_at=compare_at)

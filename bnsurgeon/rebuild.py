@@ -52,8 +52,17 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, trust_fac
             "use the bnsurgeon/timm versions that wrote the file, or pass the model explicitly",
         )
     name_sync_layers(rebuilt)
-    return LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",
-                        timm_input_shape(rebuilt), raw)
+    loaded = LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",
+                          timm_input_shape(rebuilt), raw)
+    try:
+        recorded_input = raw.bnsurgeon("check_input")
+    except ValueError:  # not JSON
+        recorded_input = {"kind": None}
+    if recorded_input is not None:
+        from .check_input import CheckInput
+
+        loaded.check_input = CheckInput.from_record(recorded_input, f"{raw.path}")
+    return loaded
 
 
 def load(path: "str | Path", *, model: "str | nn.Module | None" = None, trust_factory: bool = False) -> "nn.Module":

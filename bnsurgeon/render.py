@@ -102,7 +102,9 @@ def render_report(report: Report, out: Console, *, verbose: bool = False) -> Non
     if report.check is not None:
         check = report.check
         status = "[green]passed[/]" if check.passed else "[bold red]FAILED[/]"
-        out.print(f"eval check ({check.mode}, input {tuple(check.input_shape)}): {status}, max |diff| {check.max_abs_diff:.3g}")
+        shown = getattr(check, "input", "") or tuple(check.input_shape)
+        out.print(f"eval check ({check.mode}, input {shown}): {status}, max |diff| {check.max_abs_diff:.3g}"
+                  + (f"; {check.note}" if check.note else ""))
     for note in sorted({n for change in report.changed for n in change.notes}):
         out.print(f"note: {note}")
 
@@ -127,7 +129,8 @@ def render_verification(verification, out: Console) -> None:
     out.print(table)
     failed = verification.first_failure
     if failed is None:
-        out.print(f"[green]all checks passed[/] (input {tuple(verification.input_shape)})")
+        shown = getattr(verification, "input", "") or tuple(verification.input_shape)
+        out.print(f"[green]all checks passed[/] (input {shown})")
     else:
         where = f": first divergent module {failed.first_divergence}" if failed.first_divergence else ""
         out.print(f"[bold red]{failed.name} failed[/]{where}", markup=True)

@@ -45,6 +45,7 @@ class CheckResult:
     input_shape: list[int]
     seed: int
     note: str = ""
+    input: str = ""  # the check input described: a shape, "list of 2 sample(s) (3, 96, 96)", "dict {...}"
 
 
 @dataclass
@@ -122,7 +123,7 @@ def render_markdown(report: Report) -> str:
         check = report.check
         verdict = "passed" if check.passed else "FAILED"
         lines.append(
-            f"Eval check ({check.mode}, input {tuple(check.input_shape)}, seed {check.seed}): "
+            f"Eval check ({check.mode}, input {check.input or tuple(check.input_shape)}, seed {check.seed}): "
             f"**{verdict}**, max |diff| = {check.max_abs_diff:.3g}." + (f" {check.note}" if check.note else "")
         )
     if report.verification is not None:

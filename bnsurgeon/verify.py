@@ -14,7 +14,9 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .outputs import flatten_tensors
+from .check_input import CheckInput, clone_value, leaves
+from .checks import vacuous_reason
+from .outputs import flatten_tensors, per_sample
 from .surgery import is_bn_like
 
 if TYPE_CHECKING:
@@ -39,8 +41,10 @@ class CheckOutcome:
 class Verification:
     source: str
     converted: str
-    input_shape: list[int]
+    input_shape: list[int]  # [] when the check input is a list or dict (see ``input``)
     checks: list[CheckOutcome] = field(default_factory=list)
+    input: str = ""
+    compare_at: str | None = None  # the submodule whose output was compared (None: the model's)
 
     @property
     def passed(self) -> bool:
@@ -149,8 +153,8 @@ def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torc
     handles = hook_all(source, "source") + hook_all(converted, "converted")
     try:
         with torch.no_grad():
-            source(x.clone())
-            converted(x.clone())
+            source(clone_value(x))
+            converted(clone_value(x))
     finally:
         for handle in handles:
             handle.remove()
@@ -167,12 +171,65 @@ def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torc
     return None
 
 
-def _input(shape, model, seed: int, dtype=None) -> "torch.Tensor":
+def _input(shape, model, seed: int, dtype=None):
     import torch
 
     reference = next(iter(model.parameters()), None)
     dtype = dtype or (reference.dtype if reference is not None and reference.is_floating_point() else torch.float32)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return CheckInput.of_shape(shape).make(seed=seed, dtype=dtype)
+
+
+class _Reached(Exception):
+    """Raised by the --compare-at hook: the output is captured, the rest of the forward is not needed."""
+
+
+def run_model(model: "nn.Module", x, compare_at: str | None = None):
+    """``model(x)``, or the output of submodule ``compare_at`` (the forward stops there)."""
+    if compare_at is None:
+        return model(x)
+    captured: list = []
+
+    def capture(module, args, output):
+        captured.append(output)
+        raise _Reached
+
+    handle = model.get_submodule(compare_at).register_forward_hook(capture)
+    try:
+        model(x)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        from .errors import UsageError
+
+        raise UsageError(f"--compare-at {compare_at}: the forward never reached that module",
+                         "name a module the forward runs (see the model's named_modules())")
+    return captured[0]
+
+
+def check_compare_at(compare_at: str | None, *models: "nn.Module") -> None:
+    """Refuse a --compare-at path that is not a submodule of every model, naming the top-level ones."""
+    from .errors import UsageError
+
+    if compare_at is None:
+        return
+    for model in models:
+        try:
+            model.get_submodule(compare_at)
+        except AttributeError:
+            children = ", ".join(name for name, _ in model.named_children()) or "none"
+            raise UsageError(f"--compare-at {compare_at!r} is not a submodule of the model",
+                             f"name a module path, e.g. one of: {children}") from None
+
+
+def _vacuous(label: str, outputs: list, detail: str = "") -> CheckOutcome | None:
+    reason = vacuous_reason(outputs)
+    if reason is None:
+        return None
+    return CheckOutcome(label, False, float("nan"),
+                        f"vacuous, not a pass: {reason}" + (f" ({detail})" if detail else "")
+                        + "; compare where values exist (--compare-at MODULE, e.g. backbone)")
 
 
 def _has_sync_layers(model: "nn.Module") -> bool:
@@ -188,7 +245,8 @@ def _is_frozen_model(model: "nn.Module") -> bool:
     return bool(bn) and all(isinstance(m, FrozenBatchNorm) or "Frozen" in type(m).__name__ for m in bn)
 
 
-def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="eval") -> CheckOutcome:
+def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="eval",
+               compare_at: str | None = None) -> CheckOutcome:
     import torch
 
     from .checks import preserved_modes
@@ -197,34 +255,38 @@ def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, l
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         converted.eval()
-        ok, diff = _within(flatten_tensors(source(x.clone())), flatten_tensors(converted(x.clone())), tol)
+        expected = flatten_tensors(run_model(source, clone_value(x), compare_at))
+        ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
         where = None if ok else first_divergent_module(source, converted, x, tol)
-    return CheckOutcome(label, ok, diff, tol.describe(), where)
+    return _vacuous(label, expected) or CheckOutcome(label, ok, diff, tol.describe(), where)
 
 
 def _running_stats(model: "nn.Module") -> dict[str, "torch.Tensor"]:
     return {n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))}
 
 
-def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="train, one process") -> CheckOutcome:
+def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="train, one process",
+                compare_at: str | None = None) -> CheckOutcome:
     """Outputs and running-stat updates of one train-mode forward (copies: the caller's models are untouched)."""
     import torch
 
     source, converted = only_bn_trains(copy.deepcopy(source)), only_bn_trains(copy.deepcopy(converted))
     x = _input(shape, source, seed)
     with torch.no_grad():
-        ok, diff = _within(flatten_tensors(source(x.clone())), flatten_tensors(converted(x.clone())), tol)
-    expected, actual = _running_stats(source), _running_stats(converted)
-    stats_ok, stats_diff = _within(list(expected.values()), [actual.get(n, torch.empty(0)) for n in expected], tol)
+        expected = flatten_tensors(run_model(source, clone_value(x), compare_at))
+        ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
+    stats_expected, actual = _running_stats(source), _running_stats(converted)
+    stats_ok, stats_diff = _within(list(stats_expected.values()),
+                                   [actual.get(n, torch.empty(0)) for n in stats_expected], tol)
     where = None
     if not ok:
         where = first_divergent_module(source, converted, x, tol)
     detail = "outputs and running statistics" + ("" if stats_ok else "; running statistics differ")
-    return CheckOutcome(label, ok and stats_ok, max(diff, stats_diff), detail, where)
+    return _vacuous(label, expected) or CheckOutcome(label, ok and stats_ok, max(diff, stats_diff), detail, where)
 
 
 def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
-                 label="frozen (train) == source (eval)") -> CheckOutcome:
+                 label="frozen (train) == source (eval)", compare_at: str | None = None) -> CheckOutcome:
     import torch
 
     from .checks import preserved_modes
@@ -233,8 +295,17 @@ def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         only_bn_trains(converted)
-        ok, diff = _within(flatten_tensors(source(x.clone())), flatten_tensors(converted(x.clone())), tol)
-    return CheckOutcome(label, ok, diff, f"{tol.describe()}; frozen BN ignores batch statistics")
+        expected = flatten_tensors(run_model(source, clone_value(x), compare_at))
+        ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
+    return _vacuous(label, expected) or CheckOutcome(label, ok, diff,
+                                                     f"{tol.describe()}; frozen BN ignores batch statistics")
+
+
+def _loss(samples: list, grads: list):
+    """sum(output * grad) over every floating output tensor of every sample."""
+    terms = [(o * g).sum() for sample, sample_grads in zip(samples, grads)
+             for o, g in zip(sample, sample_grads) if o.is_floating_point()]
+    return sum(terms) if terms else None
 
 
 def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], seed: int) -> dict:
@@ -243,24 +314,33 @@ def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], 
     torch.set_num_threads(1)
     bundle = torch.load(io.BytesIO(payload), weights_only=False)  # written by this process's parent
     model = only_bn_trains(bundle["converted"])
-    x, grad = bundle["x"], bundle["grad"]
-    start = sum(splits[:rank])
-    rows = slice(start, start + splits[rank])
-    xs = x[rows].clone().requires_grad_()
-    outputs = flatten_tensors(model(xs))
-    loss = sum((o * g[rows]).sum() for o, g in zip(outputs, grad))
-    loss.backward()
+    check_input: CheckInput = bundle["input"]
+    first = sum(splits[:rank])
+    xs = clone_value(check_input.split(bundle["x"], splits)[rank])
+    for leaf in leaves(xs):
+        leaf.requires_grad_()
+    samples = per_sample(run_model(model, xs, bundle["compare_at"]), splits[rank])
+    if samples is None:
+        raise RuntimeError("the converted model's outputs are not per sample")
+    loss = _loss(samples, bundle["grad"][first:first + splits[rank]])
+    if loss is not None and loss.requires_grad:
+        loss.backward()
     return {
-        "outputs": [o.detach() for o in outputs],
-        "input_grad": xs.grad,
+        "outputs": [[o.detach() for o in sample] for sample in samples],
+        "input_grad": [leaf.grad for leaf in leaves(xs)],
         "param_grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
         "stats": {n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var", "num_batches_tracked"))},
     }
 
 
 def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
-                label: str | None = None) -> CheckOutcome:
-    """W gloo ranks of the converted model on slices == the source on the whole batch (float64)."""
+                label: str | None = None, compare_at: str | None = None) -> CheckOutcome:
+    """W gloo ranks of the converted model on slices == the source on the whole batch (float64).
+
+    Outputs are compared per sample: a batch-first tensor is cut along its first dimension,
+    a detector's list of per-image results is taken image by image, so ranks holding 3 and
+    2 images line up with the source's 5.
+    """
     import torch
 
     from .multiproc import RankFailure, run_world
@@ -270,16 +350,28 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
         return CheckOutcome(label, None, detail="not applicable: the converted model has no sync layers")
     splits = [3] + [2] * (world_size - 1)  # uneven on purpose: counts must weight the merge
     batch = sum(splits)
+    check_input = CheckInput.of_shape(shape).with_batch(batch, uniform=True)  # same-size images: same padding
     source64 = only_bn_trains(copy.deepcopy(source).double())
     converted64 = copy.deepcopy(converted).double()
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn((batch, *shape[1:]), generator=generator, dtype=torch.float64)
-    xr = x.clone().requires_grad_()
-    outputs = flatten_tensors(source64(xr))
-    grad = [torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in outputs]
-    sum((o * g).sum() for o, g in zip(outputs, grad)).backward()
+    x = check_input.make(generator=generator, dtype=torch.float64)
+    xr = clone_value(x)
+    for leaf in leaves(xr):
+        leaf.requires_grad_()
+    samples = per_sample(run_model(source64, xr, compare_at), batch)
+    if samples is None:
+        return CheckOutcome(label, False, float("inf"),
+                            "the outputs are not per sample (neither batch-first tensors nor one result per "
+                            "image), so ranks cannot be lined up; compare at a submodule (--compare-at MODULE)")
+    vacuous = _vacuous(label, [t for sample in samples for t in sample])
+    if vacuous is not None:
+        return vacuous
+    grad = [[torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in sample] for sample in samples]
+    loss = _loss(samples, grad)
+    if loss is not None and loss.requires_grad:
+        loss.backward()
     buffer = io.BytesIO()
-    torch.save({"converted": converted64, "x": x, "grad": grad}, buffer)
+    torch.save({"converted": converted64, "x": x, "grad": grad, "input": check_input, "compare_at": compare_at}, buffer)
     try:
         ranks = run_world(world_size, _rank_worker, buffer.getvalue(), splits, seed, timeout=timeout, collective_timeout=120)
     except RankFailure as error:
@@ -294,9 +386,15 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
         if not ok:
             problems.append(name)
 
-    for index, expected in enumerate(outputs):
-        compare(f"output {index}", [expected.detach()], [torch.cat([r["outputs"][index] for r in ranks])])
-    compare("input gradient", [xr.grad], [torch.cat([r["input_grad"] for r in ranks])])
+    rank_samples = [sample for r in ranks for sample in r["outputs"]]
+    for index, (expected, actual) in enumerate(zip(samples, rank_samples)):
+        compare(f"output of sample {index}", [o.detach() for o in expected], actual)
+    input_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves(xr)]
+    grad_value = input_grads[0] if check_input.kind == "tensor" else (
+        input_grads if check_input.kind == "list" else dict(zip(x, input_grads)))
+    for rank, (piece, r) in enumerate(zip(check_input.split(grad_value, splits), ranks)):
+        theirs = [g if g is not None else torch.zeros_like(e) for g, e in zip(r["input_grad"], leaves(piece))]
+        compare(f"input gradient (rank {rank})", leaves(piece), theirs)
     for name, param in source64.named_parameters():
         if param.grad is not None:
             summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
@@ -304,30 +402,64 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     for name, buf in source64.named_buffers():
         if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
             compare(name, [buf.double()], [ranks[0]["stats"][name].double()])
-    detail = f"splits {splits}, float64" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
+    detail = f"splits {splits}, float64, per sample" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
     return CheckOutcome(label, not problems, worst, detail, problems[0] if problems else None)
 
 
 def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, world_sizes=(2,),
                   atol: float | None = None, perturb: bool = True, exact: bool = True,
-                  source_name: str = "", converted_name: str = "") -> Verification:
+                  source_name: str = "", converted_name: str = "", compare_at: str | None = None) -> Verification:
     """Run every check, then all of them again with identically perturbed BN state.
 
+    ``input_shape`` is a tensor shape or a ``CheckInput`` (list/dict inputs);
     ``exact=False`` (conversions from x*scale+shift frozen BN) compares within rtol 1e-4;
-    ``atol`` relaxes bit-identity explicitly.
+    ``atol`` relaxes bit-identity explicitly; ``compare_at`` compares the output of that
+    submodule instead of the model's (a detector head's output is not comparable after
+    perturbation: 0 boxes).
     """
+    check_compare_at(compare_at, source, converted)
+    check_input = CheckInput.of_shape(input_shape)
     tol = Tolerance(atol=atol or 0.0, rtol=0.0 if exact else INEXACT_RTOL)
-    result = Verification(source_name, converted_name, list(input_shape))
+    result = Verification(source_name, converted_name, list(check_input.shape or []), input=check_input.describe(),
+                          compare_at=compare_at)
     variants = [("", source, converted)]
     if perturb:
         variants.append((" (perturbed)", perturb_bn(copy.deepcopy(source)), perturb_bn(copy.deepcopy(converted))))
     frozen = _is_frozen_model(converted)
+    at = {"compare_at": compare_at}
     for suffix, src, conv in variants:
-        result.checks.append(check_eval(src, conv, input_shape, tol, label="eval" + suffix))
+        result.checks.append(check_eval(src, conv, check_input, tol, label="eval" + suffix, **at))
         if frozen:
-            result.checks.append(check_frozen(src, conv, input_shape, tol, label="frozen (train) == source (eval)" + suffix))
-        else:
-            result.checks.append(check_train(src, conv, input_shape, tol, label="train, one process" + suffix))
-            for world_size in world_sizes:
-                result.checks.append(check_ranks(src, conv, input_shape, world_size, label=f"{world_size} ranks" + suffix))
+            result.checks.append(check_frozen(src, conv, check_input, tol,
+                                              label="frozen (train) == source (eval)" + suffix, **at))
+            continue
+        thawed = thawed_reference(src, conv)
+        reference, against = (src, "") if thawed is None else (thawed, " vs source thawed")
+        train_tol = tol if thawed is None else Tolerance(atol=tol.atol)  # thawed: batch_norm arithmetic both sides
+        result.checks.append(check_train(reference, conv, check_input, train_tol,
+                                         label="train, one process" + against + suffix, **at))
+        for world_size in world_sizes:
+            result.checks.append(check_ranks(reference, conv, check_input, world_size,
+                                             label=f"{world_size} ranks" + against + suffix, **at))
     return result
+
+
+def thawed_reference(source: "nn.Module", converted: "nn.Module") -> "nn.Module | None":
+    """For an unfreeze result (frozen BN made trainable): the source with its frozen BN thawed to plain BN.
+
+    Comparing the trainable model in train mode with the frozen source is not the
+    property: frozen BN ignores batch statistics by design. What unfreeze must give is
+    BN that trains exactly like plain BN holding the frozen layers' tensors; so the train
+    and N-rank checks take that as the reference (the eval check still compares with the
+    frozen source). None when nothing was thawed.
+    """
+    from .fields import qualname
+    from .rules.builders import is_frozen_origin
+    from .surgery import convert, plan
+
+    theirs = dict(converted.named_modules())
+    thawed = [entry for entry in plan(source) if is_frozen_origin(entry.cls_name) and entry.path in theirs
+              and not is_frozen_origin(qualname(type(theirs[entry.path])))]
+    if not thawed:
+        return None
+    return convert(source, "plain", frozen="unfreeze", allow_unhandled=True).model

@@ -13,7 +13,7 @@ from .surgery import ConvertResult
 
 
 def save(result: ConvertResult, path: "str | Path", architecture: Architecture, *, source: str = "",
-         extras: dict[str, Any] | None = None) -> Path:
+         extras: dict[str, Any] | None = None, check_input: Any = None) -> Path:
     """Write the converted model with self-describing metadata (atomic)."""
     path = Path(path)
     metadata = {
@@ -25,6 +25,8 @@ def save(result: ConvertResult, path: "str | Path", architecture: Architecture, 
         "classes": class_map(result.model),
         "source": source,
     }
+    if check_input is not None:  # a CheckInput: reused by later conversions of the file
+        metadata["check_input"] = check_input.to_record()
     write_checkpoint(path, result.model, metadata, extras)
     return path
 

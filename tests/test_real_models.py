@@ -36,3 +36,176 @@ def test_inspect_ultralytics_yaml_model():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["totals"]["bn_modules"] == 57 and data["totals"]["unhandled"] == 0
+
+
+# -- the check input ------------------------------------------------------------------------
+
+def test_check_input_is_sized_for_the_first_conv_the_forward_reaches():
+    """Module order lies: the head is declared first; the stem (a Conv2d subclass) runs first."""
+    import torch
+    from torch import nn
+
+    from bnsurgeon.checks import infer_input_shape
+
+    class SamePadConv(nn.Conv2d):
+        pass
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Conv2d(16, 4, 1)
+            self.stem = SamePadConv(3, 16, 3, padding=1)
+            self.bn = nn.BatchNorm2d(16)
+
+        def forward(self, x):
+            return self.head(self.bn(self.stem(x)))
+
+    torch.manual_seed(0)
+    assert infer_input_shape(Net()) == (2, 3, 64, 64)
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _classes(path, factory):
+    import bnsurgeon
+    from bnsurgeon.recorded import class_map
+
+    return set(class_map(bnsurgeon.load(path, model=factory)).values())
+
+
+def test_dict_example_input_is_recorded_and_reused(in_tmp):
+    import torch
+
+    from bnsurgeon.checkpoint import read_checkpoint
+
+    factory = "_real_models:dict_input"
+    refused = run("convert", factory, "-o", in_tmp / "x.safetensors")
+    assert refused.exit_code == 2 and "--example-input" in refused.output
+    torch.save({"image": torch.zeros(2, 3, 16, 16), "scale": torch.ones(2, 8)}, in_tmp / "batch.pt")
+    sync = in_tmp / "sync.safetensors"
+    result = run("convert", factory, "--example-input", in_tmp / "batch.pt", "-o", sync, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["check"]["input"] == "dict {image: (2, 3, 16, 16), scale: (2, 8)}"
+    assert read_checkpoint(sync).bnsurgeon("check_input") == {
+        "kind": "dict", "shapes": [["image", [2, 3, 16, 16]], ["scale", [2, 8]]]}
+    plain = in_tmp / "plain.safetensors"
+    again = run("convert", sync, "--to", "plain", "--model", factory, "-o", plain, "--json")
+    assert again.exit_code == 0, again.output  # no --example-input: the recorded one is used
+    assert json.loads(again.stdout)["check"]["input"].startswith("dict {image")
+    assert _classes(plain, factory) == {"torch.nn.modules.batchnorm.BatchNorm2d"}
+
+
+@pytest.mark.parametrize("payload, message", [
+    ("code", "not a plain tensor file"),
+    ("ints", "has dtype torch.int64"),
+    ("str", "holds a str"),
+    ("ragged", "share the batch size"),
+])
+def test_example_input_is_data_only_and_validated(in_tmp, payload, message):
+    import os
+
+    import torch
+
+    path = in_tmp / "x.pt"
+    value = {"code": os.getcwd.__class__, "ints": torch.arange(4), "str": "hello",
+             "ragged": {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)}}[payload]
+    if payload == "code":  # a pickle that names a global: must not be imported, let alone run
+        import pickle
+
+        path.write_bytes(pickle.dumps(os.system))
+    else:
+        torch.save(value, path)
+    before = sorted(p.name for p in in_tmp.iterdir())
+    result = run("convert", "_real_models:dict_input", "--example-input", path, "-o", in_tmp / "out.safetensors")
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert sorted(p.name for p in in_tmp.iterdir()) == before
+
+
+def test_recorded_check_input_is_validated(in_tmp):
+    from bnsurgeon.check_input import CheckInput
+    from bnsurgeon.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="recorded check input is invalid"):
+        CheckInput.from_record({"kind": "tensor", "shapes": [[2, 3, 10 ** 9]]})
+    with pytest.raises(CheckpointError, match="recorded check input is invalid"):
+        CheckInput.from_record({"kind": "dict", "shapes": [["__class__.x", [2]]]})
+    assert CheckInput.from_record({"kind": "list", "shapes": [[3, 8, 8]]}).describe() == "list of 1 sample(s) (3, 8, 8)"
+
+
+# -- verify on outputs that are not plain tensors -------------------------------------------
+
+VACUOUS = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        self.mode = mode
+
+    def forward(self, x):
+        y = self.body(x)
+        if self.mode == "empty":
+            return [{"boxes": y.new_zeros(0, 4), "scores": y.new_zeros(0)} for _ in range(len(x))]
+        if self.mode == "nan":
+            return y * float("nan")
+        return y.sum()  # one number for the whole batch: not per sample
+
+
+def empty():
+    torch.manual_seed(0)
+    return Net("empty")
+
+
+def nan():
+    torch.manual_seed(0)
+    return Net("nan")
+
+
+def pooled():
+    torch.manual_seed(0)
+    return Net("pooled")
+'''
+
+
+@pytest.fixture
+def vacuous_models(in_tmp, monkeypatch):
+    (in_tmp / "vacuous_models.py").write_text(VACUOUS)
+    monkeypatch.syspath_prepend(str(in_tmp))
+    return in_tmp
+
+
+@pytest.mark.parametrize("factory, reason", [("empty", "outputs are empty"), ("nan", "hold NaN/inf")])
+def test_vacuous_comparisons_are_not_a_pass(vacuous_models, factory, reason):
+    out = vacuous_models / "sync.safetensors"
+    converted = run("convert", f"vacuous_models:{factory}", "--input-shape", "2,3,8,8", "-o", out, "--json")
+    assert converted.exit_code == 0, converted.output
+    assert "inconclusive" in json.loads(converted.stdout)["check"]["note"]
+    result = run("verify", f"vacuous_models:{factory}", out, "--input-shape", "2,3,8,8", "--no-perturb",
+                 "-w", "2", "--json")
+    assert result.exit_code == 1, result.output
+    checks = json.loads(result.stdout)["checks"]
+    assert checks[0]["name"] == "eval" and checks[0]["passed"] is False
+    assert all(f"vacuous, not a pass: {reason}" in c["detail"] for c in checks if c["passed"] is not None)
+
+
+@pytest.mark.distributed
+def test_compare_at_a_submodule_where_the_output_is_not_per_sample(vacuous_models):
+    out = vacuous_models / "sync.safetensors"
+    assert run("convert", "vacuous_models:pooled", "--input-shape", "2,3,8,8", "-o", out).exit_code == 0
+    whole = run("verify", "vacuous_models:pooled", out, "--input-shape", "2,3,8,8", "--no-perturb", "--json")
+    assert whole.exit_code == 1
+    ranks = json.loads(whole.stdout)["checks"][-1]
+    assert ranks["name"] == "2 ranks" and "not per sample" in ranks["detail"]
+    at = run("verify", "vacuous_models:pooled", out, "--input-shape", "2,3,8,8", "--no-perturb", "--json",
+             "--compare-at", "body")
+    assert at.exit_code == 0, at.output
+    assert json.loads(at.stdout)["compare_at"] == "body"
+    bad = run("verify", "vacuous_models:pooled", out, "--input-shape", "2,3,8,8", "--compare-at", "nope")
+    assert bad.exit_code == 2 and "not a submodule" in bad.output and "body" in bad.output
