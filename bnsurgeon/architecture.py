@@ -148,3 +148,4 @@ class LoadedSource:
     stripped_prefix: str = ""
     carried: dict[str, Any] = field(default_factory=dict)
     check_input: Any = None  # a CheckInput recorded in a bnsurgeon checkpoint (validated)
+    history: list = field(default_factory=list)  # conversions a bnsurgeon checkpoint records (validated)

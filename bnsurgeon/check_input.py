@@ -278,8 +278,9 @@ def infer_check_input(model: "nn.Module", batch: int = 2, *, attempts: int = 3) 
 
     Starts from the first such layer in module order and runs the model once (eval, no
     grad) with a pre-hook on every candidate: if the forward fails, the layer it reached
-    first is the model's real entry, and the next try is sized for it. A model on the
-    meta device cannot run; the module-order guess is returned for it.
+    first is the model's real entry, and the next try is sized for it. None when no try
+    runs (the model wants a dict, or a size of its own). A model on the meta device
+    cannot run; the module-order guess is returned for it.
     """
     import torch
 
@@ -311,4 +312,4 @@ def infer_check_input(model: "nn.Module", batch: int = 2, *, attempts: int = 3) 
         finally:
             for handle in handles:
                 handle.remove()
-    return guess
+    return None

@@ -110,7 +110,14 @@ def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: "tupl
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         converted.eval()
-        expected = flatten_tensors(source(clone_value(x)))
+        try:
+            expected = flatten_tensors(source(clone_value(x)))
+        except Exception as error:  # the model does not take this input
+            from .errors import UsageError
+
+            raise UsageError(f"the source model fails on the check input {check_input.describe()} "
+                             f"({type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''})",
+                             "pass the input it takes: --input-shape N,C,H,W or --example-input x.pt") from None
         actual = flatten_tensors(converted(clone_value(x)))
     diff = 0.0
     passed = len(expected) == len(actual) and len(expected) > 0
@@ -145,9 +152,13 @@ def _inexact(source: "nn.Module", converted: "nn.Module") -> bool:
     """True where a module converted from x*scale+shift frozen BN sits: eval is close, not bitwise."""
     from .rules import default_registry
 
+    registry = default_registry()
     theirs = dict(converted.named_modules())
     for path, module in source.named_modules():
-        rule = default_registry().lookup(type(module))
-        if rule is not None and not rule.exact and path in theirs and type(theirs[path]) is not type(module):
-            return True
+        if path not in theirs or type(theirs[path]) is type(module):
+            continue
+        for side in (module, theirs[path]):  # from or into x*scale+shift frozen BN
+            rule = registry.lookup(type(side))
+            if rule is not None and not rule.exact:
+                return True
     return False

@@ -152,7 +152,7 @@ def convert_source(
         result.report.output = str(out)
         phase(f"writing {out}")
         save(result, out, loaded.architecture, source=loaded.description,
-             check_input=check_input or loaded.check_input)
+             check_input=check_input or loaded.check_input, history=loaded.history)
         reports = write_reports(result, out)
     return ConvertOutcome(result, loaded, out, reports)
 

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 from .architecture import LoadedSource, parse_architecture, timm_input_shape
 from .checkpoint import RawCheckpoint, read_checkpoint
 from .errors import CheckpointError, UsageError
+from .history import recorded_history, replay
 from .recorded import architecture_from_checkpoint, class_map, state_from_checkpoint
-from .surgery import convert, name_sync_layers
+from .surgery import name_sync_layers
 from .weights import load_weights, materialize
 
 if TYPE_CHECKING:
@@ -26,13 +27,12 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, trust_fac
                 f"{raw.path} was made from the factory {architecture.name!r}; importing it runs code",
                 f"confirm with --model {architecture.name} (or bnsurgeon.load(path, model={architecture.name!r}))",
             )
-    options = raw.bnsurgeon("options", {}) or {}
-    target = raw.bnsurgeon("target", "sync")
+    history = recorded_history(raw)
+    target = history[-1]["target"]
 
     def build(on_meta: bool):
         base = model if model is not None else architecture.build(meta=on_meta)
-        return convert(base, target, frozen=options.get("frozen", "keep"),
-                       allow_unhandled=bool(options.get("allow_unhandled", False)), inplace=True).model
+        return replay(base, history)
 
     if meta:
         rebuilt = build(True)
@@ -54,6 +54,7 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, trust_fac
     name_sync_layers(rebuilt)
     loaded = LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",
                           timm_input_shape(rebuilt), raw)
+    loaded.history = history
     try:
         recorded_input = raw.bnsurgeon("check_input")
     except ValueError:  # not JSON

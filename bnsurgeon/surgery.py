@@ -161,7 +161,7 @@ def convert(
             continue
         _carry_over(entry.module, new, entry.path)
         replacements[id(entry.module)] = new
-        exact = exact and entry.rule.exact
+        exact = exact and entry.rule.exact and not context.inexact
         report.changed.append(
             ModuleChange(
                 path=entry.path,

@@ -8,12 +8,13 @@ from typing import Any
 from . import __version__
 from .architecture import Architecture
 from .checkpoint import atomic_write, write_checkpoint
+from .history import step
 from .recorded import class_map
 from .surgery import ConvertResult
 
 
 def save(result: ConvertResult, path: "str | Path", architecture: Architecture, *, source: str = "",
-         extras: dict[str, Any] | None = None, check_input: Any = None) -> Path:
+         extras: dict[str, Any] | None = None, check_input: Any = None, history: list | None = None) -> Path:
     """Write the converted model with self-describing metadata (atomic)."""
     path = Path(path)
     metadata = {
@@ -25,6 +26,7 @@ def save(result: ConvertResult, path: "str | Path", architecture: Architecture, 
         "classes": class_map(result.model),
         "source": source,
     }
+    metadata["history"] = list(history or []) + [step(result.report.target, result.report.options)]
     if check_input is not None:  # a CheckInput: reused by later conversions of the file
         metadata["check_input"] = check_input.to_record()
     write_checkpoint(path, result.model, metadata, extras)

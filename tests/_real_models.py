@@ -91,6 +91,8 @@ class DictInput:
                 self.bn = nn.BatchNorm2d(8)
 
             def forward(self, batch):
+                if not isinstance(batch, dict):
+                    raise TypeError("Net takes a dict {'image': ..., 'scale': ...}")
                 return self.bn(self.conv(batch["image"])) * batch["scale"][:, :, None, None]
 
         torch.manual_seed(0)
@@ -99,3 +101,29 @@ class DictInput:
 
 def dict_input():
     return DictInput()
+
+
+def train_backbone_two_steps(rank: int, world_size: int, path: str, factory: str, out: str) -> dict:
+    """A rank of the frozen round trip: load the unfrozen detector, train its backbone's BN
+    for two SGD steps on this rank's images (sync BN over both ranks), rank 0 writes the
+    result beside the input with the same bnsurgeon metadata (as a training script would)."""
+    import torch
+    from safetensors.torch import save_file
+
+    import bnsurgeon
+    from bnsurgeon.checkpoint import read_checkpoint, unique_tensors
+
+    model = bnsurgeon.load(path, model=factory)
+    backbone = model.backbone.train()
+    optimizer = torch.optim.SGD([p for p in backbone.parameters() if p.requires_grad], lr=0.01)
+    for step in range(2):
+        x = torch.randn(4, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(100 + step))[rank * 2:rank * 2 + 2]
+        loss = sum(feature.square().mean() for feature in backbone(x).values())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    stats = {k: v.clone() for k, v in model.state_dict().items() if k.endswith(("running_mean", "running_var"))}
+    if rank == 0:
+        tensors, _ = unique_tensors(model)
+        save_file(tensors, out, metadata=read_checkpoint(path).metadata)
+    return stats

@@ -209,3 +209,93 @@ def test_compare_at_a_submodule_where_the_output_is_not_per_sample(vacuous_model
     assert json.loads(at.stdout)["compare_at"] == "body"
     bad = run("verify", "vacuous_models:pooled", out, "--input-shape", "2,3,8,8", "--compare-at", "nope")
     assert bad.exit_code == 2 and "not a submodule" in bad.output and "body" in bad.output
+
+
+# -- end to end: inspect / convert / verify -w 2 / revert ------------------------------------
+
+#: factory, input flags, convert flags, BN classes in the source
+END_TO_END = [
+    pytest.param("unet_efficientnet", (), (), id="smp-unet-efficientnet-native"),
+    pytest.param("deeplabv3plus_timm_universal", (), (), id="smp-deeplabv3plus-tu-regnety"),
+    pytest.param("deeplabv3", (), (), id="torchvision-deeplabv3"),
+    pytest.param("fasterrcnn_frozen", ("images",), ("--frozen", "unfreeze"), id="torchvision-fasterrcnn-frozen"),
+    pytest.param("retinanet", ("images",), (), id="torchvision-retinanet"),
+    pytest.param("ssdlite", ("images",), (), id="torchvision-ssdlite"),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, inputs, convert_flags", END_TO_END)
+def test_real_model_end_to_end(in_tmp, name, inputs, convert_flags):
+    import torch
+
+    pytest.importorskip("segmentation_models_pytorch", reason="segmentation_models_pytorch not installed "
+                        "(pip install 'bnsurgeon[test]')") if name.startswith(("unet", "deeplabv3plus")) else None
+    factory = f"_real_models:{name}"
+    flags = []
+    if "images" in inputs:  # a detector takes a list of images
+        torch.save([torch.rand(3, 64, 64), torch.rand(3, 64, 64)], in_tmp / "images.pt")
+        flags = ["--example-input", in_tmp / "images.pt"]
+
+    listing = run("inspect", factory, "--json")
+    assert listing.exit_code == 0, listing.output
+    assert json.loads(listing.stdout)["totals"]["unhandled"] == 0
+    source_classes = {g["cls"] for g in json.loads(listing.stdout)["groups"]}
+
+    sync = in_tmp / "sync.safetensors"
+    converted = run("convert", factory, "-o", sync, *flags, *convert_flags, "--json")
+    assert converted.exit_code == 0, converted.output
+    report = json.loads(converted.stdout)
+    assert report["check"]["passed"] and not report["check"]["note"] and report["totals"]["changed"] > 0
+
+    verified = run("verify", factory, sync, "-w", "2", "--no-perturb", "--json")  # the input recorded in sync
+    assert verified.exit_code == 0, verified.output
+    checks = {c["name"]: c for c in json.loads(verified.stdout)["checks"]}
+    ranks = next(c for n, c in checks.items() if n.startswith("2 ranks"))
+    assert ranks["passed"] is True and "per sample" in ranks["detail"]
+
+    plain = in_tmp / "plain.safetensors"
+    reverted = run("convert", sync, "--to", "plain", "--model", factory, "-o", plain)
+    assert reverted.exit_code == 0, reverted.output
+    if convert_flags:  # unfreeze made them trainable: plain BatchNorm2d now
+        assert _classes(plain, factory) == {"torch.nn.modules.batchnorm.BatchNorm2d"}
+    else:
+        assert _classes(plain, factory) == source_classes
+
+
+@pytest.mark.distributed
+def test_frozen_round_trip_unfreeze_train_on_two_ranks_refreeze_load(in_tmp):
+    """unfreeze -> 2-rank training -> --to frozen (and --to plain) -> load gives back torchvision's class."""
+    import torch
+
+    import bnsurgeon
+    from bnsurgeon.multiproc import run_world
+    from bnsurgeon.recorded import class_map
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    factory = "_real_models:fasterrcnn_frozen"
+    sync, trained = in_tmp / "sync.safetensors", in_tmp / "trained.safetensors"
+    assert run("convert", factory, "--frozen", "unfreeze", "-o", sync, "--no-check").exit_code == 0
+    stats = run_world(2, _train_worker(), str(sync), factory, str(trained), timeout=240)
+    assert stats[0].keys() == stats[1].keys() and all(torch.equal(stats[0][k], stats[1][k]) for k in stats[0])
+
+    refrozen, plain = in_tmp / "refrozen.safetensors", in_tmp / "plain.safetensors"
+    result = run("convert", trained, "--to", "frozen", "--model", factory, "-o", refrozen, "--json")
+    assert result.exit_code == 0, result.output
+    assert "close" in json.loads(result.stdout)["check"]["mode"]  # x*scale+shift again
+    assert run("convert", trained, "--to", "plain", "--model", factory, "-o", plain).exit_code == 0
+
+    model = bnsurgeon.load(refrozen, model=factory)
+    assert set(class_map(model).values()) == {"torchvision.ops.misc.FrozenBatchNorm2d"}
+    learned = model.backbone.body.layer2[0].bn1
+    assert type(learned) is FrozenBatchNorm2d
+    key = "backbone.body.layer2.0.bn1.running_mean"
+    assert torch.equal(learned.running_mean, stats[0][key])  # what it learned while thawed
+    assert not torch.equal(stats[0][key], torch.zeros_like(stats[0][key]))
+    assert set(class_map(bnsurgeon.load(plain, model=factory)).values()) == {"torch.nn.modules.batchnorm.BatchNorm2d"}
+
+
+def _train_worker():
+    import _real_models
+
+    return _real_models.train_backbone_two_steps

@@ -30,6 +30,7 @@ class BuildContext:
     process_group: Any = None
     notes: list[str] = field(default_factory=list)
     kept_reason: str | None = None
+    inexact: bool = False  # set by a builder whose result computes eval with other (equivalent) arithmetic
 
     def keep(self, module: "nn.Module", reason: str) -> "nn.Module":
         """Leave ``module`` as it is, and say why in the report."""

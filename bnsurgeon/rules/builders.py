@@ -29,15 +29,29 @@ def to_sync_act(module: nn.Module, context: BuildContext) -> nn.Module:
 
 
 def to_frozen(module: nn.Module, context: BuildContext) -> nn.Module:
+    """bnsurgeon's FrozenBatchNorm; a layer thawed from a frozen class goes back to that class."""
     from ..runtime import FrozenBatchNorm
 
-    return FrozenBatchNorm.from_module(module)
+    return _refrozen(module, context) or FrozenBatchNorm.from_module(module)
 
 
 def to_frozen_act(module: nn.Module, context: BuildContext) -> nn.Module:
     from ..runtime import FrozenBatchNormAct
 
-    return FrozenBatchNormAct.from_module(module)
+    return _refrozen(module, context) or FrozenBatchNormAct.from_module(module)
+
+
+def _refrozen(module: nn.Module, context: BuildContext) -> nn.Module | None:
+    """A layer that ``--frozen unfreeze`` thawed from torchvision/timm FrozenBatchNorm2d (its
+    recorded origin) becomes that class again, holding what it learned while thawed."""
+    origin = getattr(module, "bnsurgeon_origin", None)
+    if origin is None or not is_frozen_origin(origin) or origin.startswith("bnsurgeon."):
+        return None
+    new = refreeze(module, origin)
+    if new is not None:
+        context.inexact = True  # x*scale+shift arithmetic: eval is close, not bitwise
+        context.notes.append(f"refrozen into its original class {origin.rsplit('.', 1)[-1]}")
+    return new
 
 
 def _with_tensors(new: nn.Module, fields: BNFields) -> nn.Module:

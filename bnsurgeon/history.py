@@ -1,0 +1,63 @@
+"""The conversions a checkpoint went through, in order, so that loading replays all of them.
+
+A file made by ``--frozen unfreeze`` and then converted ``--to plain`` holds BN that only
+exists after both steps: rebuilding with the last step alone leaves the frozen layers
+frozen and the weights no longer fit. Every written checkpoint therefore records the
+whole history (read back from metadata, so it is validated like any untrusted field).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import CheckpointError
+from .rules import FROZEN_POLICIES, TARGETS
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .checkpoint import RawCheckpoint
+
+MAX_STEPS = 64
+
+
+def step(target: str, options: dict[str, Any]) -> dict[str, Any]:
+    return {"target": target, "frozen": options.get("frozen", "keep"),
+            "allow_unhandled": bool(options.get("allow_unhandled", False))}
+
+
+def recorded_history(raw: "RawCheckpoint") -> list[dict[str, Any]]:
+    """The validated history of a bnsurgeon checkpoint (files from before it: their one step)."""
+    try:
+        history = raw.bnsurgeon("history")
+        if history is None:
+            history = [step(raw.bnsurgeon("target", "sync"), raw.bnsurgeon("options", {}) or {})]
+    except (ValueError, AttributeError):
+        history = None
+    problem = _problem(history)
+    if problem:
+        raise CheckpointError(f"{raw.path}: recorded conversion history is invalid ({problem})",
+                              "re-convert from the original model; the file's metadata was altered or damaged")
+    return history
+
+
+def _problem(history: Any) -> str | None:
+    if not isinstance(history, list) or not 1 <= len(history) <= MAX_STEPS:
+        return f"expected a list of 1-{MAX_STEPS} steps"
+    for entry in history:
+        if not isinstance(entry, dict) or set(entry) != {"target", "frozen", "allow_unhandled"}:
+            return "each step is {target, frozen, allow_unhandled}"
+        if entry["target"] not in TARGETS or entry["frozen"] not in FROZEN_POLICIES \
+                or not isinstance(entry["allow_unhandled"], bool):
+            return f"unknown step {entry!r}"
+    return None
+
+
+def replay(model: "nn.Module", history: list[dict[str, Any]]) -> "nn.Module":
+    """Apply every recorded conversion in order, in place."""
+    from .surgery import convert
+
+    for entry in history:
+        model = convert(model, entry["target"], frozen=entry["frozen"], allow_unhandled=entry["allow_unhandled"],
+                        inplace=True).model
+    return model
