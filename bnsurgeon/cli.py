@@ -90,6 +90,8 @@ TrustOption = typer.Option(False, "--trust-pickle", help="Allow unpickling arbit
 JsonOption = typer.Option(False, "--json", help="Print one JSON document on stdout (human output stays on stderr).")
 QuietOption = typer.Option(False, "--quiet", "-q", help="No human output; errors only (the exit code says the rest).")
 VerboseOption = typer.Option(False, "--verbose", "-v", help="Show every path, not a few examples.")
+IncludeOption = typer.Option(None, "--include", help="Convert only BN modules whose path matches this glob (repeatable), e.g. 'backbone.body.layer[234].*'.")
+ExcludeOption = typer.Option(None, "--exclude", help="Keep BN modules whose path matches this glob as they are (repeatable), e.g. 'backbone.body.layer1.*'.")
 ExampleInputOption = typer.Option(None, "--example-input", help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector; recorded in the output.")
 
 
@@ -109,6 +111,8 @@ def inspect(
     model_arg: Optional[List[str]] = ModelArgOption,
     weights: Optional[str] = WeightsOption,
     trust_pickle: bool = TrustOption,
+    include: Optional[List[str]] = IncludeOption,
+    exclude: Optional[List[str]] = ExcludeOption,
     verbose: bool = VerboseOption,
     quiet: bool = QuietOption,
     as_json: bool = JsonOption,
@@ -122,7 +126,7 @@ def inspect(
     from .sources import parse_model_args
 
     result = api.inspect(source, model=model, model_args=parse_model_args(model_arg), weights=weights,
-                         trust_pickle=trust_pickle)
+                         trust_pickle=trust_pickle, include=tuple(include or ()), exclude=tuple(exclude or ()))
     if as_json:
         emit_json(result.to_dict())
     elif not quiet:
@@ -159,6 +163,8 @@ def convert(
     no_check: bool = typer.Option(False, "--no-check", help="Skip the eval-equivalence check before writing."),
     input_shape: Optional[str] = typer.Option(None, "--input-shape", help="Input for the check, e.g. 2,3,224,224 (timm models know theirs)."),
     example_input: Optional[Path] = ExampleInputOption,
+    include: Optional[List[str]] = IncludeOption,
+    exclude: Optional[List[str]] = ExcludeOption,
     verify: bool = typer.Option(False, "--verify", help="Before writing, also run `bnsurgeon verify`'s checks (train, 2 ranks, perturbed) and record them."),
     verbose: bool = VerboseOption,
     quiet: bool = QuietOption,
@@ -179,6 +185,7 @@ def convert(
             source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
             model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle, force=force,
             check=not no_check, input_shape=_parse_shape(input_shape), example_input=_example_input(example_input),
+            include=tuple(include or ()), exclude=tuple(exclude or ()),
             verify_world_sizes=(2,) if verify else (),
             progress=progress,
         )

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, UsageError
 from .rules import FROZEN_POLICIES, TARGETS
+from .surgery import check_filters
 
 if TYPE_CHECKING:
     from torch import nn
@@ -21,9 +22,13 @@ if TYPE_CHECKING:
 MAX_STEPS = 64
 
 
+STEP_KEYS = {"target", "frozen", "allow_unhandled", "include", "exclude"}
+
+
 def step(target: str, options: dict[str, Any]) -> dict[str, Any]:
     return {"target": target, "frozen": options.get("frozen", "keep"),
-            "allow_unhandled": bool(options.get("allow_unhandled", False))}
+            "allow_unhandled": bool(options.get("allow_unhandled", False)),
+            "include": list(options.get("include") or []), "exclude": list(options.get("exclude") or [])}
 
 
 def recorded_history(raw: "RawCheckpoint") -> list[dict[str, Any]]:
@@ -45,11 +50,15 @@ def _problem(history: Any) -> str | None:
     if not isinstance(history, list) or not 1 <= len(history) <= MAX_STEPS:
         return f"expected a list of 1-{MAX_STEPS} steps"
     for entry in history:
-        if not isinstance(entry, dict) or set(entry) != {"target", "frozen", "allow_unhandled"}:
-            return "each step is {target, frozen, allow_unhandled}"
+        if not isinstance(entry, dict) or not {"target", "frozen", "allow_unhandled"} <= set(entry) <= STEP_KEYS:
+            return "each step is {target, frozen, allow_unhandled, include, exclude}"
         if entry["target"] not in TARGETS or entry["frozen"] not in FROZEN_POLICIES \
                 or not isinstance(entry["allow_unhandled"], bool):
-            return f"unknown step {entry!r}"
+            return f"unknown step {str(entry)[:200]}"
+        try:
+            check_filters(entry.get("include", []), entry.get("exclude", []))
+        except UsageError as error:
+            return error.message
     return None
 
 
@@ -59,5 +68,5 @@ def replay(model: "nn.Module", history: list[dict[str, Any]]) -> "nn.Module":
 
     for entry in history:
         model = convert(model, entry["target"], frozen=entry["frozen"], allow_unhandled=entry["allow_unhandled"],
-                        inplace=True).model
+                        include=entry.get("include", ()), exclude=entry.get("exclude", ()), inplace=True).model
     return model

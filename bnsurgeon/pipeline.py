@@ -23,8 +23,32 @@ if TYPE_CHECKING:
     from .check_input import CheckInput
 
 
-def inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
-    """Inspect a model object or a SOURCE string (timm names are built on the meta device)."""
+def inspect(source: "str | nn.Module", *, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
+            **source_options: Any) -> Inspection:
+    """Inspect a model object or a SOURCE string (timm names are built on the meta device).
+
+    ``include``/``exclude`` (module-path globs, as for convert) add a note of what they select.
+    """
+    result = _inspect(source, **source_options)
+    if include or exclude:
+        result.notes.append(selection_note(result, include, exclude))
+    return result
+
+
+def selection_note(result: Inspection, include, exclude) -> str:
+    """How many BN modules --include/--exclude leave to convert, with the first few kept out."""
+    from .surgery import check_filters, filtered_out
+
+    include, exclude = check_filters(include, exclude)
+    groups = [(group.cls, path) for group in result.groups for path in group.all_paths]
+    out = [path for _, path in groups if filtered_out([path], include, exclude) is not None]
+    shown = ", ".join(out[:4]) + (f" (+{len(out) - 4} more)" if len(out) > 4 else "")
+    flags = " ".join([f"--include {g}" for g in include] + [f"--exclude {g}" for g in exclude])
+    return (f"{flags}: {len(groups) - len(out)} of {len(groups)} BN module names selected for conversion"
+            + (f"; kept as they are: {shown}" if out else ""))
+
+
+def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     from torch import nn
 
     if isinstance(source, nn.Module):
@@ -95,6 +119,8 @@ def convert_source(
     check: bool = True,
     input_shape: tuple[int, ...] | None = None,
     example_input: "CheckInput | None" = None,
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
     verify_world_sizes: tuple[int, ...] = (),
     progress: "Callable[[str], None] | None" = None,
 ) -> ConvertOutcome:
@@ -115,7 +141,7 @@ def convert_source(
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, trust_factory=trust_factory)
     phase(f"converting to {to}")
-    result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled)
+    result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled, include=include, exclude=exclude)
     result.report.source = loaded.description
     result.report.tool_version = __version__
     result.report.carried = {k: f"{v} (not written)" for k, v in loaded.carried.items()}

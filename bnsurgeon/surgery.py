@@ -126,14 +126,20 @@ def convert(
     process_group: Any = None,
     inplace: bool = False,
     registry: Registry | None = None,
+    include: "tuple[str, ...] | list[str]" = (),
+    exclude: "tuple[str, ...] | list[str]" = (),
 ) -> ConvertResult:
     """Convert every BN-family module of ``model`` to ``to`` (sync, plain or frozen).
 
     Raises LazyModuleError for an uninitialized LazyBatchNorm and UnhandledModuleError
     for BN-like modules no rule claims (unless ``allow_unhandled``), before changing
-    anything.
+    anything. ``include``/``exclude`` are module-path globs (``backbone.body.layer1.*``): only
+    modules a name of which matches an include (all, when none is given) and none of
+    whose names matches an exclude are converted; the rest are kept, and the report says
+    which filter kept them.
     """
     check_target(to, frozen)
+    include, exclude = check_filters(include, exclude)
     _refuse_ddp_copy(model, inplace)
     entries = plan(model, registry)
     lazy = [e for e in entries if is_uninitialized_lazy(e.module)]
@@ -143,10 +149,16 @@ def convert(
     if unhandled and not allow_unhandled:
         raise UnhandledModuleError(f"no rule for BatchNorm-like module(s): {_describe(unhandled)}")
 
-    report = Report(target=to, options={"frozen": frozen, "allow_unhandled": allow_unhandled, "inplace": inplace})
+    report = Report(target=to, options={"frozen": frozen, "allow_unhandled": allow_unhandled, "inplace": inplace,
+                                        "include": list(include), "exclude": list(exclude)})
     replacements: dict[int, nn.Module] = {}
     exact = True
     for entry in entries:
+        filtered = filtered_out(entry.paths, include, exclude)
+        if filtered is not None:
+            report.kept.append(ModuleKept(entry.path, entry.paths[1:], entry.cls_name,
+                                          entry.rule.name if entry.rule else None, filtered))
+            continue
         if entry.rule is None:
             report.unhandled.append(
                 ModuleKept(entry.path, entry.paths[1:], entry.cls_name, None, "no rule claims this class (left untouched)")
@@ -182,6 +194,35 @@ def convert(
         report.keys_added = sorted(after - before)
         report.keys_removed = sorted(before - after)
     return ConvertResult(model=converted, report=report, source=model, exact=exact, replaced=replacements)
+
+
+MAX_FILTERS = 64
+
+
+def check_filters(include, exclude) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Module-path globs as given on the command line or read from a checkpoint (validated: bounded strings)."""
+    from .errors import UsageError
+
+    result = []
+    for name, globs in (("include", include), ("exclude", exclude)):
+        globs = tuple(globs or ())
+        if len(globs) > MAX_FILTERS or not all(isinstance(g, str) and 0 < len(g) <= 200 for g in globs):
+            raise UsageError(f"--{name} takes up to {MAX_FILTERS} module-path globs of 1-200 characters",
+                             "write them like backbone.body.layer1.*")
+        result.append(globs)
+    return result[0], result[1]
+
+
+def filtered_out(paths: list[str], include, exclude) -> str | None:
+    """Why the --include/--exclude globs keep a module (any of its names counts), or None to convert it."""
+    from fnmatch import fnmatchcase
+
+    for glob in exclude:
+        if any(fnmatchcase(path, glob) for path in paths):
+            return f"excluded by --exclude {glob}"
+    if include and not any(fnmatchcase(path, glob) for glob in include for path in paths):
+        return "not matched by --include " + " ".join(include)
+    return None
 
 
 def _refuse_ddp_copy(model: "nn.Module", inplace: bool) -> None:

@@ -9,6 +9,7 @@ N-rank check runs in float64, so any difference above rounding is a bug.
 from __future__ import annotations
 
 import copy
+import glob
 import io
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -462,4 +463,5 @@ def thawed_reference(source: "nn.Module", converted: "nn.Module") -> "nn.Module 
               and not is_frozen_origin(qualname(type(theirs[entry.path])))]
     if not thawed:
         return None
-    return convert(source, "plain", frozen="unfreeze", allow_unhandled=True).model
+    paths = [glob.escape(path) for entry in thawed for path in entry.paths]
+    return convert(source, "plain", frozen="unfreeze", allow_unhandled=True, include=paths).model

@@ -299,3 +299,28 @@ def _train_worker():
     import _real_models
 
     return _real_models.train_backbone_two_steps
+
+
+def test_include_exclude_keep_torchvisions_frozen_stem_frozen_through_save_and_load(in_tmp):
+    """Unfreeze is no longer all-or-nothing: the stem and layer1 torchvision keeps frozen stay frozen."""
+    import bnsurgeon
+    from bnsurgeon.recorded import class_map
+
+    factory = "_real_models:fasterrcnn_frozen"
+    filters = ["--exclude", "backbone.body.bn1", "--exclude", "backbone.body.layer1.*"]
+    listing = run("inspect", factory, *filters, "--json")
+    assert listing.exit_code == 0, listing.output
+    note = next(n for n in json.loads(listing.stdout)["notes"] if "--exclude" in n)
+    assert "15 of 20 BN module names selected" in note and "backbone.body.bn1" in note
+
+    out = in_tmp / "partial.safetensors"
+    result = run("convert", factory, "--frozen", "unfreeze", *filters, "-o", out, "--no-check", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["options"]["exclude"] == ["backbone.body.bn1", "backbone.body.layer1.*"]
+    assert {k["reason"] for k in report["kept"]} == {"excluded by --exclude backbone.body.bn1",
+                                                    "excluded by --exclude backbone.body.layer1.*"}
+    classes = class_map(bnsurgeon.load(out, model=factory))  # the filters are replayed on load
+    frozen = {p for p, c in classes.items() if c == "torchvision.ops.misc.FrozenBatchNorm2d"}
+    assert frozen == {"backbone.body.bn1"} | {p for p in classes if p.startswith("backbone.body.layer1.")}
+    assert len(frozen) == 5 and all(c.endswith("SyncBatchNorm") for p, c in classes.items() if p not in frozen)
