@@ -162,3 +162,42 @@ def _inexact(source: "nn.Module", converted: "nn.Module") -> bool:
             if rule is not None and not rule.exact:
                 return True
     return False
+
+
+def needs_input_dims(model: "nn.Module") -> bool:
+    """Does ``--to plain`` need input ranks: a BN whose class says no dimensionality (_BatchNormXd, SyncBN)?"""
+    from .rules.builders import _PLAIN_BN, is_frozen_origin
+    from .surgery import plan
+
+    for entry in plan(model):
+        origin = getattr(entry.module, "bnsurgeon_origin", None) or entry.cls_name
+        if origin not in _PLAIN_BN and not is_frozen_origin(origin) and "Act" not in origin.rsplit(".", 1)[-1]:
+            return True
+    return False
+
+
+def observed_input_dims(model: "nn.Module", check_input: "CheckInput") -> dict[str, int]:
+    """path -> rank of the input each BN-family module receives on the check input (eval, no grad)."""
+    import torch
+
+    from .surgery import is_bn_like
+
+    dims: dict[str, int] = {}
+
+    def record(path):
+        def hook(module, args):  # returns None: a pre-hook's return value would replace the input
+            if args and isinstance(args[0], torch.Tensor):
+                dims.setdefault(path, args[0].dim())
+        return hook
+
+    handles = [module.register_forward_pre_hook(record(path))
+               for path, module in model.named_modules() if is_bn_like(module)]
+    reference = next(iter(model.parameters()), None)
+    dtype = reference.dtype if reference is not None and reference.is_floating_point() else torch.float32
+    try:
+        with preserved_modes(model), torch.no_grad():
+            model.eval()(check_input.make(dtype=dtype))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dims

@@ -62,11 +62,20 @@ def _problem(history: Any) -> str | None:
     return None
 
 
-def replay(model: "nn.Module", history: list[dict[str, Any]]) -> "nn.Module":
-    """Apply every recorded conversion in order, in place."""
+def replay(model: "nn.Module", history: list[dict[str, Any]], recorded_classes: dict | None = None) -> "nn.Module":
+    """Apply every recorded conversion in order, in place.
+
+    A last ``plain`` step takes each BatchNorm1d/2d/3d the file records (what the check
+    input showed for a dimension-less _BatchNormXd or SyncBN when it was written).
+    """
+    from .rules.builders import DIMS_OF_PLAIN
     from .surgery import convert
 
-    for entry in history:
+    final_dims = {path: DIMS_OF_PLAIN[cls] for path, cls in (recorded_classes or {}).items()
+                  if isinstance(path, str) and cls in DIMS_OF_PLAIN}
+    for index, entry in enumerate(history):
+        last_plain = index == len(history) - 1 and entry["target"] == "plain"
         model = convert(model, entry["target"], frozen=entry["frozen"], allow_unhandled=entry["allow_unhandled"],
-                        include=entry.get("include", ()), exclude=entry.get("exclude", ()), inplace=True).model
+                        include=entry.get("include", ()), exclude=entry.get("exclude", ()), inplace=True,
+                        input_dims=final_dims if last_plain else None).model
     return model

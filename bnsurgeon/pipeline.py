@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import __version__
 from .architecture import LoadedSource
 from .checkpoint import check_output_path, describe_checkpoint, read_checkpoint
-from .checks import _inexact, compare_eval, resolve_check_input
+from .checks import _inexact, compare_eval, needs_input_dims, observed_input_dims, resolve_check_input
 from .errors import UsageError, VerificationError
 from .inspection import Inspection, inspect_model
 from .sources import load_source, looks_like_file
@@ -141,7 +141,13 @@ def convert_source(
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, trust_factory=trust_factory)
     phase(f"converting to {to}")
-    result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled, include=include, exclude=exclude)
+    input_dims = None
+    if to == "plain" and needs_input_dims(loaded.model):  # _BatchNormXd and SyncBN: which BatchNormNd?
+        shown_by = resolve_check_input(loaded.model, input_shape=input_shape, example_input=example_input,
+                                       recorded=loaded.check_input, own_shape=loaded.input_shape)
+        input_dims = observed_input_dims(loaded.model, shown_by) if shown_by is not None else None
+    result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled, include=include, exclude=exclude,
+                     input_dims=input_dims)
     result.report.source = loaded.description
     result.report.tool_version = __version__
     result.report.carried = {k: f"{v} (not written)" for k, v in loaded.carried.items()}

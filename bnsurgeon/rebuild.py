@@ -29,10 +29,11 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, trust_fac
             )
     history = recorded_history(raw)
     target = history[-1]["target"]
+    recorded = raw.bnsurgeon("classes", {}) or {}
 
     def build(on_meta: bool):
         base = model if model is not None else architecture.build(meta=on_meta)
-        return replay(base, history)
+        return replay(base, history, recorded if isinstance(recorded, dict) else {})
 
     if meta:
         rebuilt = build(True)
@@ -41,7 +42,6 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, trust_fac
         load_weights(rebuilt, state_from_checkpoint(raw), raw.path)
     else:
         rebuilt = materialize(build, state_from_checkpoint(raw), raw.path)
-    recorded = raw.bnsurgeon("classes", {}) or {}
     actual = class_map(rebuilt)
     differing = [p for p in recorded if actual.get(p) != recorded[p]]
     if differing:

@@ -128,6 +128,7 @@ def convert(
     registry: Registry | None = None,
     include: "tuple[str, ...] | list[str]" = (),
     exclude: "tuple[str, ...] | list[str]" = (),
+    input_dims: "dict[str, int] | None" = None,
 ) -> ConvertResult:
     """Convert every BN-family module of ``model`` to ``to`` (sync, plain or frozen).
 
@@ -164,7 +165,8 @@ def convert(
                 ModuleKept(entry.path, entry.paths[1:], entry.cls_name, None, "no rule claims this class (left untouched)")
             )
             continue
-        context = BuildContext(target=to, frozen=frozen, process_group=process_group)
+        dims = next((input_dims[p] for p in entry.paths if p in input_dims), None) if input_dims else None
+        context = BuildContext(target=to, frozen=frozen, process_group=process_group, input_dims=dims)
         new = entry.rule.build(entry.module, context)
         if new is entry.module:
             report.kept.append(

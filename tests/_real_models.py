@@ -127,3 +127,48 @@ def train_backbone_two_steps(rank: int, world_size: int, path: str, factory: str
         tensors, _ = unique_tensors(model)
         save_file(tensors, out, metadata=read_checkpoint(path).metadata)
     return stats
+
+
+def _mm_net(norm):
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        """A conv BN on 4-d input and a BN on 2-d input: --to plain must tell them apart."""
+
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3)
+            self.bn = norm(8)
+            self.fc = nn.Linear(8, 6)
+            self.bn1d = norm(6)
+
+        def forward(self, x):
+            x = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+            return self.bn1d(self.fc(x))
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def mmengine_syncbn():
+    """What mmseg/mmdet build for norm_cfg=dict(type='SyncBN')."""
+    from mmengine.utils.dl_utils.parrots_wrapper import SyncBatchNorm
+
+    return _mm_net(SyncBatchNorm)
+
+
+def mmengine_reverted():
+    """mmengine's revert_sync_batchnorm: dimension-less _BatchNormXd."""
+    from mmengine.model.utils import revert_sync_batchnorm
+    from torch import nn
+
+    return revert_sync_batchnorm(_mm_net(nn.SyncBatchNorm))
+
+
+def lightning_reverted():
+    """Lightning's TorchSyncBatchNorm().revert: its own _BatchNormXd."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+    from torch import nn
+
+    return TorchSyncBatchNorm().revert(_mm_net(nn.SyncBatchNorm))

@@ -324,3 +324,35 @@ def test_include_exclude_keep_torchvisions_frozen_stem_frozen_through_save_and_l
     frozen = {p for p, c in classes.items() if c == "torchvision.ops.misc.FrozenBatchNorm2d"}
     assert frozen == {"backbone.body.bn1"} | {p for p in classes if p.startswith("backbone.body.layer1.")}
     assert len(frozen) == 5 and all(c.endswith("SyncBatchNorm") for p, c in classes.items() if p not in frozen)
+
+
+# -- OpenMMLab and Lightning classes -----------------------------------------------------------
+
+@pytest.mark.parametrize("factory, cls, rule", [
+    ("mmengine_syncbn", "mmengine.utils.dl_utils.parrots_wrapper.SyncBatchNorm", "mmengine-syncbn"),
+    ("mmengine_reverted", "mmengine.model.utils._BatchNormXd", "mmengine-batchnorm-xd"),
+    ("lightning_reverted", "lightning.pytorch.plugins.layer_sync._BatchNormXd", "lightning-batchnorm-xd"),
+])
+def test_openmmlab_and_lightning_classes_convert_and_plain_restores_dimensionality(in_tmp, factory, cls, rule):
+    pytest.importorskip("mmengine" if factory.startswith("mm") else "lightning",
+                        reason="optional: pip install 'bnsurgeon[openmmlab]' / 'bnsurgeon[lightning]'")
+    source = f"_real_models:{factory}"
+    listing = run("inspect", source, "--json")
+    assert listing.exit_code == 0, listing.output
+    groups = json.loads(listing.stdout)["groups"]
+    assert [(g["cls"], g["count"], g["rule"]) for g in groups] == [(cls, 2, rule)]
+
+    sync = in_tmp / "sync.safetensors"
+    converted = run("convert", source, "-o", sync, "--json")
+    assert converted.exit_code == 0, converted.output
+    assert json.loads(converted.stdout)["check"]["mode"] == "bit-identical"
+
+    plain = in_tmp / "plain.safetensors"
+    reverted = run("convert", sync, "--to", "plain", "--model", source, "-o", plain, "--json")
+    assert reverted.exit_code == 0, reverted.output
+    to_classes = {c["path"]: c["to_class"] for c in json.loads(reverted.stdout)["changed"]}
+    assert to_classes == {"bn": "torch.nn.modules.batchnorm.BatchNorm2d", "bn1d": "torch.nn.modules.batchnorm.BatchNorm1d"}
+    import bnsurgeon
+    from bnsurgeon.recorded import class_map
+
+    assert class_map(bnsurgeon.load(plain, model=source)) == to_classes  # replayed with the recorded classes

@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 _default: Registry | None = None
+_optional_loaded: set[str] = set()
 
 
 def builtin_rules() -> list[Rule]:
@@ -59,13 +60,22 @@ def _entry_point_rules() -> list[Rule]:
 
 
 def default_registry() -> Registry:
-    """The process-wide registry: built-ins, then entry-point rules (which may replace them)."""
+    """The process-wide registry: built-ins, then entry-point rules (which may replace them).
+
+    Rules for OpenMMLab's and Lightning's classes join as soon as those packages are
+    imported (checked on every call: a dict lookup per package).
+    """
     global _default
     if _default is None:
         registry = Registry(builtin_rules())
         for rule in _entry_point_rules():
             registry.register(rule, replace=True)
         _default = registry
+    from .openmmlab import imported_rules
+
+    for rule in imported_rules(_optional_loaded):
+        if all(_default.lookup(cls) is None for cls in rule.classes):
+            _default.register(rule)
     return _default
 
 

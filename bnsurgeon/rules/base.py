@@ -31,6 +31,7 @@ class BuildContext:
     notes: list[str] = field(default_factory=list)
     kept_reason: str | None = None
     inexact: bool = False  # set by a builder whose result computes eval with other (equivalent) arithmetic
+    input_dims: int | None = None  # input rank the check input showed at this module (plain of _BatchNormXd)
 
     def keep(self, module: "nn.Module", reason: str) -> "nn.Module":
         """Leave ``module`` as it is, and say why in the report."""

@@ -10,6 +10,13 @@ from ..fields import BNFields, attach_affine, attach_children, attach_stats, qua
 from .base import BuildContext
 
 _PLAIN_BN = {qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
+#: input rank seen at a module -> the plain class that accepts it
+_BN_FOR_DIMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+DIMS_OF_PLAIN = {qualname(nn.BatchNorm1d): 3, qualname(nn.BatchNorm2d): 4, qualname(nn.BatchNorm3d): 5}
+
+
+def short_name(origin: str) -> str:
+    return origin.rsplit(".", 1)[-1]
 
 
 def is_frozen_origin(origin: str) -> bool:
@@ -67,6 +74,10 @@ def to_plain(module: nn.Module, context: BuildContext) -> nn.Module:
         return context.keep(module, "already plain")
     fields = read_fields(module)
     cls = _PLAIN_BN.get(fields.origin)
+    if cls is None and context.input_dims in _BN_FOR_DIMS:
+        cls = _BN_FOR_DIMS[context.input_dims]
+        context.notes.append(f"{short_name(fields.origin)} has no dimensionality; {cls.__name__} from the "
+                             f"{context.input_dims}-d input the check input gave it")
     if cls is None:
         cls = nn.BatchNorm2d
         if not is_frozen_origin(fields.origin):
