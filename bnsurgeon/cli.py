@@ -90,6 +90,15 @@ TrustOption = typer.Option(False, "--trust-pickle", help="Allow unpickling arbit
 JsonOption = typer.Option(False, "--json", help="Print one JSON document on stdout (human output stays on stderr).")
 QuietOption = typer.Option(False, "--quiet", "-q", help="No human output; errors only (the exit code says the rest).")
 VerboseOption = typer.Option(False, "--verbose", "-v", help="Show every path, not a few examples.")
+RulesOption = typer.Option(None, "--rules", help="Rules for your own BN classes: package.module:object (a Rule, a list, or a callable returning them; repeatable). Imports it: RUNS ITS CODE.")
+
+
+def _use_rules(specs: Optional[List[str]]) -> None:
+    from .rules import use_rules
+
+    use_rules(specs or [])
+
+
 IncludeOption = typer.Option(None, "--include", help="Convert only BN modules whose path matches this glob (repeatable), e.g. 'backbone.body.layer[234].*'.")
 ExcludeOption = typer.Option(None, "--exclude", help="Keep BN modules whose path matches this glob as they are (repeatable), e.g. 'backbone.body.layer1.*'.")
 ExampleInputOption = typer.Option(None, "--example-input", help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector; recorded in the output.")
@@ -113,6 +122,7 @@ def inspect(
     trust_pickle: bool = TrustOption,
     include: Optional[List[str]] = IncludeOption,
     exclude: Optional[List[str]] = ExcludeOption,
+    rules: Optional[List[str]] = RulesOption,
     verbose: bool = VerboseOption,
     quiet: bool = QuietOption,
     as_json: bool = JsonOption,
@@ -125,6 +135,7 @@ def inspect(
     from .render import console, emit_json, render_inspection
     from .sources import parse_model_args
 
+    _use_rules(rules)
     result = api.inspect(source, model=model, model_args=parse_model_args(model_arg), weights=weights,
                          trust_pickle=trust_pickle, include=tuple(include or ()), exclude=tuple(exclude or ()))
     if as_json:
@@ -165,6 +176,7 @@ def convert(
     example_input: Optional[Path] = ExampleInputOption,
     include: Optional[List[str]] = IncludeOption,
     exclude: Optional[List[str]] = ExcludeOption,
+    rules: Optional[List[str]] = RulesOption,
     verify: bool = typer.Option(False, "--verify", help="Before writing, also run `bnsurgeon verify`'s checks (train, 2 ranks, perturbed) and record them."),
     verbose: bool = VerboseOption,
     quiet: bool = QuietOption,
@@ -180,6 +192,7 @@ def convert(
     from .render import console, emit_json, phases, render_report
     from .sources import parse_model_args
 
+    _use_rules(rules)
     with phases(console(), enabled=not quiet) as progress:
         outcome = api.convert_source(
             source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
@@ -205,6 +218,7 @@ def verify(
     world_size: List[int] = typer.Option([2], "--world-size", "-w", help="Ranks for the distributed check (repeatable)."),
     input_shape: Optional[str] = typer.Option(None, "--input-shape", help="e.g. 4,16,32 (timm models know theirs)."),
     example_input: Optional[Path] = ExampleInputOption,
+    rules: Optional[List[str]] = RulesOption,
     compare_at: Optional[str] = typer.Option(None, "--compare-at", help="Compare the output of this submodule (e.g. backbone) instead of the model's: for detectors whose head output is not comparable."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance instead of bit-identity for eval/train."),
     no_perturb: bool = typer.Option(False, "--no-perturb", help="Skip the run with perturbed BN statistics and affine parameters."),
@@ -225,6 +239,7 @@ def verify(
 
     debug = os.environ.get("BNSURGEON_DEBUG", "") not in ("", "0")
     try:
+        _use_rules(rules)
         result = api.verify(source, converted, world_sizes=tuple(world_size), input_shape=_parse_shape(input_shape),
                             atol=atol, perturb=not no_perturb, model=model, model_args=parse_model_args(model_arg),
                             trust_pickle=trust_pickle, example_input=_example_input(example_input),

@@ -9,6 +9,8 @@ from .architecture import LoadedSource, parse_architecture, timm_input_shape
 from .checkpoint import RawCheckpoint, read_checkpoint
 from .errors import CheckpointError, UsageError
 from .history import recorded_history, replay
+
+PREFIX_RULES = "bnsurgeon.rules"
 from .recorded import architecture_from_checkpoint, class_map, state_from_checkpoint
 from .surgery import name_sync_layers
 from .weights import load_weights, materialize
@@ -27,6 +29,11 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, trust_fac
                 f"{raw.path} was made from the factory {architecture.name!r}; importing it runs code",
                 f"confirm with --model {architecture.name} (or bnsurgeon.load(path, model={architecture.name!r}))",
             )
+    recorded_rules = raw.bnsurgeon("rules") if PREFIX_RULES in raw.metadata else []
+    if recorded_rules:
+        from .rules import confirm_rules
+
+        confirm_rules(recorded_rules, str(raw.path))
     history = recorded_history(raw)
     target = history[-1]["target"]
     recorded = raw.bnsurgeon("classes", {}) or {}

@@ -26,6 +26,11 @@ def save(result: ConvertResult, path: "str | Path", architecture: Architecture, 
         "classes": class_map(result.model),
         "source": source,
     }
+    from .rules import specs_for
+
+    used = specs_for(item.rule for item in [*result.report.changed, *result.report.kept] if item.rule)
+    if used:  # loading the file asks for the same --rules again
+        metadata["rules"] = used
     metadata["history"] = list(history or []) + [step(result.report.target, result.report.options)]
     if check_input is not None:  # a CheckInput: reused by later conversions of the file
         metadata["check_input"] = check_input.to_record()

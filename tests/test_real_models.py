@@ -356,3 +356,49 @@ def test_openmmlab_and_lightning_classes_convert_and_plain_restores_dimensionali
     from bnsurgeon.recorded import class_map
 
     assert class_map(bnsurgeon.load(plain, model=source)) == to_classes  # replayed with the recorded classes
+
+
+USER_RULES = '''
+import torch
+from torch import nn
+
+from bnsurgeon.rules import Rule, keep_if, to_frozen, to_sync
+
+
+class MyBN(nn.BatchNorm2d):
+    pass
+
+
+RULES = [Rule("my-bn", (MyBN,), {"sync": to_sync, "plain": keep_if("plain"), "frozen": to_frozen})]
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), MyBN(4))
+'''
+
+
+def test_rules_named_on_the_command_line_and_confirmed_again_on_load(in_tmp, monkeypatch):
+    import bnsurgeon.rules as rules_module
+    from bnsurgeon.checkpoint import read_checkpoint
+
+    (in_tmp / "my_rules.py").write_text(USER_RULES)
+    monkeypatch.syspath_prepend(str(in_tmp))
+    monkeypatch.setattr(rules_module, "_named_specs", {})
+    sync = in_tmp / "sync.safetensors"
+    refused = run("convert", "my_rules:model", "-o", sync)
+    assert refused.exit_code == 7 and "MyBN" in refused.output
+    converted = run("convert", "my_rules:model", "--rules", "my_rules:RULES", "-o", sync)
+    assert converted.exit_code == 0, converted.output
+    assert read_checkpoint(sync).bnsurgeon("rules") == ["my_rules:RULES"]
+
+    monkeypatch.setattr(rules_module, "_named_specs", {})  # a new process: nothing named yet
+    plain = in_tmp / "plain.safetensors"
+    unconfirmed = run("convert", sync, "--to", "plain", "--model", "my_rules:model", "-o", plain)
+    assert unconfirmed.exit_code == 2 and "confirm with --rules my_rules:RULES" in unconfirmed.output
+    assert not plain.exists()
+    confirmed = run("convert", sync, "--to", "plain", "--model", "my_rules:model", "--rules", "my_rules:RULES",
+                    "-o", plain)
+    assert confirmed.exit_code == 0, confirmed.output
+    bad = run("convert", "my_rules:model", "--rules", "my_rules", "-o", in_tmp / "x.safetensors")
+    assert bad.exit_code == 2 and "package.module:object" in bad.output

@@ -38,25 +38,81 @@ def builtin_rules() -> list[Rule]:
     return [*torch_bn.rules(), *norm_act.rules(), *frozen.rules()]
 
 
+def _as_rules(value, origin: str) -> list[Rule]:
+    from ..errors import UsageError
+
+    if callable(value) and not isinstance(value, Rule):
+        value = value()
+    items = [value] if isinstance(value, Rule) else list(value) if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        if not isinstance(item, Rule):
+            raise UsageError(f"{origin} gave {type(item).__name__}, not a Rule",
+                             "make it a bnsurgeon.rules.Rule, a list of them, or a callable returning those")
+    return items
+
+
 def _entry_point_rules() -> list[Rule]:
     from importlib.metadata import entry_points
 
-    from ..errors import UsageError
-
     found: list[Rule] = []
     for entry in entry_points(group=ENTRY_POINT_GROUP):
-        value = entry.load()
-        if callable(value) and not isinstance(value, Rule):
-            value = value()
-        items = [value] if isinstance(value, Rule) else list(value)
-        for item in items:
-            if not isinstance(item, Rule):
-                raise UsageError(
-                    f"entry point {entry.name!r} in group {ENTRY_POINT_GROUP!r} gave {type(item).__name__}, not a Rule",
-                    "make it a bnsurgeon.rules.Rule, a list of them, or a callable returning those",
-                )
-            found.append(item)
+        found += _as_rules(entry.load(), f"entry point {entry.name!r} in group {ENTRY_POINT_GROUP!r}")
     return found
+
+
+#: ``pkg.mod:obj`` rule specs the user named in this process (--rules or use_rules) -> their rule names
+_named_specs: dict[str, list[str]] = {}
+
+
+def use_rules(specs) -> list[str]:
+    """Import and register the rules each ``pkg.mod:obj`` names (a Rule, a list, or a callable
+    returning either). Naming it is what allows its code to run; checkpoints record the
+    specs, and loading one asks for the same names again (see ``confirm_rules``)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from ..errors import SourceNotFoundError, UsageError
+
+    for spec in specs or ():
+        if spec in _named_specs:
+            continue
+        module_name, _, attribute = spec.partition(":")
+        if not module_name or not attribute:
+            raise UsageError(f"--rules {spec!r} is not package.module:object", "write it like my_pkg.bn_rules:RULES")
+        if str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise SourceNotFoundError(f"--rules {spec}: cannot import {module_name!r} ({error})",
+                                      "run from the directory that holds it, or install it") from None
+        if not hasattr(module, attribute):
+            raise SourceNotFoundError(f"--rules {spec}: {module_name} has no {attribute!r}", "check the object's name")
+        found = _as_rules(getattr(module, attribute), f"--rules {spec}")
+        for rule in found:
+            register(rule, replace=True)
+        _named_specs[spec] = [rule.name for rule in found]
+    return list(_named_specs)
+
+
+def specs_for(rule_names) -> list[str]:
+    """The named specs whose rules a conversion used (recorded in the checkpoint)."""
+    used = set(rule_names)
+    return [spec for spec, names in _named_specs.items() if used.intersection(names)]
+
+
+def confirm_rules(recorded, origin: str) -> None:
+    """A checkpoint made with ``--rules X`` is rebuilt only after the user names X again."""
+    from ..errors import CheckpointError, UsageError
+
+    if not isinstance(recorded, list) or not all(isinstance(s, str) and 0 < len(s) <= 200 for s in recorded):
+        raise CheckpointError(f"{origin}: recorded rules are invalid", "re-convert from the original model")
+    missing = [spec for spec in recorded if spec not in _named_specs]
+    if missing:
+        raise UsageError(f"{origin} was converted with rules from {', '.join(missing)}; importing them runs code",
+                         "confirm with " + " ".join(f"--rules {spec}" for spec in missing)
+                         + " (or bnsurgeon.rules.use_rules([...]))")
 
 
 def default_registry() -> Registry:
