@@ -192,7 +192,7 @@ def test_vacuous_comparisons_are_not_a_pass(vacuous_models, factory, reason):
     assert result.exit_code == 1, result.output
     checks = json.loads(result.stdout)["checks"]
     assert checks[0]["name"] == "eval" and checks[0]["passed"] is False
-    assert all(f"vacuous, not a pass: {reason}" in c["detail"] for c in checks if c["passed"] is not None)
+    assert all("vacuous, not a pass" in c["detail"] and reason in c["detail"] for c in checks if c["passed"] is not None)
 
 
 @pytest.mark.distributed
@@ -232,7 +232,7 @@ def test_real_model_end_to_end(in_tmp, name, inputs, convert_flags):
     pytest.importorskip("segmentation_models_pytorch", reason="segmentation_models_pytorch not installed "
                         "(pip install 'bnsurgeon[test]')") if name.startswith(("unet", "deeplabv3plus")) else None
     factory = f"_real_models:{name}"
-    flags = []
+    flags = ["--input-shape", "2,3,32,32"]  # the smallest size the encoders take: float64 ranks stay cheap
     if "images" in inputs:  # a detector takes a list of images
         torch.save([torch.rand(3, 64, 64), torch.rand(3, 64, 64)], in_tmp / "images.pt")
         flags = ["--example-input", in_tmp / "images.pt"]
