@@ -54,7 +54,7 @@ def train(model: nn.Module, rows: slice, step_fn=None, mode: str = "none") -> di
     """STEPS of SGD on the loss sum(out * g) over ``rows``; gradients summed over the ranks if any."""
     import torch.distributed as dist
 
-    run = step_fn or (lambda x: forward(model, x, mode))
+    run = step_fn if step_fn is not None else (lambda x: forward(model, x, mode))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         x, g = data(step)
@@ -93,23 +93,29 @@ def _count_gathers():
 
 
 def checkpoint_rank(rank: int, world_size: int, modes: list[str]) -> dict:
-    """Per checkpoint mode: the trained state and the number of sync collectives in STEPS steps."""
+    """Per checkpoint mode: the trained state, the sync collectives and the recomputes in STEPS steps."""
     import bnsurgeon
     from bnsurgeon.runtime import recompute
 
     calls = _count_gathers()
+    take = recompute.StatsStash.take
     results = {}
     for mode in modes:
         model = bnsurgeon.convert(graph_model(), "sync").model
-        take = recompute.StatsStash.take
-        if mode == "reentrant-unrecognised":  # a recompute the stash cannot serve: the fallback path
-            recompute.StatsStash.take = lambda self, *args: None
+        recomputes = [0]
+
+        def counted_take(stash, *args, unrecognised=mode.endswith("-unrecognised")):
+            recomputes[0] += 1
+            return None if unrecognised else take(stash, *args)  # None: the stash cannot serve it
+
+        recompute.StatsStash.take = counted_take
         calls[0] = 0
         try:
             state = train(model, _rows(rank), mode=mode.replace("-unrecognised", ""))
         finally:
             recompute.StatsStash.take = take
-        results[mode] = {"state": state, "collectives": calls[0], "layers": bn_layers(model)}
+        results[mode] = {"state": state, "collectives": calls[0], "layers": bn_layers(model),
+                         "recomputes": recomputes[0]}
     return results
 
 
@@ -127,8 +133,11 @@ def compile_rank(rank: int, world_size: int, backend: str) -> dict:
     model.load_state_dict(fresh.state_dict())
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
+    calls = _count_gathers()
     state = train(model, _rows(rank), step_fn=compiled)
     return {
+        "collectives": calls[0],
+        "layers": bn_layers(model),
         "breaks": explanation.graph_break_count,
         "graphs": explanation.graph_count,
         "reasons": [str(reason.reason) for reason in explanation.break_reasons],
