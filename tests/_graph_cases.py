@@ -50,21 +50,21 @@ def forward(model: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
     return model.forward_head(model.bn2(model.conv_head(x)))
 
 
-def train(model: nn.Module, rows: slice, step_fn=None, mode: str = "none") -> dict:
+def train(model: nn.Module, rows: slice, step_fn=None, mode: str = "none", device: str = "cpu") -> dict:
     """STEPS of SGD on the loss sum(out * g) over ``rows``; gradients summed over the ranks if any."""
     import torch.distributed as dist
 
     run = step_fn if step_fn is not None else (lambda x: forward(model, x, mode))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
-        x, g = data(step)
+        x, g = (t[rows].to(device) for t in data(step))
         optimizer.zero_grad()
-        (run(x[rows]) * g[rows]).sum().backward()
+        (run(x) * g).sum().backward()
         if dist.is_initialized():
             for parameter in model.parameters():
                 dist.all_reduce(parameter.grad)
         optimizer.step()
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+    return {name: value.detach().cpu().clone() for name, value in model.state_dict().items()}
 
 
 def reference() -> dict:
@@ -92,7 +92,7 @@ def _count_gathers():
     return calls
 
 
-def checkpoint_rank(rank: int, world_size: int, modes: list[str]) -> dict:
+def checkpoint_rank(rank: int, world_size: int, modes: list[str], device: str = "cpu") -> dict:
     """Per checkpoint mode: the trained state, the sync collectives and the recomputes in STEPS steps."""
     import bnsurgeon
     from bnsurgeon.runtime import recompute
@@ -101,7 +101,7 @@ def checkpoint_rank(rank: int, world_size: int, modes: list[str]) -> dict:
     take = recompute.StatsStash.take
     results = {}
     for mode in modes:
-        model = bnsurgeon.convert(graph_model(), "sync").model
+        model = bnsurgeon.convert(graph_model(), "sync").model.to(device)
         recomputes = [0]
 
         def counted_take(stash, *args, unrecognised=mode.endswith("-unrecognised")):
@@ -111,7 +111,7 @@ def checkpoint_rank(rank: int, world_size: int, modes: list[str]) -> dict:
         recompute.StatsStash.take = counted_take
         calls[0] = 0
         try:
-            state = train(model, _rows(rank), mode=mode.replace("-unrecognised", ""))
+            state = train(model, _rows(rank), mode=mode.replace("-unrecognised", ""), device=device)
         finally:
             recompute.StatsStash.take = take
         results[mode] = {"state": state, "collectives": calls[0], "layers": bn_layers(model),
@@ -119,22 +119,21 @@ def checkpoint_rank(rank: int, world_size: int, modes: list[str]) -> dict:
     return results
 
 
-def compile_rank(rank: int, world_size: int, backend: str) -> dict:
+def compile_rank(rank: int, world_size: int, backend: str, device: str = "cpu") -> dict:
     """Graph breaks of the converted model under dynamo, then STEPS compiled (fullgraph) steps."""
     import bnsurgeon
 
-    model = bnsurgeon.convert(graph_model(), "sync").model
+    model = bnsurgeon.convert(graph_model(), "sync").model.to(device)
     x, _ = data(0)
-    explanation = torch._dynamo.explain(model)(x[_rows(rank)].clone())
+    explanation = torch._dynamo.explain(model)(x[_rows(rank)].to(device))
     for module in model.modules():  # explain ran the forward: put the counters and running stats back
         if hasattr(module, "num_batches_tracked"):
             module.num_batches_tracked.zero_()
-    fresh = bnsurgeon.convert(graph_model(), "sync").model
-    model.load_state_dict(fresh.state_dict())
+    model.load_state_dict(graph_model().state_dict())
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     calls = _count_gathers()
-    state = train(model, _rows(rank), step_fn=compiled)
+    state = train(model, _rows(rank), step_fn=compiled, device=device)
     return {
         "collectives": calls[0],
         "layers": bn_layers(model),

@@ -17,6 +17,7 @@ from _graph_cases import STEPS, checkpoint_rank, compile_rank, reference
 pytestmark = pytest.mark.distributed
 
 MODES = ["none", "reentrant", "non-reentrant", "timm", "reentrant-unrecognised"]
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _assert_state(state: dict, expected: dict, what: str) -> None:
@@ -60,3 +61,18 @@ def test_fullgraph_compile_has_no_graph_break_and_trains_like_plain_bn(expected)
         assert result["breaks"] == 0 and result["graphs"] == 1, result["reasons"]
         _assert_state(result["state"], expected, f"compiled rank {rank}")
         assert result["collectives"] == result["layers"] * 2 * STEPS, result["collectives"]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_cuda_fullgraph_compile_and_checkpointing_match_plain_bn(expected, device, backend):
+    """The same on CUDA tensors (2 gloo ranks, the fused kernels; NCCL refuses two ranks on one
+    GPU): fullgraph compile with 0 breaks, and checkpointing with 2 collectives per layer per step."""
+    for rank, result in enumerate(run_world(2, compile_rank, backend, device, timeout=600)):
+        assert result["breaks"] == 0 and result["graphs"] == 1, result["reasons"]
+        _assert_state(result["state"], expected, f"compiled ({backend}) cuda rank {rank}")
+    modes = ["reentrant", "non-reentrant", "timm"]
+    for rank, results in enumerate(run_world(2, checkpoint_rank, modes, device, timeout=300)):
+        for mode in modes:
+            _assert_state(results[mode]["state"], expected, f"{mode} cuda rank {rank}")
+            assert results[mode]["collectives"] == results[mode]["layers"] * 2 * STEPS, results[mode]["collectives"]
