@@ -398,17 +398,6 @@ def test_bad_dist_timeout_is_a_usage_error(tiny, value):
     one_line_failure(result, 2, f"BNSURGEON_DIST_TIMEOUT='{value}'", "fix:")
 
 
-def test_bad_dist_timeout_in_init_distributed(monkeypatch):
-    from bnsurgeon.errors import UsageError
-    from bnsurgeon.runtime import init_distributed
-
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("BNSURGEON_DIST_TIMEOUT", "inf")
-    with pytest.raises(UsageError, match="not a positive number of seconds"):
-        init_distributed(backend="gloo")
-
-
 # ---- 10. non-finite weights are named; random bytes are unreadable, not unsafe ------------------
 
 def test_non_finite_weights_are_named(good, tiny):
