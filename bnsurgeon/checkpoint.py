@@ -43,10 +43,6 @@ class RawCheckpoint:
     def is_bnsurgeon(self) -> bool:
         return PREFIX + "architecture" in self.metadata
 
-    def bnsurgeon(self, key: str, default: Any = None) -> Any:
-        value = self.metadata.get(PREFIX + key)
-        return default if value is None else json.loads(value)
-
 
 def _check_readable(path: Path) -> None:
     if not path.exists():

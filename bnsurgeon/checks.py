@@ -185,9 +185,6 @@ def is_inexact(source: "nn.Module", converted: "nn.Module") -> bool:
     return False
 
 
-_inexact = is_inexact  # its name before the move to this module
-
-
 def tensor_shapes(model: "nn.Module") -> dict[str, tuple[int, ...]]:
     """Every weight and buffer's shape (num_batches_tracked aside: frozen targets drop it)."""
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if not name.endswith("num_batches_tracked")}

@@ -63,6 +63,14 @@ def inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     return result
 
 
+def verify_timeout_s() -> float:
+    """The ranks' collective timeout: ``BNSURGEON_DIST_TIMEOUT`` if set (validated up front), else 120 s."""
+    from .runtime.timeout import ENV_VAR, parse_timeout_s
+
+    raw = os.environ.get(ENV_VAR)
+    return parse_timeout_s(raw) if raw and raw.strip() else 120.0
+
+
 @dataclass
 class ConvertOutcome:
     result: ConvertResult
@@ -100,6 +108,7 @@ def convert_source(
     check_target(to, frozen)
     if verify_world_sizes and not check:
         raise UsageError("--verify needs the eval check", "drop --no-check")
+    timeout = verify_timeout_s() if verify_world_sizes else None
     out = check_output_path(output, [source], force=force) if output is not None else None
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
@@ -128,7 +137,8 @@ def convert_source(
 
             phase("verifying (train, 2 gloo ranks, perturbed)")
             verification = verify_models(loaded.model, result.model, tuple(shape), world_sizes=verify_world_sizes,
-                                         exact=result.exact, source_name=loaded.description)
+                                         exact=result.exact, source_name=loaded.description,
+                                         collective_timeout=timeout)
             result.report.verification = verification.to_dict()
             if not verification.passed:
                 failed = verification.first_failure
@@ -157,11 +167,9 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     """
     import torch
 
-    from .runtime.timeout import ENV_VAR, parse_timeout_s
     from .verify import verify_models
 
-    raw_timeout = os.environ.get(ENV_VAR)
-    timeout = parse_timeout_s(raw_timeout) if raw_timeout and raw_timeout.strip() else 120.0
+    timeout = verify_timeout_s()
     if any(w < 2 for w in world_sizes):
         raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
     left = load_source(source, model=model, model_args=model_args, trust_pickle=trust_pickle,
