@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -156,7 +157,7 @@ def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckp
                 obj = _torch_load(path, mmap)
     except pickle.UnpicklingError as error:
         text = str(error)
-        if "Unsupported global" in text:
+        if UNSUPPORTED_GLOBAL.search(text):  # the pickle imports something: code would run
             culprit = _unsupported_global(text)
             raise UnsafeCheckpointError(
                 f"{path} is a pickle that would run code when loaded ({culprit})"
@@ -188,10 +189,13 @@ def _first_line(text: str) -> str:
     return line[:200]
 
 
-def _unsupported_global(text: str) -> str:
-    import re
+#: torch's weights_only refusals of a GLOBAL ("Unsupported global: GLOBAL m.f was not an allowed global",
+#: "Trying to load unsupported GLOBAL posix.system whose module posix is blocked"); garbage bytes say otherwise
+UNSUPPORTED_GLOBAL = re.compile(r"unsupported global(?:: GLOBAL)? ([\w.]+)", re.IGNORECASE)
 
-    match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+
+def _unsupported_global(text: str) -> str:
+    match = UNSUPPORTED_GLOBAL.search(text)
     return f"it references {match.group(1)}" if match else "it references globals outside the safe allow-list"
 
 

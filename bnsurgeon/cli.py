@@ -26,7 +26,7 @@ EXIT_CODES = {  # the README's table, in short
     6: "the weights do not fit the architecture; verify: CONVERTED was not made from SOURCE",
     7: "a BatchNorm-like module no rule claims, or an uninitialized lazy BN",
     8: "the output path (or a report next to it) cannot or must not be written",
-    9: "the model cannot run on the check input (it raised, its outputs are not finite, or the input cannot be allocated)",
+    9: "the model cannot run on the check input (it raised, the check failed on NaN outputs, or the input cannot be allocated)",
     10: "the file names code or constructor arguments you have not confirmed (see --model, --accept-recorded-args)",
     129: "interrupted by SIGHUP; the message says what is on disk (nothing partial)",
     130: "interrupted by Ctrl-C (SIGINT); the message says what is on disk (nothing partial)",
@@ -176,21 +176,27 @@ def convert(
     from .render import console, emit_json, phases, render_report
     from .sources import parse_model_args
 
-    with phases(console(), enabled=not quiet) as progress:
-        outcome = api.convert_source(
-            source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
-            model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle,
-            accept_recorded_args=accept_recorded_args, force=force,
-            check=not no_check, input_shape=_parse_shape(input_shape), verify_world_sizes=(2,) if verify else (),
-            progress=progress,
-        )
-    report = outcome.result.report
-    if as_json:
-        emit_json(report.to_dict())
-    if not quiet and not as_json:
-        out = console()
-        render_report(report, out, verbose=verbose)
-        out.print(f"wrote {outcome.output}" + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})" if outcome.reports else ""))
+    outcome = None
+    try:
+        with phases(console(), enabled=not quiet) as progress:
+            outcome = api.convert_source(
+                source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
+                model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle,
+                accept_recorded_args=accept_recorded_args, force=force,
+                check=not no_check, input_shape=_parse_shape(input_shape), verify_world_sizes=(2,) if verify else (),
+                progress=progress,
+            )
+        report = outcome.result.report
+        if as_json:
+            emit_json(report.to_dict())
+        if not quiet and not as_json:
+            out = console()
+            render_report(report, out, verbose=verbose)
+            out.print(f"wrote {outcome.output}" + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})" if outcome.reports else ""))
+    except KeyboardInterrupt as interrupt:  # after the write, the message must not say nothing was written
+        if outcome is not None and outcome.output is not None:
+            interrupt.state = f"{outcome.output} and its reports were written completely"
+        raise
 
 
 @app.command()

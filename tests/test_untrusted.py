@@ -338,6 +338,26 @@ def test_termination_during_the_write_leaves_no_debris(tiny, signum):
     assert listing(tiny) == before
 
 
+def test_termination_after_the_write_says_the_files_are_there(tiny):
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(tiny)!r})
+        import bnsurgeon.render
+        def render_then_die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+        bnsurgeon.render.render_report = render_then_die
+        from bnsurgeon.cli import app
+        sys.argv = ["bnsurgeon", "convert", "tiny:build", "-o", {str(tiny / "o.safetensors")!r}, "--input-shape", "2,3,8,8"]
+        app()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tiny,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    assert done.returncode == 143, done.stderr[-800:]
+    flat = " ".join(done.stderr.split())
+    assert "o.safetensors and its reports were written completely" in flat and "nothing was written" not in flat
+    assert bnsurgeon.load(tiny / "o.safetensors", model="tiny:build") is not None
+
+
 def test_stale_temp_files_of_dead_runs_are_removed(tiny):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
