@@ -99,11 +99,29 @@ def _create_timm(name: str, kwargs: dict[str, Any]) -> "nn.Module":
         return timm.create_model(name, pretrained=False, **kwargs)
     except TypeError as error:
         raise UsageError(f"timm model {name!r} does not accept these arguments: {error}", "check --model-arg") from None
+    except Exception as error:  # timm validates kwargs with asserts, KeyErrors, ValueErrors...
+        raise UsageError(f"timm model {name!r} cannot be built with {_describe_kwargs(kwargs) or 'no arguments'}: "
+                         f"{type(error).__name__}: {_first_line(error)}",
+                         "check the --model-arg values against the model's constructor") from None
+
+
+def _describe_kwargs(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else "no message")[:200]
 
 
 def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
+    import inspect
+
     from torch import nn
 
+    from .trust import check_factory_spec
+
+    check_factory_spec(target)
     module_name, _, function_name = target.partition(":")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
@@ -115,7 +133,18 @@ def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise SourceNotFoundError(f"{module_name} has no callable {function_name!r}", "write SOURCE as package.module:function")
-    model = factory(**kwargs)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as error:
+        raise UsageError(f"factory {target!r} cannot be called with {_describe_kwargs(kwargs) or 'no arguments'} ({error})",
+                         "pass its arguments with --model-arg key=value, or name a function that builds the model") from None
+    except ValueError:  # no signature to check (some builtins): the call below says
+        pass
+    try:
+        model = factory(**kwargs)
+    except Exception as error:
+        raise UsageError(f"factory {target!r} raised {type(error).__name__}: {_first_line(error)}",
+                         "fix the factory or its --model-arg values") from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"factory {target!r} returned {type(model).__name__}, not an nn.Module", "return the model from it")
     return model

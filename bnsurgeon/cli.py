@@ -16,17 +16,21 @@ import typer
 from . import __version__
 from .errors import BnSurgeonError
 
-EXIT_CODES = {
+EXIT_CODES = {  # the README's table, in short
     0: "success",
-    1: "the converted model's outputs differ from the source's (nothing written)",
-    2: "usage: a bad flag or value",
+    1: "the converted model's outputs differ from the source's (nothing written); verify: a check failed",
+    2: "usage: a bad flag or value, a model that cannot be built with its arguments, a malformed factory name",
     3: "SOURCE not found: no such file, timm model or factory",
-    4: "not a readable checkpoint (empty, truncated, corrupt, holds no weights)",
+    4: "not a readable checkpoint (empty, corrupt, no weights, bad metadata, NaN/Inf weights, changed while read)",
     5: "the checkpoint is a pickle that would run code (see --trust-pickle)",
-    6: "the weights do not fit the architecture",
+    6: "the weights do not fit the architecture; verify: CONVERTED was not made from SOURCE",
     7: "a BatchNorm-like module no rule claims, or an uninitialized lazy BN",
-    8: "the output path cannot or must not be written",
-    130: "interrupted (Ctrl-C); nothing partial written",
+    8: "the output path (or a report next to it) cannot or must not be written",
+    9: "the model cannot run on the check input (it raised, the check failed on NaN outputs, or the input cannot be allocated)",
+    10: "the file names code or constructor arguments you have not confirmed (see --model, --accept-recorded-args)",
+    129: "interrupted by SIGHUP; the message says what is on disk (nothing partial)",
+    130: "interrupted by Ctrl-C (SIGINT); the message says what is on disk (nothing partial)",
+    143: "interrupted by SIGTERM (e.g. a scheduler's preemption); the message says what is on disk (nothing partial)",
 }
 
 app = typer.Typer(
@@ -54,17 +58,22 @@ def handle_errors(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        from .interrupts import signals_raise
+
         debug = os.environ.get("BNSURGEON_DEBUG", "") not in ("", "0")
         try:
-            return command(*args, **kwargs)
+            with signals_raise():
+                return command(*args, **kwargs)
         except BnSurgeonError as error:
             if debug:
                 raise
             _fail(error.message, error.hint, error.exit_code)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             if debug:
                 raise
-            _fail("interrupted", "nothing partial was written; run the command again", 130)
+            name = str(interrupt) or "SIGINT"
+            state = getattr(interrupt, "state", "nothing was written")
+            _fail(f"interrupted ({name})", f"{state}; run the command again", getattr(interrupt, "exit_code", 130))
 
     return wrapper
 
@@ -87,6 +96,7 @@ ModelOption = typer.Option(None, "--model", "-m", help="Architecture for a check
 ModelArgOption = typer.Option(None, "--model-arg", help="Constructor argument key=value (repeatable), e.g. num_classes=10.")
 WeightsOption = typer.Option(None, "--weights", help="Which state dict to use when the file holds several (e.g. state_dict_ema).")
 TrustOption = typer.Option(False, "--trust-pickle", help="Allow unpickling arbitrary objects. This RUNS CODE from the file: only for files you trust.")
+AcceptArgsOption = typer.Option(False, "--accept-recorded-args", help="Use the constructor arguments a file records (shown in the error that asks) without repeating each with --model-arg.")
 JsonOption = typer.Option(False, "--json", help="Print one JSON document on stdout (human output stays on stderr).")
 QuietOption = typer.Option(False, "--quiet", "-q", help="No human output; errors only (the exit code says the rest).")
 VerboseOption = typer.Option(False, "--verbose", "-v", help="Show every path, not a few examples.")
@@ -100,6 +110,7 @@ def inspect(
     model_arg: Optional[List[str]] = ModelArgOption,
     weights: Optional[str] = WeightsOption,
     trust_pickle: bool = TrustOption,
+    accept_recorded_args: bool = AcceptArgsOption,
     verbose: bool = VerboseOption,
     quiet: bool = QuietOption,
     as_json: bool = JsonOption,
@@ -113,7 +124,7 @@ def inspect(
     from .sources import parse_model_args
 
     result = api.inspect(source, model=model, model_args=parse_model_args(model_arg), weights=weights,
-                         trust_pickle=trust_pickle)
+                         trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
     if as_json:
         emit_json(result.to_dict())
     elif not quiet:
@@ -146,7 +157,8 @@ def convert(
     model_arg: Optional[List[str]] = ModelArgOption,
     weights: Optional[str] = WeightsOption,
     trust_pickle: bool = TrustOption,
-    force: bool = typer.Option(False, "--force", help="Replace OUTPUT if it exists (never the input)."),
+    accept_recorded_args: bool = AcceptArgsOption,
+    force: bool = typer.Option(False, "--force", help="Replace OUTPUT and its reports if they exist (never the input)."),
     no_check: bool = typer.Option(False, "--no-check", help="Skip the eval-equivalence check before writing."),
     input_shape: Optional[str] = typer.Option(None, "--input-shape", help="Input for the check, e.g. 2,3,224,224 (timm models know theirs)."),
     verify: bool = typer.Option(False, "--verify", help="Before writing, also run `bnsurgeon verify`'s checks (train, 2 ranks, perturbed) and record them."),
@@ -164,23 +176,31 @@ def convert(
     from .render import console, emit_json, phases, render_report
     from .sources import parse_model_args
 
-    with phases(console(), enabled=not quiet) as progress:
-        outcome = api.convert_source(
-            source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
-            model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle, force=force,
-            check=not no_check, input_shape=_parse_shape(input_shape), verify_world_sizes=(2,) if verify else (),
-            progress=progress,
-        )
-    report = outcome.result.report
-    if as_json:
-        emit_json(report.to_dict())
-    if not quiet and not as_json:
-        out = console()
-        render_report(report, out, verbose=verbose)
-        out.print(f"wrote {outcome.output}" + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})" if outcome.reports else ""))
+    outcome = None
+    try:
+        with phases(console(), enabled=not quiet) as progress:
+            outcome = api.convert_source(
+                source, output, to=to, frozen=frozen, allow_unhandled=allow_unhandled, model=model,
+                model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle,
+                accept_recorded_args=accept_recorded_args, force=force,
+                check=not no_check, input_shape=_parse_shape(input_shape), verify_world_sizes=(2,) if verify else (),
+                progress=progress,
+            )
+        report = outcome.result.report
+        if as_json:
+            emit_json(report.to_dict())
+        if not quiet and not as_json:
+            out = console()
+            render_report(report, out, verbose=verbose)
+            out.print(f"wrote {outcome.output}" + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})" if outcome.reports else ""))
+    except KeyboardInterrupt as interrupt:  # after the write, the message must not say nothing was written
+        if outcome is not None and outcome.output is not None:
+            interrupt.state = f"{outcome.output} and its reports were written completely"
+        raise
 
 
 @app.command()
+@handle_errors
 def verify(
     source: str = SourceArgument,
     converted: str = typer.Argument(..., help="The converted model, in any SOURCE form."),
@@ -190,28 +210,25 @@ def verify(
     no_perturb: bool = typer.Option(False, "--no-perturb", help="Skip the run with perturbed BN statistics and affine parameters."),
     model: Optional[str] = ModelOption,
     model_arg: Optional[List[str]] = ModelArgOption,
+    converted_model: Optional[str] = typer.Option(None, "--converted-model", help="Like --model, for CONVERTED only (confirms a factory it records)."),
+    converted_model_arg: Optional[List[str]] = typer.Option(None, "--converted-model-arg", help="Like --model-arg, for CONVERTED only."),
     trust_pickle: bool = TrustOption,
+    accept_recorded_args: bool = AcceptArgsOption,
     quiet: bool = QuietOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """Prove CONVERTED behaves like SOURCE: eval (bit-identical), train, N gloo ranks, frozen; exit 0/1/2 for CI.
+    """Prove CONVERTED behaves like SOURCE: eval (bit-identical), train, N gloo ranks, frozen; exit 0 if all pass, 1 if one fails (other codes: README).
 
     Example: `bnsurgeon verify efficientnet_b0 b0.sync.safetensors --world-size 2 --world-size 3`
     """
     from . import api
-    from .errors import VerificationError
     from .render import console, emit_json, render_verification
     from .sources import parse_model_args
 
-    debug = os.environ.get("BNSURGEON_DEBUG", "") not in ("", "0")
-    try:
-        result = api.verify(source, converted, world_sizes=tuple(world_size), input_shape=_parse_shape(input_shape),
-                            atol=atol, perturb=not no_perturb, model=model, model_args=parse_model_args(model_arg),
-                            trust_pickle=trust_pickle)
-    except BnSurgeonError as error:
-        if debug:
-            raise
-        _fail(error.message, error.hint, 1 if isinstance(error, VerificationError) else 2)
+    result = api.verify(source, converted, world_sizes=tuple(world_size), input_shape=_parse_shape(input_shape),
+                        atol=atol, perturb=not no_perturb, model=model, model_args=parse_model_args(model_arg),
+                        converted_model=converted_model, converted_model_args=parse_model_args(converted_model_arg),
+                        trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
     if as_json:
         emit_json(result.to_dict())
     elif not quiet:

@@ -50,6 +50,24 @@ class UnsafeCheckpointError(CheckpointError):
     )
 
 
+class MetadataError(CheckpointError):
+    """bnsurgeon metadata that is malformed, from a newer schema, or inconsistent with the tensors."""
+
+    default_hint = "the file's bnsurgeon.* metadata was edited or damaged; convert the original again"
+
+
+class InputChangedError(CheckpointError):
+    """An input file rewritten while bnsurgeon was reading it: the tensors may mix two versions."""
+
+    default_hint = "nothing was written; run again once nothing else is writing the file"
+
+
+class NonFiniteWeightsError(CheckpointError):
+    """Weights holding NaN or Inf: no output comparison can prove anything about them."""
+
+    default_hint = "nothing was written; use a checkpoint saved before training diverged"
+
+
 class WeightsMismatchError(BnSurgeonError):
     """Weights whose keys or shapes do not fit the architecture."""
 
@@ -77,6 +95,31 @@ class OutputError(BnSurgeonError):
     """An output path that cannot or must not be written."""
 
     exit_code = 8
+
+
+class ModelCannotRunError(BnSurgeonError):
+    """The model raised on the check input, or the input cannot even be allocated."""
+
+    exit_code = 9
+    default_hint = "pass --input-shape with the input the model takes (N,C,H,W), or --no-check"
+
+
+class ConfirmationError(UsageError):
+    """A file names code to import or constructor arguments the user has not confirmed."""
+
+    exit_code = 10
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived; raised like KeyboardInterrupt so every cleanup runs."""
+
+    def __init__(self, signum: int, state: str = "nothing was written") -> None:
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        self.state = state  # what is on disk, said exactly
 
 
 class VerificationError(BnSurgeonError):

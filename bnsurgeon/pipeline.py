@@ -3,6 +3,7 @@ write) and ``verify`` (load both sides, run every check)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -10,12 +11,22 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import __version__
 from .architecture import LoadedSource
 from .checkpoint import check_output_path, describe_checkpoint, read_checkpoint
-from .checks import _inexact, compare_eval, first_runnable_shape, infer_input_shape
-from .errors import UsageError, VerificationError
+from .checks import (
+    check_input,
+    compare_eval,
+    first_runnable_shape,
+    infer_input_shape,
+    is_inexact,
+    preserved_modes,
+    refuse_non_finite,
+    require_same_architecture,
+    run_forward,
+)
+from .errors import ConfirmationError, UsageError, VerificationError
 from .inspection import Inspection, inspect_model
 from .sources import load_source, looks_like_file
 from .surgery import ConvertResult, convert
-from .writing import save, write_reports
+from .writing import write_conversion
 
 if TYPE_CHECKING:
     from torch import nn
@@ -31,10 +42,14 @@ def inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
         loaded = load_source(source, meta=True, **source_options)
         return inspect_model(loaded.model, source=loaded.description)
 
-    raw = read_checkpoint(source, trust_pickle=source_options.get("trust_pickle", False))
+    raw = read_checkpoint(source, trust_pickle=source_options.get("trust_pickle", False), mmap=True)
     contents = describe_checkpoint(raw)
     try:
         loaded = load_source(source, meta=True, raw=raw, **source_options)
+    except ConfirmationError as error:
+        result = Inspection(source=str(source), parameters=0, checkpoint=contents)
+        result.notes.append(f"{error.message}: {error.hint}")
+        return result
     except UsageError as error:
         if source_options.get("model"):
             raise
@@ -46,6 +61,14 @@ def inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     if loaded.weights_key:
         result.notes.append(f"weights taken from '{loaded.weights_key}' (choose another with --weights)")
     return result
+
+
+def verify_timeout_s() -> float:
+    """The ranks' collective timeout: ``BNSURGEON_DIST_TIMEOUT`` if set (validated up front), else 120 s."""
+    from .runtime.timeout import ENV_VAR, parse_timeout_s
+
+    raw = os.environ.get(ENV_VAR)
+    return parse_timeout_s(raw) if raw and raw.strip() else 120.0
 
 
 @dataclass
@@ -67,6 +90,7 @@ def convert_source(
     model_args: dict[str, Any] | None = None,
     weights: str | None = None,
     trust_pickle: bool = False,
+    accept_recorded_args: bool = False,
     force: bool = False,
     check: bool = True,
     input_shape: tuple[int, ...] | None = None,
@@ -84,11 +108,11 @@ def convert_source(
     check_target(to, frozen)
     if verify_world_sizes and not check:
         raise UsageError("--verify needs the eval check", "drop --no-check")
+    timeout = verify_timeout_s() if verify_world_sizes else None
     out = check_output_path(output, [source], force=force) if output is not None else None
-    trust_factory = model is not None
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
-                         trust_pickle=trust_pickle, trust_factory=trust_factory)
+                         trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
     phase(f"converting to {to}")
     result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled)
     result.report.source = loaded.description
@@ -113,7 +137,8 @@ def convert_source(
 
             phase("verifying (train, 2 gloo ranks, perturbed)")
             verification = verify_models(loaded.model, result.model, tuple(shape), world_sizes=verify_world_sizes,
-                                         exact=result.exact, source_name=loaded.description)
+                                         exact=result.exact, source_name=loaded.description,
+                                         collective_timeout=timeout)
             result.report.verification = verification.to_dict()
             if not verification.passed:
                 failed = verification.first_failure
@@ -125,28 +150,46 @@ def convert_source(
     if out is not None:
         result.report.output = str(out)
         phase(f"writing {out}")
-        save(result, out, loaded.architecture, source=loaded.description)
-        reports = write_reports(result, out)
+        reports = write_conversion(result, out, loaded.architecture, source=loaded.description, force=force)
     return ConvertOutcome(result, loaded, out, reports)
 
 
 def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), input_shape: tuple[int, ...] | None = None,
            atol: float | None = None, perturb: bool = True, model: str | None = None,
-           model_args: dict[str, Any] | None = None, trust_pickle: bool = False):
-    """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen)."""
+           model_args: dict[str, Any] | None = None, converted_model: str | None = None,
+           converted_model_args: dict[str, Any] | None = None, trust_pickle: bool = False,
+           accept_recorded_args: bool = False):
+    """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
+
+    Both arguments are loaded under the same trust rules, each confirmed only by what the
+    user typed for it: ``model``/``model_args`` for SOURCE, ``converted_model``/
+    ``converted_model_args`` for CONVERTED.
+    """
+    import torch
+
     from .verify import verify_models
 
-    named_factory = ":" in source and not source.startswith("timm:") and not Path(source).exists()
+    timeout = verify_timeout_s()
+    if any(w < 2 for w in world_sizes):
+        raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
     left = load_source(source, model=model, model_args=model_args, trust_pickle=trust_pickle,
-                       trust_factory=model is not None or named_factory)
-    right = load_source(converted, trust_pickle=trust_pickle, trust_factory=named_factory or model is not None)
+                       accept_recorded_args=accept_recorded_args)
+    right = load_source(converted, model=converted_model, model_args=converted_model_args, trust_pickle=trust_pickle,
+                        accept_recorded_args=accept_recorded_args, flag="--converted-model")
+    refuse_non_finite(left.model, left.description)
+    refuse_non_finite(right.model, right.description)
+    require_same_architecture(left.model, right.model, left.description, right.description)
     shape = input_shape or left.input_shape or right.input_shape or infer_input_shape(left.model)
     if shape is None:
         raise UsageError("cannot tell what input the models take", "pass --input-shape N,C,... (e.g. 4,16,32)")
     if input_shape is None:
         shape = first_runnable_shape(left.model, tuple(shape))
-    if any(w < 2 for w in world_sizes):
-        raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
+    x = check_input(tuple(shape))
+    with preserved_modes(left.model, right.model), torch.no_grad():
+        for loaded, what in ((left, "SOURCE"), (right, "CONVERTED")):
+            parameter = next(iter(loaded.model.parameters()), None)
+            dtype = parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
+            run_forward(loaded.model.eval(), x.to(dtype), f"{what} ({loaded.description})")
     return verify_models(left.model, right.model, shape, world_sizes=world_sizes, atol=atol, perturb=perturb,
-                         exact=not _inexact(left.model, right.model), source_name=left.description,
-                         converted_name=right.description)
+                         exact=not is_inexact(left.model, right.model), source_name=left.description,
+                         converted_name=right.description, collective_timeout=timeout)

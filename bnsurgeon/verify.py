@@ -259,7 +259,7 @@ def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], 
 
 
 def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
-                label: str | None = None) -> CheckOutcome:
+                label: str | None = None, collective_timeout: float = 120.0) -> CheckOutcome:
     """W gloo ranks of the converted model on slices == the source on the whole batch (float64)."""
     import torch
 
@@ -281,7 +281,7 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     buffer = io.BytesIO()
     torch.save({"converted": converted64, "x": x, "grad": grad}, buffer)
     try:
-        ranks = run_world(world_size, _rank_worker, buffer.getvalue(), splits, seed, timeout=timeout, collective_timeout=120)
+        ranks = run_world(world_size, _rank_worker, buffer.getvalue(), splits, seed, timeout=timeout, collective_timeout=collective_timeout)
     except RankFailure as error:
         return CheckOutcome(label, False, float("inf"), f"ranks failed: {str(error).splitlines()[0]}")
 
@@ -310,7 +310,7 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
 
 def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, world_sizes=(2,),
                   atol: float | None = None, perturb: bool = True, exact: bool = True,
-                  source_name: str = "", converted_name: str = "") -> Verification:
+                  source_name: str = "", converted_name: str = "", collective_timeout: float = 120.0) -> Verification:
     """Run every check, then all of them again with identically perturbed BN state.
 
     ``exact=False`` (conversions from x*scale+shift frozen BN) compares within rtol 1e-4;
@@ -329,5 +329,6 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
         else:
             result.checks.append(check_train(src, conv, input_shape, tol, label="train, one process" + suffix))
             for world_size in world_sizes:
-                result.checks.append(check_ranks(src, conv, input_shape, world_size, label=f"{world_size} ranks" + suffix))
+                result.checks.append(check_ranks(src, conv, input_shape, world_size, label=f"{world_size} ranks" + suffix,
+                                                 collective_timeout=collective_timeout))
     return result

@@ -1,4 +1,4 @@
-"""Write a conversion: the checkpoint with self-describing metadata, and its two reports."""
+"""Write a conversion: the checkpoint with self-describing metadata, and its two reports, as one unit."""
 
 from __future__ import annotations
 
@@ -7,16 +7,14 @@ from typing import Any
 
 from . import __version__
 from .architecture import Architecture
-from .checkpoint import atomic_write, write_checkpoint
+from .checkpoint import checkpoint_writer, report_paths, write_checkpoint
 from .recorded import class_map
+from .safewrite import write_files
 from .surgery import ConvertResult
 
 
-def save(result: ConvertResult, path: "str | Path", architecture: Architecture, *, source: str = "",
-         extras: dict[str, Any] | None = None) -> Path:
-    """Write the converted model with self-describing metadata (atomic)."""
-    path = Path(path)
-    metadata = {
+def _metadata(result: ConvertResult, architecture: Architecture, source: str) -> dict[str, Any]:
+    return {
         "schema": 1,
         "version": __version__,
         "architecture": architecture.to_dict(),
@@ -25,13 +23,31 @@ def save(result: ConvertResult, path: "str | Path", architecture: Architecture, 
         "classes": class_map(result.model),
         "source": source,
     }
-    write_checkpoint(path, result.model, metadata, extras)
+
+
+def save(result: ConvertResult, path: "str | Path", architecture: Architecture, *, source: str = "",
+         extras: dict[str, Any] | None = None) -> Path:
+    """Write the converted model with self-describing metadata (atomic; replaces ``path``)."""
+    path = Path(path)
+    write_checkpoint(path, result.model, _metadata(result, architecture, source), extras)
     return path
 
 
-def write_reports(result: ConvertResult, output: Path) -> tuple[Path, Path]:
-    json_path = output.with_name(output.name + ".report.json")
-    md_path = output.with_name(output.name + ".report.md")
-    atomic_write(json_path, lambda temp: temp.write_text(result.report.to_json() + "\n"))
-    atomic_write(md_path, lambda temp: temp.write_text(result.report.to_markdown()))
+def write_conversion(result: ConvertResult, output: Path, architecture: Architecture, *, source: str = "",
+                     force: bool = False) -> tuple[Path, Path]:
+    """The checkpoint and its JSON and Markdown reports: all three written, or none changed."""
+    json_path, md_path = report_paths(output)
+    write_files({
+        output: checkpoint_writer(output, result.model, _metadata(result, architecture, source)),
+        json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
+        md_path: lambda temp: temp.write_text(result.report.to_markdown()),
+    }, force=force)
+    return json_path, md_path
+
+
+def write_reports(result: ConvertResult, output: Path, *, force: bool = True) -> tuple[Path, Path]:
+    """Only the two reports (atomic each)."""
+    json_path, md_path = report_paths(output)
+    write_files({json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
+                 md_path: lambda temp: temp.write_text(result.report.to_markdown())}, force=force)
     return json_path, md_path
