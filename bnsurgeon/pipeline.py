@@ -11,7 +11,7 @@ from . import __version__
 from .architecture import LoadedSource
 from .checkpoint import check_output_path, describe_checkpoint, read_checkpoint
 from .checks import _inexact, compare_eval, first_runnable_shape, infer_input_shape
-from .errors import UsageError, VerificationError
+from .errors import NothingToConvertError, UsageError, VerificationError
 from .inspection import Inspection, inspect_model
 from .sources import load_source, looks_like_file
 from .surgery import ConvertResult, convert
@@ -72,12 +72,17 @@ def convert_source(
     input_shape: tuple[int, ...] | None = None,
     verify_world_sizes: tuple[int, ...] = (),
     progress: "Callable[[str], None] | None" = None,
+    allow_no_bn: bool = False,
 ) -> ConvertOutcome:
     """The ``bnsurgeon convert`` pipeline. Writes nothing unless every step succeeded.
 
     ``progress`` is told the name of each phase as it starts (the CLI shows a spinner).
+    A model with no BN-family module raises NothingToConvertError unless ``allow_no_bn``.
+    A .pt/.pth/.pth.tar output carries a training checkpoint's other entries
+    (``training_checkpoint.carry_entries``).
     """
     from .rules import check_target
+    from .training_checkpoint import carry_entries
 
     phase = progress or (lambda text: None)
 
@@ -93,7 +98,11 @@ def convert_source(
     result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled)
     result.report.source = loaded.description
     result.report.tool_version = __version__
-    result.report.carried = {k: f"{v} (not written)" for k, v in loaded.carried.items()}
+    report = result.report
+    if not (report.changed or report.kept or report.unhandled) and not allow_no_bn:
+        raise NothingToConvertError(f"{loaded.description} has no BatchNorm-family module: there is nothing to convert")
+    carried = carry_entries(loaded, result, out)
+    result.report.carried = carried.summary
     if check:
         shape = input_shape or loaded.input_shape or infer_input_shape(loaded.model)
         if shape is None:
@@ -125,15 +134,19 @@ def convert_source(
     if out is not None:
         result.report.output = str(out)
         phase(f"writing {out}")
-        save(result, out, loaded.architecture, source=loaded.description)
+        save(result, out, loaded.architecture, source=loaded.description, extras=carried.entries)
         reports = write_reports(result, out)
     return ConvertOutcome(result, loaded, out, reports)
 
 
 def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), input_shape: tuple[int, ...] | None = None,
            atol: float | None = None, perturb: bool = True, model: str | None = None,
-           model_args: dict[str, Any] | None = None, trust_pickle: bool = False):
-    """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen)."""
+           model_args: dict[str, Any] | None = None, trust_pickle: bool = False,
+           on_check: "Callable[[Any], None] | None" = None):
+    """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
+
+    ``on_check`` is told each check (a ``verify.CheckOutcome``) as it finishes.
+    """
     from .verify import verify_models
 
     named_factory = ":" in source and not source.startswith("timm:") and not Path(source).exists()
@@ -149,4 +162,4 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
         raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
     return verify_models(left.model, right.model, shape, world_sizes=world_sizes, atol=atol, perturb=perturb,
                          exact=not _inexact(left.model, right.model), source_name=left.description,
-                         converted_name=right.description)
+                         converted_name=right.description, on_check=on_check)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import io
+import time
 import zlib
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .outputs import flatten_tensors
 from .surgery import is_bn_like
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 SEED = 0
+VERIFY_SCHEMA_VERSION = 1
 DIST_RTOL = 1e-6
 INEXACT_RTOL = 1e-4
 
@@ -33,6 +36,7 @@ class CheckOutcome:
     max_abs_diff: float = 0.0
     detail: str = ""
     first_divergence: str | None = None
+    seconds: float = 0.0  # wall time of this check in the verifying process
 
 
 @dataclass
@@ -51,7 +55,10 @@ class Verification:
         return next((c for c in self.checks if c.passed is False), None)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        from . import __version__
+
+        data = {"schema_version": VERIFY_SCHEMA_VERSION, "tool_version": __version__}
+        data.update(asdict(self))
         data["passed"] = self.passed
         return data
 
@@ -259,11 +266,16 @@ def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], 
 
 
 def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
-                label: str | None = None) -> CheckOutcome:
-    """W gloo ranks of the converted model on slices == the source on the whole batch (float64)."""
+                label: str | None = None, pool=None) -> CheckOutcome:
+    """W gloo ranks of the converted model on slices == the source on the whole batch (float64).
+
+    ``pool`` (a ``multiproc.RankPool`` of at least W processes) runs the ranks in
+    processes that are already started; without one, W processes are started for this
+    check alone.
+    """
     import torch
 
-    from .multiproc import RankFailure, run_world
+    from .multiproc import RankFailure, RankPool
 
     label = label or f"{world_size} ranks"
     if not _has_sync_layers(converted):
@@ -280,8 +292,10 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     sum((o * g).sum() for o, g in zip(outputs, grad)).backward()
     buffer = io.BytesIO()
     torch.save({"converted": converted64, "x": x, "grad": grad}, buffer)
+    own_pool = RankPool(world_size, collective_timeout=120) if pool is None else nullcontext(pool)
     try:
-        ranks = run_world(world_size, _rank_worker, buffer.getvalue(), splits, seed, timeout=timeout, collective_timeout=120)
+        with own_pool as ranks_pool:
+            ranks = ranks_pool.run(world_size, _rank_worker, buffer.getvalue(), splits, seed, timeout=timeout)
     except RankFailure as error:
         return CheckOutcome(label, False, float("inf"), f"ranks failed: {str(error).splitlines()[0]}")
 
@@ -308,26 +322,52 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     return CheckOutcome(label, not problems, worst, detail, problems[0] if problems else None)
 
 
+def _timed(check: Callable[[], CheckOutcome], on_check: Callable[[CheckOutcome], None] | None) -> CheckOutcome:
+    started = time.monotonic()
+    outcome = check()
+    outcome.seconds = time.monotonic() - started
+    if on_check is not None:
+        on_check(outcome)
+    return outcome
+
+
 def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, world_sizes=(2,),
                   atol: float | None = None, perturb: bool = True, exact: bool = True,
-                  source_name: str = "", converted_name: str = "") -> Verification:
+                  source_name: str = "", converted_name: str = "",
+                  on_check: Callable[[CheckOutcome], None] | None = None,
+                  reuse_processes: bool = True) -> Verification:
     """Run every check, then all of them again with identically perturbed BN state.
 
     ``exact=False`` (conversions from x*scale+shift frozen BN) compares within rtol 1e-4;
-    ``atol`` relaxes bit-identity explicitly.
+    ``atol`` relaxes bit-identity explicitly. ``on_check`` is told each check as it
+    finishes. The N-rank checks share one pool of max(N) processes, started first so
+    that their imports overlap with the one-process checks (``reuse_processes=False``
+    starts fresh processes for every N-rank check, as a benchmark reference).
     """
+    from .multiproc import RankPool
+
     tol = Tolerance(atol=atol or 0.0, rtol=0.0 if exact else INEXACT_RTOL)
     result = Verification(source_name, converted_name, list(input_shape))
     variants = [("", source, converted)]
     if perturb:
         variants.append((" (perturbed)", perturb_bn(copy.deepcopy(source)), perturb_bn(copy.deepcopy(converted))))
     frozen = _is_frozen_model(converted)
-    for suffix, src, conv in variants:
-        result.checks.append(check_eval(src, conv, input_shape, tol, label="eval" + suffix))
-        if frozen:
-            result.checks.append(check_frozen(src, conv, input_shape, tol, label="frozen (train) == source (eval)" + suffix))
-        else:
-            result.checks.append(check_train(src, conv, input_shape, tol, label="train, one process" + suffix))
+    distributed = bool(world_sizes) and not frozen and _has_sync_layers(converted)
+    pool = RankPool(max(world_sizes), collective_timeout=120) if distributed and reuse_processes else None
+
+    def add(check: Callable[[], CheckOutcome]) -> None:
+        result.checks.append(_timed(check, on_check))
+
+    with pool if pool is not None else nullcontext():
+        for suffix, src, conv in variants:
+            add(lambda: check_eval(src, conv, input_shape, tol, label="eval" + suffix))
+            if frozen:
+                add(lambda: check_frozen(src, conv, input_shape, tol, label="frozen (train) == source (eval)" + suffix))
+            else:
+                add(lambda: check_train(src, conv, input_shape, tol, label="train, one process" + suffix))
+        if not frozen:
             for world_size in world_sizes:
-                result.checks.append(check_ranks(src, conv, input_shape, world_size, label=f"{world_size} ranks" + suffix))
+                for suffix, src, conv in variants:
+                    add(lambda: check_ranks(src, conv, input_shape, world_size, label=f"{world_size} ranks" + suffix,
+                                            pool=pool))
     return result
