@@ -31,13 +31,17 @@ EXIT_CODES = {
     130: "interrupted (Ctrl-C); nothing partial written",
 }
 
+
+
 app = typer.Typer(
     name="bnsurgeon",
     help="Exact BatchNorm surgery for PyTorch/timm models: inspect, convert to sync / plain / frozen BN.",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode="markdown",
+    # plain Click help, in a terminal and in logs alike: no box drawing, and flags without
+    # the "<bool>" type labels that this Typer's Rich panels print for every option
+    rich_markup_mode=None,
 )
 
 
