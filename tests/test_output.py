@@ -127,9 +127,12 @@ def test_a_terminal_is_fitted_by_dropping_columns_not_wrapping():
     rows = [["BatchNormAct2d", "78", "SyncBatchNormAct", "blocks.0.0.bn1, blocks.0.0.bn2, blocks.1.0.bn1"]]
     wide = table_lines(columns, rows, 200)
     assert len(wide) == 2 and "blocks.1.0.bn1" in wide[1]
-    narrow = table_lines(columns, rows, 48)
+    shortened = table_lines(columns, rows, 70)  # free text is shortened before any column goes
+    assert len(shortened) == 2 and all(len(line) <= 70 for line in shortened)
+    assert "SyncBatchNormAct" in shortened[1] and "blocks.0.0.bn1" in shortened[1] and shortened[1].endswith("...")
+    narrow = table_lines(columns, rows, 48)  # then the lowest-priority column is dropped
     assert len(narrow) == 2 and all(len(line) <= 48 for line in narrow)
-    assert "BatchNormAct2d" in narrow[1] and "SyncBatchNormAct" in narrow[1] and "..." in narrow[1]
+    assert "SyncBatchNormAct" in narrow[1] and "blocks" not in narrow[1]
     narrower = table_lines(columns, rows, 30)
     assert "SyncBatchNormAct" not in narrower[1] and "BatchNormAct2d" in narrower[1] and len(narrower) == 2
 
