@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 import bnsurgeon
 from bnsurgeon.cli import app
-from bnsurgeon.errors import NothingToConvertError, SourceNotFoundError, UnhandledModuleError
+from bnsurgeon import errors
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def test_a_model_without_bn_is_a_distinct_exit_and_writes_nothing(models):
     assert "--allow-no-bn" in result.output and "Traceback" not in result.output
     assert files(models) == before
 
-    with pytest.raises(NothingToConvertError) as raised:
+    with pytest.raises(errors.NothingToConvertError) as raised:
         bnsurgeon.convert_source("omodels:no_bn", None, input_shape=(2, 3, 16, 16))
     assert "allow_no_bn=True" in str(raised.value)
 
@@ -319,7 +319,7 @@ def test_verify_json_names_its_schema_and_tool_version():
 
 
 def test_python_errors_name_the_keyword_argument(models):
-    with pytest.raises(UnhandledModuleError) as raised:
+    with pytest.raises(errors.UnhandledModuleError) as raised:
         bnsurgeon.convert_source("omodels:unhandled", None, input_shape=(2, 3, 4, 4))
     text = str(raised.value)
     assert "allow_unhandled=True" in text and "--allow-unhandled" not in text
@@ -347,7 +347,7 @@ def test_model_names_match_case_insensitively_and_through_confusables():
     assert resolve_timm_name("EfficientNet_B0") == "efficientnet_b0"
     for typo, meant in [("efficientnet_bO", "efficientnet_b0"), ("resnet5O", "resnet50"),
                         ("efficientnet-b0", "efficientnet_b0"), ("resnetl8", "resnet18")]:
-        with pytest.raises(SourceNotFoundError) as raised:
+        with pytest.raises(errors.SourceNotFoundError) as raised:
             resolve_timm_name(typo)
         assert raised.value.hint.startswith(f"did you mean {meant}"), (typo, raised.value.hint)
     result = invoke("inspect", "Resnet18")
