@@ -27,7 +27,7 @@ EXIT_CODES = {
     6: "the weights do not fit the architecture",
     7: "a BatchNorm-like module no rule claims, or an uninitialized lazy BN",
     8: "the output path cannot or must not be written",
-    10: "the model has no BatchNorm-family module: nothing to convert, nothing written (see --allow-no-bn)",
+    11: "the model has no BatchNorm-family module: nothing to convert, nothing written (see --allow-no-bn)",
     130: "interrupted (Ctrl-C); nothing partial written",
 }
 
@@ -171,7 +171,7 @@ def convert(
     to: Target = typer.Option(Target.sync, "--to", help="What every BN-family module becomes."),
     frozen: FrozenPolicy = typer.Option(FrozenPolicy.keep, "--frozen", help="Frozen BN under --to sync/plain: keep it frozen, or unfreeze it."),
     allow_unhandled: bool = typer.Option(False, "--allow-unhandled", help="Leave BN-like modules no rule claims untouched (listed in the report) instead of refusing."),
-    allow_no_bn: bool = typer.Option(False, "--allow-no-bn", help="Write the model even when it has no BatchNorm-family module (default: exit 10, write nothing)."),
+    allow_no_bn: bool = typer.Option(False, "--allow-no-bn", help="Write the model even when it has no BatchNorm-family module (default: exit 11, write nothing)."),
     model: Optional[str] = ModelOption,
     model_arg: Optional[List[str]] = ModelArgOption,
     weights: Optional[str] = WeightsOption,

@@ -113,7 +113,7 @@ class OutputError(BnSurgeonError):
 class NothingToConvertError(BnSurgeonError):
     """A model with no BatchNorm-family module: a conversion would only copy it."""
 
-    exit_code = 10
+    exit_code = 11  # 9 and 10 are taken by issue 12 (check input, unconfirmed code)
     default_hint = "nothing was written; pass --allow-no-bn to write the unchanged model anyway"
 
 

@@ -168,7 +168,7 @@ def test_a_model_without_bn_is_a_distinct_exit_and_writes_nothing(models):
     out = models / "x.safetensors"
     before = files(models)
     result = invoke("convert", "omodels:no_bn", "-o", out, "--input-shape", SMALL)
-    assert result.exit_code == 10, result.output
+    assert result.exit_code == 11, result.output
     assert "has no BatchNorm-family module: there is nothing to convert" in result.output
     assert "--allow-no-bn" in result.output and "Traceback" not in result.output
     assert files(models) == before
