@@ -211,7 +211,8 @@ def test_training_checkpoint_carries_every_entry_and_a_valid_optimizer(models):
     assert result.exit_code == 0, result.output
     assert "carried from the source checkpoint" in result.output and "optimizer" in result.output
 
-    written = torch.load(out, weights_only=True)
+    with torch.serialization.safe_globals([argparse.Namespace]):  # what timm's args entry needs, as on input
+        written = torch.load(out, weights_only=True)
     assert {"epoch", "state_dict", "state_dict_ema", "optimizer", "args", "metric"} <= set(written)
     assert written["epoch"] == 7 and written["args"].lr == 0.1 and written["metric"] == 0.5
     # the EMA weights are converted like the model: same keys as the converted state dict, EMA values
