@@ -16,6 +16,9 @@ FLAG_KEYWORDS = {
     "--to": "to=", "--frozen": "frozen=", "--world-size": "world_sizes=",
 }
 
+#: flags whose keyword argument takes the flag's value as a string
+STRING_VALUED = ("--model", "--weights", "--to", "--frozen")
+
 
 def python_hint(hint: str) -> str:
     """A command-line hint with every known flag written as the keyword argument.
@@ -31,10 +34,13 @@ def python_hint(hint: str) -> str:
             return match.group(0)
         if not replacement.endswith("="):
             return replacement + (f" {placeholder}" if placeholder else "")
-        return replacement + placeholder if placeholder and placeholder.isupper() else replacement[:-1] + (
-            f" {placeholder}" if placeholder else "")
+        if placeholder and placeholder.isupper():  # --model ARCH -> model=ARCH
+            return replacement + placeholder
+        if placeholder and flag in STRING_VALUED:  # --model pkg.mod:fn -> model='pkg.mod:fn'
+            return replacement + repr(placeholder)
+        return replacement[:-1] + (f" {placeholder}" if placeholder else "")
 
-    return re.sub(r"(--[a-z][a-z0-9-]*)(?: ([^\s()]+))?", keyword, hint)
+    return re.sub(r"(--[a-z][a-z0-9-]*)(?: ([^\s(),;]+))?", keyword, hint)
 
 
 class BnSurgeonError(Exception):

@@ -108,10 +108,13 @@ def test_every_command_reads_well_without_a_terminal(models, columns):
         invoke("rules", "-v", columns=columns),
         invoke("verify", "omodels:small", sync, "--input-shape", SMALL, "-w", "2", "--no-perturb", columns=columns),
     ]
-    runs += [invoke(*command, "--help", columns=columns) for command in ([], ["inspect"], ["convert"], ["verify"], ["rules"])]
+    helps = [invoke(*command, "--help", columns=columns) for command in ([], ["inspect"], ["convert"], ["verify"], ["rules"])]
     for result in runs:
         assert result.exit_code == 0, result.output
         assert_readable(result.output, width)
+    for result in helps:  # Click lays help out at 80 columns at most (narrower terminals: not fitted)
+        assert result.exit_code == 0, result.output
+        assert_readable(result.output, max(width, 80) if columns is None else 80)
     inspect_b3 = runs[0].output
     # what the table cannot lose when it is narrowed: the class, its count and its rule
     assert re.search(r"BatchNormAct2d\s+78\s+timm-batchnorm-act", inspect_b3), inspect_b3
@@ -219,12 +222,12 @@ def test_training_checkpoint_carries_every_entry_and_a_valid_optimizer(models):
     assert set(written["state_dict_ema"]) == set(written["state_dict"])
     for key, value in entries["state_dict_ema"].items():
         assert torch.equal(written["state_dict_ema"][key], value), key
-    ema_model = bnsurgeon.load(out)
+    ema_model = bnsurgeon.load(out, model="omodels:small")
     ema_model.load_state_dict(written["state_dict_ema"])  # strict: the converted model's keys exactly
     assert isinstance(ema_model[1], SyncBatchNormAct)
 
     # the optimizer state still belongs to the same parameters: resume and step identically
-    model = bnsurgeon.load(out)
+    model = bnsurgeon.load(out, model="omodels:small")
     resumed = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     resumed.load_state_dict(written["optimizer"])
     for index, param in enumerate(model.parameters()):
@@ -325,6 +328,8 @@ def test_python_errors_name_the_keyword_argument(models):
     text = str(raised.value)
     assert "allow_unhandled=True" in text and "--allow-unhandled" not in text
     assert "--allow-unhandled" in raised.value.hint  # the command line still prints the flag
+    confirm = errors.UsageError("made from a factory", "confirm with --model omodels:small, or pass --model ARCH")
+    assert str(confirm) == "made from a factory (confirm with model='omodels:small', or pass model=ARCH)"
 
 
 def test_readme_commands_block_lists_every_command_and_flag():
