@@ -7,7 +7,6 @@ is self-describing and ``bnsurgeon.load`` can rebuild the same model.
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib
 import sys
 from contextlib import contextmanager
@@ -91,10 +90,7 @@ def _timm_name(name: str) -> str:
 def _create_timm(name: str, kwargs: dict[str, Any]) -> "nn.Module":
     import timm
 
-    if not timm.is_model(name):
-        close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
-        hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models() for the names"
-        raise SourceNotFoundError(f"unknown timm model {name!r}", hint)
+    name = resolve_timm_name(name)
     try:
         return timm.create_model(name, pretrained=False, **kwargs)
     except TypeError as error:
@@ -112,6 +108,23 @@ def _describe_kwargs(kwargs: dict[str, Any]) -> str:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return (text.splitlines()[0] if text else "no message")[:200]
+
+
+def resolve_timm_name(name: str) -> str:
+    """``name`` if timm knows it, else its unique case-insensitive match; else SourceNotFoundError with suggestions."""
+    import timm
+
+    from .names import case_insensitive_match, suggestions
+
+    if timm.is_model(name):
+        return name
+    known = timm.list_models()
+    match = case_insensitive_match(name, known)
+    if match is not None:
+        return match
+    close = suggestions(name, known)
+    hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models() for the names"
+    raise SourceNotFoundError(f"unknown timm model {name!r}", hint)
 
 
 def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
@@ -154,7 +167,7 @@ def parse_architecture(spec: str, kwargs: dict[str, Any] | None = None) -> Archi
     """``resnet50`` / ``timm:resnet50`` -> timm; ``pkg.mod:fn`` -> factory."""
     kwargs = dict(kwargs or {})
     if spec.startswith("timm:") or ":" not in spec:
-        return Architecture("timm", _timm_name(spec), kwargs)
+        return Architecture("timm", resolve_timm_name(_timm_name(spec)), kwargs)
     return Architecture("factory", spec, kwargs)
 
 

@@ -226,20 +226,27 @@ def state_dict_candidates(obj: Any) -> dict[str, dict[str, "torch.Tensor"]]:
     return found
 
 
-def describe_checkpoint(raw: RawCheckpoint) -> dict[str, Any]:
-    """What a file holds: top-level entries, which of them look like model weights, its metadata."""
+def count_tensors(value: Any) -> int:
+    """Tensors anywhere inside ``value`` (an optimizer state nests them in dicts of dicts)."""
     import torch
     from torch import nn
 
+    if isinstance(value, torch.Tensor):
+        return 1
+    if isinstance(value, nn.Module):
+        return len(value.state_dict())
+    if isinstance(value, dict):
+        return sum(count_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(count_tensors(v) for v in value)
+    return 0
+
+
+def describe_checkpoint(raw: RawCheckpoint) -> dict[str, Any]:
+    """What a file holds: top-level entries, which of them look like model weights, its metadata."""
+
     def entry(key: str, value: Any) -> dict[str, Any]:
-        tensors = 0
-        if isinstance(value, torch.Tensor):
-            tensors = 1
-        elif isinstance(value, dict):
-            tensors = sum(isinstance(v, torch.Tensor) for v in value.values())
-        elif isinstance(value, nn.Module):
-            tensors = len(value.state_dict())
-        return {"key": key, "type": type(value).__name__, "tensors": tensors}
+        return {"key": key, "type": type(value).__name__, "tensors": count_tensors(value)}
 
     obj = raw.obj
     if isinstance(obj, dict) and not _is_tensor_dict(obj):
@@ -308,8 +315,8 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
             f"this filesystem's {name_max}-byte limit",
             f"use a name of at most {name_max - NAME_OVERHEAD} bytes",
         )
-    if out.suffix not in OUTPUT_SUFFIXES:
-        raise OutputError(f"cannot tell the format of output {out}", f"end it with one of {', '.join(OUTPUT_SUFFIXES)}")
+    if out.suffix not in OUTPUT_SUFFIXES and not out.name.endswith(".pth.tar"):
+        raise OutputError(f"cannot tell the format of output {out}", f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar")
     for source in inputs:
         source_path = Path(source)
         same = source_path.resolve() == out.resolve() or (

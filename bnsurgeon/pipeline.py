@@ -22,7 +22,7 @@ from .checks import (
     require_same_architecture,
     run_forward,
 )
-from .errors import ConfirmationError, UsageError, VerificationError
+from .errors import ConfirmationError, NothingToConvertError, UsageError, VerificationError
 from .inspection import Inspection, inspect_model
 from .sources import load_source, looks_like_file
 from .surgery import ConvertResult, convert
@@ -96,12 +96,17 @@ def convert_source(
     input_shape: tuple[int, ...] | None = None,
     verify_world_sizes: tuple[int, ...] = (),
     progress: "Callable[[str], None] | None" = None,
+    allow_no_bn: bool = False,
 ) -> ConvertOutcome:
     """The ``bnsurgeon convert`` pipeline. Writes nothing unless every step succeeded.
 
     ``progress`` is told the name of each phase as it starts (the CLI shows a spinner).
+    A model with no BN-family module raises NothingToConvertError unless ``allow_no_bn``.
+    A .pt/.pth/.pth.tar output carries a training checkpoint's other entries
+    (``training_checkpoint.carry_entries``).
     """
     from .rules import check_target
+    from .training_checkpoint import carry_entries
 
     phase = progress or (lambda text: None)
 
@@ -117,7 +122,11 @@ def convert_source(
     result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled)
     result.report.source = loaded.description
     result.report.tool_version = __version__
-    result.report.carried = {k: f"{v} (not written)" for k, v in loaded.carried.items()}
+    report = result.report
+    if not (report.changed or report.kept or report.unhandled) and not allow_no_bn:
+        raise NothingToConvertError(f"{loaded.description} has no BatchNorm-family module: there is nothing to convert")
+    carried = carry_entries(loaded, result, out)
+    result.report.carried = carried.summary
     if check:
         shape = input_shape or loaded.input_shape or infer_input_shape(loaded.model)
         if shape is None:
@@ -150,7 +159,8 @@ def convert_source(
     if out is not None:
         result.report.output = str(out)
         phase(f"writing {out}")
-        reports = write_conversion(result, out, loaded.architecture, source=loaded.description, force=force)
+        reports = write_conversion(result, out, loaded.architecture, source=loaded.description, force=force,
+                                   extras=carried.entries)
     return ConvertOutcome(result, loaded, out, reports)
 
 
@@ -158,12 +168,13 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
            atol: float | None = None, perturb: bool = True, model: str | None = None,
            model_args: dict[str, Any] | None = None, converted_model: str | None = None,
            converted_model_args: dict[str, Any] | None = None, trust_pickle: bool = False,
-           accept_recorded_args: bool = False):
+           accept_recorded_args: bool = False, on_check: "Callable[[Any], None] | None" = None):
     """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
 
     Both arguments are loaded under the same trust rules, each confirmed only by what the
     user typed for it: ``model``/``model_args`` for SOURCE, ``converted_model``/
-    ``converted_model_args`` for CONVERTED.
+    ``converted_model_args`` for CONVERTED. ``on_check`` is told each check (a
+    ``verify.CheckOutcome``) as it finishes.
     """
     import torch
 
@@ -192,4 +203,4 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
             run_forward(loaded.model.eval(), x.to(dtype), f"{what} ({loaded.description})")
     return verify_models(left.model, right.model, shape, world_sizes=world_sizes, atol=atol, perturb=perturb,
                          exact=not is_inexact(left.model, right.model), source_name=left.description,
-                         converted_name=right.description, collective_timeout=timeout)
+                         converted_name=right.description, collective_timeout=timeout, on_check=on_check)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import io
+import time
 import zlib
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .outputs import flatten_tensors
 from .surgery import is_bn_like
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 SEED = 0
+VERIFY_SCHEMA_VERSION = 1
 DIST_RTOL = 1e-6
 INEXACT_RTOL = 1e-4
 
@@ -33,6 +36,7 @@ class CheckOutcome:
     max_abs_diff: float = 0.0
     detail: str = ""
     first_divergence: str | None = None
+    seconds: float = 0.0  # wall time of this check in the verifying process
 
 
 @dataclass
@@ -51,7 +55,10 @@ class Verification:
         return next((c for c in self.checks if c.passed is False), None)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        from . import __version__
+
+        data = {"schema_version": VERIFY_SCHEMA_VERSION, "tool_version": __version__}
+        data.update(asdict(self))
         data["passed"] = self.passed
         return data
 
@@ -258,18 +265,40 @@ def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], 
     }
 
 
-def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
-                label: str | None = None, collective_timeout: float = 120.0) -> CheckOutcome:
-    """W gloo ranks of the converted model on slices == the source on the whole batch (float64)."""
+def rank_batch(world_sizes) -> int:
+    """One batch for every world size checked: 3 + 2 per extra rank of the largest (5 for 2 ranks, 7 for 3)."""
+    return 3 + 2 * (max(world_sizes) - 1)
+
+
+def uneven_splits(batch: int, world_size: int) -> list[int]:
+    """``batch`` rows over the ranks, never all equal: counts must weight the merge (7 -> [4, 3] or [3, 2, 2])."""
+    share, extra = divmod(batch, world_size)
+    splits = [share + 1] * extra + [share] * (world_size - extra)
+    if extra == 0 and world_size > 1:
+        splits[0], splits[-1] = splits[0] + 1, splits[-1] - 1
+    return splits
+
+
+@dataclass
+class RankReference:
+    """What W ranks must reproduce: the source in float64 on the whole batch.
+
+    Computed once per model pair and shared by every world size (the float64
+    forward/backward of the source is the parent's largest cost), with the bytes each
+    rank loads: the converted model in float64, the batch and the output gradient.
+    """
+
+    batch: int
+    payload: bytes
+    outputs: list
+    input_grad: "torch.Tensor"
+    param_grads: dict
+    stats: dict
+
+
+def rank_reference(source, converted, shape, batch: int, *, seed=SEED) -> RankReference:
     import torch
 
-    from .multiproc import RankFailure, run_world
-
-    label = label or f"{world_size} ranks"
-    if not _has_sync_layers(converted):
-        return CheckOutcome(label, None, detail="not applicable: the converted model has no sync layers")
-    splits = [3] + [2] * (world_size - 1)  # uneven on purpose: counts must weight the merge
-    batch = sum(splits)
     source64 = only_bn_trains(copy.deepcopy(source).double())
     converted64 = copy.deepcopy(converted).double()
     generator = torch.Generator().manual_seed(seed)
@@ -280,8 +309,37 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     sum((o * g).sum() for o, g in zip(outputs, grad)).backward()
     buffer = io.BytesIO()
     torch.save({"converted": converted64, "x": x, "grad": grad}, buffer)
+    return RankReference(
+        batch, buffer.getvalue(), [o.detach() for o in outputs], xr.grad,
+        {n: p.grad for n, p in source64.named_parameters() if p.grad is not None},
+        {n: b.double() for n, b in source64.named_buffers()
+         if n.endswith(("running_mean", "running_var", "num_batches_tracked"))},
+    )
+
+
+def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
+                label: str | None = None, pool=None, reference: RankReference | None = None,
+                collective_timeout: float = 120.0) -> CheckOutcome:
+    """W gloo ranks of the converted model on slices == the source on the whole batch (float64).
+
+    ``pool`` (a ``multiproc.RankPool`` of at least W processes) runs the ranks in
+    processes that are already started; without one, W processes are started for this
+    check alone. ``reference`` (from ``rank_reference``) is reused when given.
+    """
+    import torch
+
+    from .multiproc import RankFailure, RankPool
+
+    label = label or f"{world_size} ranks"
+    if not _has_sync_layers(converted):
+        return CheckOutcome(label, None, detail="not applicable: the converted model has no sync layers")
+    if reference is None:
+        reference = rank_reference(source, converted, shape, rank_batch([world_size]), seed=seed)
+    splits = uneven_splits(reference.batch, world_size)
+    own_pool = RankPool(world_size, collective_timeout=collective_timeout) if pool is None else nullcontext(pool)
     try:
-        ranks = run_world(world_size, _rank_worker, buffer.getvalue(), splits, seed, timeout=timeout, collective_timeout=collective_timeout)
+        with own_pool as ranks_pool:
+            ranks = ranks_pool.run(world_size, _rank_worker, reference.payload, splits, seed, timeout=timeout)
     except RankFailure as error:
         return CheckOutcome(label, False, float("inf"), f"ranks failed: {str(error).splitlines()[0]}")
 
@@ -294,41 +352,74 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
         if not ok:
             problems.append(name)
 
-    for index, expected in enumerate(outputs):
-        compare(f"output {index}", [expected.detach()], [torch.cat([r["outputs"][index] for r in ranks])])
-    compare("input gradient", [xr.grad], [torch.cat([r["input_grad"] for r in ranks])])
-    for name, param in source64.named_parameters():
-        if param.grad is not None:
-            summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
-            compare(f"grad {name}", [param.grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(param)])
-    for name, buf in source64.named_buffers():
-        if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
-            compare(name, [buf.double()], [ranks[0]["stats"][name].double()])
+    for index, expected in enumerate(reference.outputs):
+        compare(f"output {index}", [expected], [torch.cat([r["outputs"][index] for r in ranks])])
+    compare("input gradient", [reference.input_grad], [torch.cat([r["input_grad"] for r in ranks])])
+    for name, grad in reference.param_grads.items():
+        summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
+        compare(f"grad {name}", [grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(grad)])
+    for name, buf in reference.stats.items():
+        compare(name, [buf], [ranks[0]["stats"][name].double()])
     detail = f"splits {splits}, float64" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
     return CheckOutcome(label, not problems, worst, detail, problems[0] if problems else None)
 
 
+def _timed(check: Callable[[], CheckOutcome], on_check: Callable[[CheckOutcome], None] | None) -> CheckOutcome:
+    started = time.monotonic()
+    outcome = check()
+    outcome.seconds = time.monotonic() - started
+    if on_check is not None:
+        on_check(outcome)
+    return outcome
+
+
 def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, world_sizes=(2,),
                   atol: float | None = None, perturb: bool = True, exact: bool = True,
-                  source_name: str = "", converted_name: str = "", collective_timeout: float = 120.0) -> Verification:
+                  source_name: str = "", converted_name: str = "", collective_timeout: float = 120.0,
+                  on_check: Callable[[CheckOutcome], None] | None = None,
+                  share_work: bool = True) -> Verification:
     """Run every check, then all of them again with identically perturbed BN state.
 
     ``exact=False`` (conversions from x*scale+shift frozen BN) compares within rtol 1e-4;
-    ``atol`` relaxes bit-identity explicitly.
+    ``atol`` relaxes bit-identity explicitly. ``on_check`` is told each check as it
+    finishes. The N-rank checks share one pool of max(N) processes, started first so
+    that their imports overlap with the one-process checks, and one float64 reference
+    per variant (one batch for every N). ``share_work=False`` starts fresh processes and
+    recomputes the reference for every N-rank check, as verify did before: the
+    benchmark's yardstick (``scripts/bench_verify.py``).
     """
+    from .multiproc import RankPool
+
     tol = Tolerance(atol=atol or 0.0, rtol=0.0 if exact else INEXACT_RTOL)
     result = Verification(source_name, converted_name, list(input_shape))
     variants = [("", source, converted)]
     if perturb:
         variants.append((" (perturbed)", perturb_bn(copy.deepcopy(source)), perturb_bn(copy.deepcopy(converted))))
     frozen = _is_frozen_model(converted)
-    for suffix, src, conv in variants:
-        result.checks.append(check_eval(src, conv, input_shape, tol, label="eval" + suffix))
-        if frozen:
-            result.checks.append(check_frozen(src, conv, input_shape, tol, label="frozen (train) == source (eval)" + suffix))
-        else:
-            result.checks.append(check_train(src, conv, input_shape, tol, label="train, one process" + suffix))
+    distributed = bool(world_sizes) and not frozen and _has_sync_layers(converted)
+    pool = RankPool(max(world_sizes), collective_timeout=collective_timeout) if distributed and share_work else None
+
+    def add(check: Callable[[], CheckOutcome]) -> None:
+        result.checks.append(_timed(check, on_check))
+
+    with pool if pool is not None else nullcontext():
+        for suffix, src, conv in variants:
+            add(lambda: check_eval(src, conv, input_shape, tol, label="eval" + suffix))
+            if frozen:
+                add(lambda: check_frozen(src, conv, input_shape, tol, label="frozen (train) == source (eval)" + suffix))
+            else:
+                add(lambda: check_train(src, conv, input_shape, tol, label="train, one process" + suffix))
+        if not frozen:
+            batch = rank_batch(world_sizes) if world_sizes else 0
+            references = {}  # one float64 reference per variant, shared by every world size
             for world_size in world_sizes:
-                result.checks.append(check_ranks(src, conv, input_shape, world_size, label=f"{world_size} ranks" + suffix,
-                                                 collective_timeout=collective_timeout))
+                for suffix, src, conv in variants:
+                    def ranks_check(suffix=suffix, src=src, conv=conv, world_size=world_size) -> CheckOutcome:
+                        if suffix not in references and distributed and share_work:
+                            references[suffix] = rank_reference(src, conv, input_shape, batch)
+                        return check_ranks(src, conv, input_shape, world_size, label=f"{world_size} ranks" + suffix,
+                                           pool=pool, reference=references.get(suffix),
+                                           collective_timeout=collective_timeout)
+
+                    add(ranks_check)
     return result

@@ -34,11 +34,12 @@ def save(result: ConvertResult, path: "str | Path", architecture: Architecture, 
 
 
 def write_conversion(result: ConvertResult, output: Path, architecture: Architecture, *, source: str = "",
-                     force: bool = False) -> tuple[Path, Path]:
-    """The checkpoint and its JSON and Markdown reports: all three written, or none changed."""
+                     force: bool = False, extras: dict[str, Any] | None = None) -> tuple[Path, Path]:
+    """The checkpoint (plus a training checkpoint's carried ``extras``) and its JSON and Markdown reports:
+    all three written, or none changed."""
     json_path, md_path = report_paths(output)
     write_files({
-        output: checkpoint_writer(output, result.model, _metadata(result, architecture, source)),
+        output: checkpoint_writer(output, result.model, _metadata(result, architecture, source), extras),
         json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
         md_path: lambda temp: temp.write_text(result.report.to_markdown()),
     }, force=force)
