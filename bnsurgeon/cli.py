@@ -139,7 +139,7 @@ def _parse_shape(text: Optional[str]) -> Optional[tuple]:
 def convert(
     source: str = SourceArgument,
     output: Path = typer.Option(..., "--output", "-o", help="Output checkpoint (.safetensors, .pt or .pth); reports go next to it."),
-    to: str = typer.Option("sync", "--to", help="Target: sync | plain | frozen."),
+    to: str = typer.Option("sync", "--to", help="Target: sync | plain | frozen | fused (folds BN into the conv/linear before it; eval only)."),
     frozen: str = typer.Option("keep", "--frozen", help="Frozen BN under --to sync/plain: keep | unfreeze."),
     allow_unhandled: bool = typer.Option(False, "--allow-unhandled", help="Leave BN-like modules no rule claims untouched (listed in the report) instead of refusing."),
     model: Optional[str] = ModelOption,

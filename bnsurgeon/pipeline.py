@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import __version__
 from .architecture import LoadedSource
 from .checkpoint import check_output_path, describe_checkpoint, read_checkpoint
-from .checks import _inexact, compare_eval, first_runnable_shape, infer_input_shape
+from .checks import CHECK_SEED, _inexact, compare_eval, first_runnable_shape, infer_input_shape
 from .errors import UsageError, VerificationError
 from .inspection import Inspection, inspect_model
 from .sources import load_source, looks_like_file
@@ -46,6 +46,17 @@ def inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     if loaded.weights_key:
         result.notes.append(f"weights taken from '{loaded.weights_key}' (choose another with --weights)")
     return result
+
+
+def _check_shape(loaded: LoadedSource, input_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The input for the eval check (and for finding producers under --to fused)."""
+    shape = input_shape or loaded.input_shape or infer_input_shape(loaded.model)
+    if shape is None:
+        raise UsageError("cannot tell what input the model takes for the equivalence check",
+                         "pass --input-shape N,C,H,W (or --no-check)")
+    if input_shape is None:
+        shape = first_runnable_shape(loaded.model, tuple(shape))
+    return tuple(shape)
 
 
 @dataclass
@@ -89,20 +100,22 @@ def convert_source(
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, trust_factory=trust_factory)
-    phase(f"converting to {to}")
-    result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled)
+    fused = to == "fused"
+    shape = _check_shape(loaded, input_shape) if check or fused else None
+    phase(f"converting to {to}" + (f" (finding producers on {tuple(shape)})" if fused else ""))
+    result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled,
+                     example_input=tuple(shape) if fused else None)
     result.report.source = loaded.description
     result.report.tool_version = __version__
     result.report.carried = {k: f"{v} (not written)" for k, v in loaded.carried.items()}
     if check:
-        shape = input_shape or loaded.input_shape or infer_input_shape(loaded.model)
-        if shape is None:
-            raise UsageError("cannot tell what input the model takes for the equivalence check",
-                             "pass --input-shape N,C,H,W (or --no-check)")
-        if input_shape is None:
-            shape = first_runnable_shape(loaded.model, tuple(shape))
         phase(f"checking eval outputs on {tuple(shape)}")
-        result.report.check = compare_eval(loaded.model, result.model, tuple(shape), exact=result.exact)
+        if fused:
+            from .fused_check import fused_check_result
+
+            result.report.check = fused_check_result(loaded.model, result, tuple(shape), CHECK_SEED)
+        else:
+            result.report.check = compare_eval(loaded.model, result.model, tuple(shape), exact=result.exact)
         if not result.report.check.passed:
             raise VerificationError(
                 f"converted model's eval outputs differ from the source's (max |diff| "
@@ -112,8 +125,14 @@ def convert_source(
             from .verify import verify_models
 
             phase("verifying (train, 2 gloo ranks, perturbed)")
-            verification = verify_models(loaded.model, result.model, tuple(shape), world_sizes=verify_world_sizes,
-                                         exact=result.exact, source_name=loaded.description)
+            if fused:
+                from .fused_check import verify_fused
+
+                verification = verify_fused(loaded.model, result.model, result.report.fusion["folded"], tuple(shape),
+                                            source_name=loaded.description)
+            else:
+                verification = verify_models(loaded.model, result.model, tuple(shape), world_sizes=verify_world_sizes,
+                                             exact=result.exact, source_name=loaded.description)
             result.report.verification = verification.to_dict()
             if not verification.passed:
                 failed = verification.first_failure
@@ -145,6 +164,11 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
         raise UsageError("cannot tell what input the models take", "pass --input-shape N,C,... (e.g. 4,16,32)")
     if input_shape is None:
         shape = first_runnable_shape(left.model, tuple(shape))
+    if right.checkpoint is not None and right.checkpoint.bnsurgeon("target") == "fused":
+        from .fused_check import verify_fused
+
+        return verify_fused(left.model, right.model, right.checkpoint.bnsurgeon("folds", []), shape, atol=atol,
+                            perturb=perturb, source_name=left.description, converted_name=right.description)
     if any(w < 2 for w in world_sizes):
         raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
     return verify_models(left.model, right.model, shape, world_sizes=world_sizes, atol=atol, perturb=perturb,

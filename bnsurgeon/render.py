@@ -73,6 +73,15 @@ def render_inspection(inspection: Inspection, out: Console, *, verbose: bool = F
         out.print(f"note: {note}")
 
 
+def fusion_summary(fusion: dict[str, Any]) -> str:
+    """One line for --to fused: BN before/after, folds, how producers were found, the measured error."""
+    errors = fusion.get("max_rel_error") or {}
+    measured = ", ".join(f"{k.replace('_', ' ')} {v:.2g}" for k, v in errors.items())
+    return (f"fused: {len(fusion['folded'])} BN folded into their producers, {len(fusion['left'])} left; "
+            f"BN modules {fusion['bn_before']} -> {fusion['bn_after']}; producers from {fusion['method']}"
+            + (f"; max relative error {measured}" if measured else ""))
+
+
 def render_report(report: Report, out: Console, *, verbose: bool = False) -> None:
     table = Table(title=f"convert -> {report.target}", title_justify="left")
     for column in ("from", "to", "count", "paths"):
@@ -103,6 +112,8 @@ def render_report(report: Report, out: Console, *, verbose: bool = False) -> Non
         check = report.check
         status = "[green]passed[/]" if check.passed else "[bold red]FAILED[/]"
         out.print(f"eval check ({check.mode}, input {tuple(check.input_shape)}): {status}, max |diff| {check.max_abs_diff:.3g}")
+    if report.fusion is not None:
+        out.print(fusion_summary(report.fusion))
     for note in sorted({n for change in report.changed for n in change.notes}):
         out.print(f"note: {note}")
 

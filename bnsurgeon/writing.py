@@ -25,6 +25,8 @@ def save(result: ConvertResult, path: "str | Path", architecture: Architecture, 
         "classes": class_map(result.model),
         "source": source,
     }
+    if result.report.fusion is not None:
+        metadata["folds"] = result.report.fusion["folded"]
     write_checkpoint(path, result.model, metadata, extras)
     return path
 

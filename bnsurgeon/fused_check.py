@@ -1,0 +1,127 @@
+"""Checks for the ``fused`` target: eval outputs within float tolerance of the source.
+
+A fold changes the arithmetic (one multiply-add instead of conv + normalize), so the
+comparison is relative to each output's scale, not bit for bit. Fresh BN is near the
+identity and would hide a wrong fold, so the check runs again on a copy of the source
+with its BN state perturbed as ``verify`` does, folded with the same fold plan. Train
+mode is not comparable: a folded BN no longer normalizes with batch statistics.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .outputs import flatten_tensors
+
+if TYPE_CHECKING:
+    from torch import nn
+
+#: max |fused - source| / max |source| per output for the check to pass (fp32 folds measure ~1e-6)
+FUSED_RTOL = 1e-4
+TRAIN_NOT_APPLICABLE = "not applicable: a fused model has no BatchNorm to train (eval only)"
+
+
+@dataclass
+class FusedComparison:
+    passed: bool
+    max_abs_diff: float
+    max_rel_error: float
+    detail: str
+
+
+def relative_error(expected: list, actual: list) -> tuple[float, float]:
+    """(max |diff|, max over outputs of max |diff| / max |expected|); inf when shapes differ."""
+    if len(expected) != len(actual) or not expected or any(a.shape != b.shape for a, b in zip(expected, actual)):
+        return float("inf"), float("inf")
+    worst_abs = worst_rel = 0.0
+    for a, b in zip(expected, actual):
+        if not a.numel():
+            continue
+        diff = (a.double() - b.double()).abs().max().item()
+        scale = a.double().abs().max().item()
+        worst_abs = max(worst_abs, diff)
+        worst_rel = max(worst_rel, diff / scale if scale > 0 else diff)
+    return worst_abs, worst_rel
+
+
+def _eval_outputs(model: "nn.Module", x) -> list:
+    import torch
+
+    saved = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            return flatten_tensors(model.eval()(x.clone()))
+    finally:
+        for module, training in saved:
+            module.training = training
+
+
+def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float = FUSED_RTOL) -> FusedComparison:
+    expected, actual = _eval_outputs(source, x), _eval_outputs(fused, x)
+    diff, rel = relative_error(expected, actual)
+    finite = all(t.isfinite().all() for t in expected)
+    passed = finite and rel <= rtol
+    detail = f"{label}: max relative error {rel:.3g} (tolerance {rtol:g} of the output scale)"
+    if not finite:
+        detail += "; the source's outputs are not finite"
+    return FusedComparison(passed, diff, rel, detail)
+
+
+def compare_perturbed(source: "nn.Module", folds: list[dict[str, Any]], x, rtol: float = FUSED_RTOL) -> FusedComparison:
+    """Perturb a copy of the source's BN state (as verify does), fold it with the same plan, compare.
+
+    Deep nets overflow at full perturbation; the strength is lowered 10x at a time until
+    the source's outputs are finite (and the strength used is reported).
+    """
+    from .surgery import convert
+    from .verify import perturb_bn
+
+    strength = 1.0
+    while True:
+        perturbed = perturb_bn(copy.deepcopy(source), strength=strength)
+        if all(t.isfinite().all() for t in _eval_outputs(perturbed, x)) or strength <= 1e-3:
+            break
+        strength /= 10
+    fused = convert(perturbed, "fused", folds=folds, allow_unhandled=True).model
+    label = "perturbed BN state" + ("" if strength == 1.0 else f" (strength {strength:g}: 1.0 overflows the source)")
+    return compare(perturbed, fused, x, label, rtol)
+
+
+def check_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]], x,
+                rtol: float = FUSED_RTOL) -> list[FusedComparison]:
+    """The fused model as given, then the fold plan re-applied to a perturbed source."""
+    return [compare(source, fused, x, "as converted", rtol), compare_perturbed(source, folds, x, rtol)]
+
+
+def verify_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]], input_shape, *,
+                 atol: float | None = None, perturb: bool = True, source_name: str = "", converted_name: str = ""):
+    """``bnsurgeon verify`` for a fused checkpoint: eval checks, and train checks marked not applicable."""
+    from .fusion import example_tensor
+    from .verify import CheckOutcome, Verification
+
+    rtol = atol if atol is not None else FUSED_RTOL
+    x = example_tensor(source, tuple(input_shape))
+    result = Verification(source_name, converted_name, list(input_shape))
+    outcomes = [compare(source, fused, x, "as converted", rtol)]
+    if perturb:
+        outcomes.append(compare_perturbed(source, folds, x, rtol))
+    for outcome, label in zip(outcomes, ("eval", "eval (perturbed, re-folded)")):
+        result.checks.append(CheckOutcome(label, outcome.passed, outcome.max_abs_diff, outcome.detail))
+    result.checks.append(CheckOutcome("train", None, detail=TRAIN_NOT_APPLICABLE))
+    return result
+
+
+def fused_check_result(source: "nn.Module", result: Any, input_shape: tuple[int, ...], seed: int = 0):
+    """The pre-write check of ``convert --to fused``, as the report's CheckResult (also noted in report.fusion)."""
+    from .fusion import example_tensor
+    from .report import CheckResult
+
+    x = example_tensor(source, input_shape, seed)
+    outcomes = check_fused(source, result.model, result.report.fusion["folded"], x)
+    result.report.fusion["max_rel_error"] = {"as_converted": outcomes[0].max_rel_error,
+                                             "perturbed": outcomes[1].max_rel_error}
+    return CheckResult(all(o.passed for o in outcomes), f"close (max error <= {FUSED_RTOL:g} of the output scale)",
+                       max(o.max_abs_diff for o in outcomes), list(input_shape), seed,
+                       "; ".join(o.detail for o in outcomes))

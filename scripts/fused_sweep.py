@@ -1,0 +1,218 @@
+"""Sweep `--to fused` over timm's BN models and torchvision's backbones: what folds, what stays and why,
+the error, and the eval time fused/source.
+
+    nice -n 10 python scripts/fused_sweep.py --every 3 --budget-min 45   # the committed (sampled) run
+    nice -n 10 python scripts/fused_sweep.py                              # the whole zoo (hours on 2 cores)
+    python scripts/fused_sweep.py --models resnet50 efficientnet_b0 --no-write
+
+Per model (pretrained=False, seed 0): BN modules before/after, folds, each BN left with its
+reason, how producers were found (torch.fx + hooks, or hooks alone), the max error relative to
+the output scale (as converted, and re-folded after perturbing the BN state as `verify` does),
+and the eval time of fused vs source at batch 8 on CPU: one thread, SIZE x SIZE input (the
+model's own size when it refuses SIZE), the two models interleaved in one process, median of
+REPS. The model list is the previous zoo sweep's (docs/zoo_sweep.jsonl: every timm model with
+BN-family modules); `--every K` takes every K-th name (sorted), a deterministic sample.
+Results are appended to docs/fused_sweep.jsonl as they come; `--resume` continues a run, and
+`--budget-min` stops cleanly (the rest can be resumed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from zoo_sweep import ROOT, TORCHVISION_MODELS, _build, _input_shapes, run_sweep  # noqa: E402
+
+SIZE = 96
+REPS = 5
+BATCH = 8
+GOAL_REL_ERROR = 1e-5
+GOAL_TIME_RATIO = 0.9
+
+
+def classify(reason: str) -> str:
+    """Group a left-reason: was it a conv/linear -> BN pair, and did its producer have one consumer?"""
+    if reason.startswith("its input is not the output"):
+        return "no conv/linear producer"
+    if "consumers" in reason:
+        return "producer has several consumers"
+    if reason.startswith("not called"):
+        return "not called in eval"
+    return "other"
+
+
+def _time_pair(source, fused, x, reps: int) -> tuple[float, float]:
+    """Median eval time of each, interleaved (source, fused, source, ...) after one warm-up each."""
+    import torch
+
+    times = {"source": [], "fused": []}
+    with torch.inference_mode():
+        source(x), fused(x)
+        for _ in range(reps):
+            for label, model in (("source", source), ("fused", fused)):
+                start = time.perf_counter()
+                model(x)
+                times[label].append(time.perf_counter() - start)
+    return statistics.median(times["source"]), statistics.median(times["fused"])
+
+
+def fused_one(kind: str, name: str) -> dict:
+    """One model: convert to fused, check the error, time both (runs in the worker)."""
+    import torch
+
+    import bnsurgeon
+    from bnsurgeon.fused_check import check_fused
+    from bnsurgeon.fusion import example_tensor
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    row = {"model": name, "source": kind}
+    model = _build(kind, name).eval()
+    last_error = None
+    for shape in _input_shapes(model, kind):
+        shape = (2, *shape[1:])
+        try:
+            with torch.no_grad():
+                model(example_tensor(model, shape))
+            break
+        except Exception as error:
+            last_error = error
+    else:
+        row.update(status="no input", reason=f"{type(last_error).__name__}: {last_error}"[:200])
+        return row
+    row["input_shape"] = list(shape)
+    try:
+        result = bnsurgeon.convert(model, "fused", example_input=shape, allow_unhandled=True)
+    except Exception as error:
+        row.update(status="refused", reason=f"{type(error).__name__}: {error}"[:200])
+        return row
+    fusion = result.report.fusion
+    row.update(bn_before=fusion["bn_before"], bn_after=fusion["bn_after"], folded=len(fusion["folded"]),
+               method="fx+hooks" if fusion["method"].startswith("torch.fx") else "hooks",
+               left=dict(Counter(fusion["left"].values())), unhandled=len(result.report.unhandled))
+    if row["method"] == "hooks":
+        row["fx_error"] = fusion["method"][:200]
+    row["left_by_kind"] = dict(Counter(classify(r) for r in fusion["left"].values()))
+    outcomes = check_fused(model, result.model, fusion["folded"], example_tensor(model, shape))
+    row["rel_error"], row["rel_error_perturbed"] = outcomes[0].max_rel_error, outcomes[1].max_rel_error
+    row["perturbation"] = outcomes[1].detail.split(":")[0]
+    row["check_passed"] = all(o.passed for o in outcomes)
+    timing_shape = (BATCH, shape[1], SIZE, SIZE)
+    try:
+        with torch.no_grad():
+            model(example_tensor(model, timing_shape))
+    except Exception:
+        timing_shape = (BATCH, *shape[1:])
+    x = example_tensor(model, timing_shape)
+    single = time.perf_counter()
+    with torch.inference_mode():
+        model(x)
+    reps = REPS if time.perf_counter() - single < 3.0 else 3
+    source_s, fused_s = _time_pair(model, result.model.eval(), x, reps)
+    row.update(timing_shape=list(timing_shape), reps=reps, source_ms=round(source_s * 1e3, 2),
+               fused_ms=round(fused_s * 1e3, 2), time_ratio=round(fused_s / source_s, 4))
+    row["status"] = "ok" if row["check_passed"] else "FAILED"
+    row["seconds"] = round(time.perf_counter() - started, 2)
+    return row
+
+
+def model_names(every: int) -> list[tuple[str, str]]:
+    rows = [json.loads(line) for line in (ROOT / "docs" / "zoo_sweep.jsonl").read_text().splitlines() if line.strip()]
+    timm_names = sorted(r["model"] for r in rows if r["source"] == "timm" and r.get("status") != "no BN")
+    return [("timm", n) for n in timm_names[::every]] + [("torchvision", n) for n in TORCHVISION_MODELS]
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def summarize(rows: list[dict]) -> dict:
+    ok = [r for r in rows if r.get("status") in ("ok", "FAILED")]
+    left_kinds: Counter = Counter()
+    for r in ok:
+        left_kinds.update(r.get("left_by_kind", {}))
+    pairs_single = sum(r["folded"] for r in ok) + left_kinds["other"]
+    return {
+        "models": len(rows),
+        "converted_and_checked": len(ok),
+        "check_failed": sum(1 for r in rows if r.get("status") == "FAILED"),
+        "not_converted": {s: sum(1 for r in rows if r.get("status") == s) for s in ("refused", "no input", "timeout", "error")},
+        "producers_from_fx_and_hooks": sum(1 for r in ok if r.get("method") == "fx+hooks"),
+        "producers_from_hooks_only": sum(1 for r in ok if r.get("method") == "hooks"),
+        "bn_before": sum(r["bn_before"] for r in ok),
+        "bn_after": sum(r["bn_after"] for r in ok),
+        "folded": sum(r["folded"] for r in ok),
+        "left_by_kind": dict(left_kinds),
+        "single_consumer_pairs_folded_pct": round(100.0 * sum(r["folded"] for r in ok) / pairs_single, 2) if pairs_single else None,
+        "max_rel_error": max((max(r["rel_error"], r["rel_error_perturbed"]) for r in ok), default=None),
+        "models_over_1e-5": sum(1 for r in ok if max(r["rel_error"], r["rel_error_perturbed"]) > GOAL_REL_ERROR),
+        "time_ratio_geomean": round(geometric_mean([r["time_ratio"] for r in ok if r.get("folded")]), 4),
+        "time_ratio_geomean_all": round(geometric_mean([r["time_ratio"] for r in ok]), 4),
+    }
+
+
+def write_docs(rows: list[dict], docs: Path, command: str, note: str) -> None:
+    totals = summarize(rows)
+    (docs / "fused_sweep.json").write_text(json.dumps({"totals": totals, "command": command, "models": rows}, indent=1) + "\n")
+    lines = ["# Fused sweep (`--to fused`)", "", f"Generated by `{command}`. {note}", "",
+             f"Eval time: batch {BATCH}, {SIZE}x{SIZE} input (the model's own size where it refuses {SIZE}), "
+             f"one CPU thread, source and fused interleaved in one process, median of {REPS} (3 for slow models). "
+             "Relative error: max |fused - source| / max |source| on a seeded (2, C, 64, 64) input (the model's own "
+             "size where needed), as converted and re-folded after perturbing the BN state as `verify` does.", "",
+             "| " + " | ".join(totals) + " |", "|" + "---|" * len(totals),
+             "| " + " | ".join(json.dumps(v) if isinstance(v, dict) else str(v) for v in totals.values()) + " |", "",
+             "| model | BN before -> after | folded | producers from | max rel. error (perturbed) | fused/source time | left (reason x count) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("status") not in ("ok", "FAILED"):
+            lines.append(f"| {r['source']}:{r['model']} | - | - | - | - | - | {r.get('status')}: {r.get('reason', '')[:120]} |")
+            continue
+        left = "; ".join(f"{reason} x{count}" for reason, count in r["left"].items())
+        error = f"{r['rel_error']:.2g} ({r['rel_error_perturbed']:.2g})" + ("" if r["check_passed"] else " FAILED")
+        lines.append(f"| {r['source']}:{r['model']} | {r['bn_before']} -> {r['bn_after']} | {r['folded']} | "
+                     f"{r['method']} | {error} | {r['time_ratio']:.3f} ({r['source_ms']:.1f} ms) | {left} |")
+    (docs / "fused_sweep.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", help="timm names (default: every BN model of the zoo sweep)")
+    parser.add_argument("--every", type=int, default=1, help="take every K-th model name (sorted): a deterministic sample")
+    parser.add_argument("--timeout", type=float, default=180.0, help="time box per model, seconds")
+    parser.add_argument("--budget-min", type=float, default=0.0, help="stop starting new models after this many minutes")
+    parser.add_argument("--resume", action="store_true", help="skip models already in docs/fused_sweep.jsonl")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+
+    docs = ROOT / "docs"
+    jsonl = None if args.no_write else docs / "fused_sweep.jsonl"
+    tasks = [("timm", n) for n in args.models] if args.models else model_names(args.every)
+    planned = len(tasks)
+    done: list[dict] = []
+    if args.resume and jsonl and jsonl.exists():
+        done = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+        seen = {(r["source"], r["model"]) for r in done}
+        tasks = [t for t in tasks if t not in seen]
+    elif jsonl and jsonl.exists():
+        jsonl.unlink()
+    deadline = time.monotonic() + args.budget_min * 60 if args.budget_min else None
+    rows = done + run_sweep(tasks, args.timeout, jsonl, job=fused_one, deadline=deadline)
+    summary = summarize(rows)
+    print(json.dumps(summary, indent=1))
+    if not args.no_write:
+        command = "python scripts/fused_sweep.py" + (f" --every {args.every}" if args.every > 1 else "")
+        note = (f"{len(rows)} of {planned} planned models" + (f" (every {args.every}th timm BN model by name, plus "
+                f"{len(TORCHVISION_MODELS)} torchvision)" if args.every > 1 else "") + ".")
+        write_docs(rows, docs, command, note)
+
+
+if __name__ == "__main__":
+    main()
