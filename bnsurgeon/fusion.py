@@ -315,7 +315,7 @@ def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = Tr
         module = modules[path] if path != "<root>" else model
         producer_path, reason = (None, None)
         if fx_result is not None:
-            producer_path, reason = fx_result.get(path, (None, "not in the traced graph (not called in forward)"))
+            producer_path, reason = fx_result.get(path, (None, "not called in eval mode (absent from the traced graph: a train-only or unused path)"))
         reason = reason or _hook_reason(seen, path, producer_path)
         if reason is None:
             producer_path = producer_path or next(p for p, t in seen.output_of.items() if t is seen.bn_input[path][0][0])
