@@ -25,7 +25,7 @@ TRAIN_NOT_APPLICABLE = "not applicable: a fused model has no BatchNorm to train 
 
 @dataclass
 class FusedComparison:
-    passed: bool
+    passed: bool | None  # None: undecidable (the source is chaotic at this state, see _float64_judgement)
     max_abs_diff: float
     max_rel_error: float
     detail: str
@@ -58,36 +58,71 @@ def _eval_outputs(model: "nn.Module", x) -> list:
             module.training = training
 
 
-def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float = FUSED_RTOL) -> FusedComparison:
-    """Within ``rtol`` of the output scale; failing that, judged against float64 (see ``_float64_judgement``)."""
+#: the fold re-done on a float64 copy must match the float64 source this closely (exact arithmetic
+#: up to float64 rounding, amplified by the net); a wrong fold errs by O(1) of the output scale
+FLOAT64_RTOL = 1e-9
+
+
+def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float = FUSED_RTOL,
+            folds: list[dict[str, Any]] | None = None) -> FusedComparison:
+    """Within ``rtol`` of the output scale; failing that (float32 rounding amplified by a deep,
+    ill-conditioned net), judged in float64 (see ``_float64_judgement``)."""
     import torch
 
     expected, actual = _eval_outputs(source, x), _eval_outputs(fused, x)
     diff, rel = relative_error(expected, actual)
     finite = all(t.isfinite().all() for t in expected)
-    passed = finite and rel <= rtol
+    passed: bool | None = finite and rel <= rtol
     detail = f"{label}: max relative error {rel:.3g} (tolerance {rtol:g} of the output scale)"
     if not finite:
         detail += "; the source's outputs are not finite"
-    elif not passed and x.dtype != torch.float64:
-        passed, note = _float64_judgement(source, fused, x, expected, actual, rtol)
+    elif not passed and x.dtype != torch.float64 and folds is not None:
+        passed, note = _float64_judgement(source, fused, folds, x, expected)
         detail += "; " + note
     return FusedComparison(passed, diff, rel, detail)
 
 
-def _float64_judgement(source, fused, x, expected, actual, rtol: float) -> tuple[bool, str]:
-    """Deep, perturbed nets amplify float32 rounding past ``rtol``. Then the float32 fused model
-    passes if it is no further from the float64 source than 2x the float32 source itself is, plus
-    ``rtol`` (a wrong fold errs by O(1) of the output scale, far beyond either)."""
+def _float64_judgement(source, fused, folds, x, expected) -> tuple[bool | None, str]:
+    """Deep nets at random init (exploding activations, saturated SE gates) amplify float32
+    rounding past any tolerance: the float32 source then differs as much from its own float64
+    run. The fold is then proven in float64: the same folds re-done on a float64 copy of the
+    source match the float64 source within FLOAT64_RTOL, and the float32 model's folded weights
+    are exactly that float64 fold rounded to float32. Where even float64 cannot tell (a 1e-15
+    relative nudge of the input moves the float64 source's output by more than FLOAT64_RTOL:
+    the model is chaotic at this state), no output comparison can judge a fold: None."""
+    from .surgery import convert
+
     try:
-        reference = _eval_outputs(copy.deepcopy(source).double(), x.double())
+        source64 = copy.deepcopy(source).double()
+        x64 = x.double()
+        reference = _eval_outputs(source64, x64)
+        refolded = convert(source64, "fused", folds=folds, allow_unhandled=True).model
+        _, fold_rel = relative_error(reference, _eval_outputs(refolded, x64))
     except Exception as error:  # a model that cannot run in float64
         return False, f"no float64 reference ({type(error).__name__})"
     _, source_rel = relative_error(reference, [t.double() for t in expected])
-    _, fused_rel = relative_error(reference, [t.double() for t in actual])
-    passed = fused_rel <= 2 * source_rel + rtol
-    return passed, (f"float32 rounding: against the float64 source, the float32 fused model errs "
-                    f"{fused_rel:.2g} and the float32 source {source_rel:.2g}")
+    same_weights = all(
+        params_rounded_from(fused.get_submodule(f["producer"]), refolded.get_submodule(f["producer"])) for f in folds
+    )
+    note = (f"float32 rounding amplified by the net (the float32 source is {source_rel:.2g} from its own "
+            f"float64 run); in float64 the fold errs {fold_rel:.2g} (tolerance {FLOAT64_RTOL:g})")
+    if not same_weights:
+        return False, note + "; the folded weights are NOT the float64 fold rounded to float32"
+    if fold_rel <= FLOAT64_RTOL:
+        return True, note
+    _, chaos = relative_error(reference, _eval_outputs(source64, x64 * (1 + 1e-15)))
+    if chaos > FLOAT64_RTOL:
+        return None, note + (f"; undecidable: the source is chaotic at this state (a 1e-15 relative change of "
+                             f"its input moves its float64 output by {chaos:.2g})")
+    return False, note
+
+
+def params_rounded_from(low: "nn.Module", high: "nn.Module") -> bool:
+    """Every parameter of ``low`` equals ``high``'s (float64) rounded to ``low``'s dtype, bit for bit."""
+    import torch
+
+    lows, highs = dict(low.named_parameters()), dict(high.named_parameters())
+    return lows.keys() == highs.keys() and all(torch.equal(lows[k], highs[k].to(lows[k].dtype)) for k in lows)
 
 
 def compare_perturbed(source: "nn.Module", folds: list[dict[str, Any]], x, rtol: float = FUSED_RTOL) -> FusedComparison:
@@ -107,13 +142,13 @@ def compare_perturbed(source: "nn.Module", folds: list[dict[str, Any]], x, rtol:
         strength /= 10
     fused = convert(perturbed, "fused", folds=folds, allow_unhandled=True).model
     label = "perturbed BN state" + ("" if strength == 1.0 else f" (strength {strength:g}: 1.0 overflows the source)")
-    return compare(perturbed, fused, x, label, rtol)
+    return compare(perturbed, fused, x, label, rtol, folds)
 
 
 def check_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]], x,
                 rtol: float = FUSED_RTOL) -> list[FusedComparison]:
     """The fused model as given, then the fold plan re-applied to a perturbed source."""
-    return [compare(source, fused, x, "as converted", rtol), compare_perturbed(source, folds, x, rtol)]
+    return [compare(source, fused, x, "as converted", rtol, folds), compare_perturbed(source, folds, x, rtol)]
 
 
 def verify_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]], input_shape, *,
@@ -125,11 +160,14 @@ def verify_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, 
     rtol = atol if atol is not None else FUSED_RTOL
     x = example_tensor(source, tuple(input_shape))
     result = Verification(source_name, converted_name, list(input_shape))
-    outcomes = [compare(source, fused, x, "as converted", rtol)]
+    outcomes = [compare(source, fused, x, "as converted", rtol, folds)]
     if perturb:
         outcomes.append(compare_perturbed(source, folds, x, rtol))
+    undecided = not any(outcome.passed for outcome in outcomes)
     for outcome, label in zip(outcomes, ("eval", "eval (perturbed, re-folded)")):
-        result.checks.append(CheckOutcome(label, outcome.passed, outcome.max_abs_diff, outcome.detail))
+        passed = False if undecided and outcome.passed is None else outcome.passed
+        detail = outcome.detail + ("; no check could judge the fold" if undecided and outcome.passed is None else "")
+        result.checks.append(CheckOutcome(label, passed, outcome.max_abs_diff, detail))
     result.checks.append(CheckOutcome("train", None, detail=TRAIN_NOT_APPLICABLE))
     return result
 
@@ -143,6 +181,7 @@ def fused_check_result(source: "nn.Module", result: Any, input_shape: tuple[int,
     outcomes = check_fused(source, result.model, result.report.fusion["folded"], x)
     result.report.fusion["max_rel_error"] = {"as_converted": outcomes[0].max_rel_error,
                                              "perturbed": outcomes[1].max_rel_error}
-    return CheckResult(all(o.passed for o in outcomes), f"close (max error <= {FUSED_RTOL:g} of the output scale)",
+    passed = all(o.passed is not False for o in outcomes) and any(o.passed for o in outcomes)
+    return CheckResult(passed, f"close (max error <= {FUSED_RTOL:g} of the output scale)",
                        max(o.max_abs_diff for o in outcomes), list(input_shape), seed,
                        "; ".join(o.detail for o in outcomes))

@@ -36,10 +36,28 @@ _METADATA = frozenset({"shape", "size", "dim", "ndim", "ndimension", "dtype", "d
 
 
 def producer_types() -> tuple[type, ...]:
-    """Exact classes a BN folds into (subclasses may change the weight, e.g. weight standardization)."""
+    """Exact classes a BN folds into: torch's conv/linear, and timm's subclasses whose forward
+    uses ``self.weight``/``self.bias`` unchanged (SAME padding, the scripting-safe Linear), and
+    timm's MixedConv2d (each of its convs owns a slice of the output channels). Other subclasses
+    may change the weight (weight standardization, CondConv's expert mixing) and are left."""
     from torch import nn
 
-    return (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear)
+    torch_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                   nn.Linear)
+    return torch_types + _timm_producer_types()
+
+
+def _timm_producer_types() -> tuple[type, ...]:
+    try:
+        from timm.layers import Linear, MixedConv2d
+        from timm.layers.conv2d_same import Conv2dSame, Conv2dSameExport
+    except ImportError:  # timm absent or reorganized: torch's classes only
+        return ()
+    return (Conv2dSame, Conv2dSameExport, Linear, MixedConv2d)
+
+
+def is_mixed_conv(module: "nn.Module") -> bool:
+    return type(module).__name__ == "MixedConv2d" and type(module) in _timm_producer_types()
 
 
 def out_features(module: "nn.Module") -> int:
@@ -50,8 +68,10 @@ def batched_rank(module: "nn.Module") -> int:
     """Rank of the producer's batched output; only there is dim 1 its channel dim."""
     from torch import nn
 
-    if type(module) is nn.Linear:
+    if isinstance(module, nn.Linear):
         return 2
+    if is_mixed_conv(module):
+        return 4
     return 2 + len(module.kernel_size)
 
 
@@ -231,8 +251,9 @@ def _hook_reason(seen: _Observed, bn_path: str, producer_path: str | None) -> st
     others = [what for what, on_stack in uses if what != f"module {bn_path}" and not _inside(on_stack, seen, bn_path)]
     if len(direct) != 1 or others:
         return f"its producer {source} feeds {len(direct) + len(others)} consumers ({', '.join(sorted(set(others)))[:120]} besides it)"
-    if seen.weight_reads.get(source):
-        return f"the weights of {source} are also read outside its forward ({', '.join(sorted(set(seen.weight_reads[source])))[:80]})"
+    reads = [op for owner, ops in seen.weight_reads.items() if owner == source or owner.startswith(source + ".") for op in ops]
+    if reads:
+        return f"the weights of {source} are also read outside its forward ({', '.join(sorted(set(reads)))[:80]})"
     return None
 
 
@@ -340,11 +361,11 @@ def _static_reason(bn: "nn.Module", producer: "nn.Module", rank: int | None) -> 
     if int(features) != out_features(producer):
         return f"{features} features but its producer has {out_features(producer)} output channels"
     if rank != batched_rank(producer):
-        if type(producer) is nn.Linear:
+        if isinstance(producer, nn.Linear):
             return f"its Linear producer outputs rank {rank}: BatchNorm normalizes dim 1, not the Linear's features"
         return f"its producer's output has rank {rank} (unbatched): dim 1 is not the channel dim"
-    if producer._forward_hooks:
-        return "its producer has forward hooks, which would see the folded output"
+    if any(module._forward_hooks or module._forward_pre_hooks for module in producer.modules()):
+        return "its producer has forward hooks, which would see the folded weights or output"
     if bn._forward_pre_hooks:
         return "it has forward pre-hooks, which would see the folded input"
     return None
@@ -407,13 +428,35 @@ def bn_scale_shift(fields: BNFields) -> tuple["torch.Tensor", "torch.Tensor"]:
 def fold_into(producer: "nn.Module", fields: BNFields) -> "nn.Module":
     """A copy of ``producer`` whose output equals BN(producer(x)) in eval: new weight and bias Parameters.
 
-    Conv/Linear weights hold output channels on dim 0; transposed convs on dim 1, per group.
     The source producer is untouched (copy on write, like every conversion).
+    """
+    scale, shift = bn_scale_shift(fields)
+    return _fold_scale_shift(producer, scale, shift)
+
+
+def _clone(module: "nn.Module") -> "nn.Module":
+    clone = copy.copy(module)
+    for attribute in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
+        clone.__dict__[attribute] = type(module.__dict__[attribute])(module.__dict__[attribute])
+    return clone
+
+
+def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torch.Tensor") -> "nn.Module":
+    """Fold y -> y * scale + shift (float64, per output channel) into ``producer``.
+
+    Conv/Linear weights hold output channels on dim 0; transposed convs on dim 1, per group;
+    a MixedConv2d's convs each own the next slice of its output channels (concatenated).
     """
     import torch
     from torch import nn
 
-    scale, shift = bn_scale_shift(fields)
+    if is_mixed_conv(producer):
+        clone, start = _clone(producer), 0
+        for name, conv in producer.named_children():
+            width = out_features(conv)
+            clone._modules[name] = _fold_scale_shift(conv, scale[start:start + width], shift[start:start + width])
+            start += width
+        return clone
     weight = producer.weight
     w64 = weight.detach().double()
     if isinstance(producer, nn.modules.conv._ConvTransposeNd):
@@ -426,9 +469,7 @@ def fold_into(producer: "nn.Module", fields: BNFields) -> "nn.Module":
     bias = producer.bias
     b64 = bias.detach().double() if bias is not None else torch.zeros_like(shift)
     new_bias = b64 * scale + shift
-    clone = copy.copy(producer)
-    for attribute in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
-        clone.__dict__[attribute] = type(producer.__dict__[attribute])(producer.__dict__[attribute])
+    clone = _clone(producer)
     clone._parameters["weight"] = nn.Parameter(folded.to(weight.dtype), requires_grad=weight.requires_grad)
     clone._parameters["bias"] = nn.Parameter(
         new_bias.to(device=weight.device, dtype=bias.dtype if bias is not None else weight.dtype),

@@ -8,7 +8,9 @@ import json
 
 import pytest
 import torch
-from timm.layers import BatchNormAct2d, FrozenBatchNormAct2d
+from timm.layers import BatchNormAct2d, FrozenBatchNormAct2d, MixedConv2d
+from timm.layers import Linear as TimmLinear
+from timm.layers.conv2d_same import Conv2dSame
 from torch import nn
 from torchvision.ops.misc import FrozenBatchNorm2d
 from typer.testing import CliRunner
@@ -56,6 +58,11 @@ PRODUCERS = {
     "conv-transpose1d-no-bias": (lambda: conv_bn(nn.ConvTranspose1d(4, 6, 3, bias=False), nn.BatchNorm1d(6)), (3, 4, 9)),
     "linear-bn1d": (lambda: conv_bn(nn.Linear(5, 7), nn.BatchNorm1d(7)), (4, 5)),
     "no-affine": (lambda: conv_bn(nn.Conv2d(4, 6, 1), nn.BatchNorm2d(6, affine=False)), (3, 4, 5, 5)),
+    # timm's subclasses that use self.weight/self.bias unchanged, and MixedConv2d (a slice of channels per conv)
+    "timm-conv2d-same": (lambda: conv_bn(Conv2dSame(4, 6, 3, stride=2, bias=False), nn.BatchNorm2d(6)), (3, 4, 9, 9)),
+    "timm-linear": (lambda: conv_bn(TimmLinear(5, 7), nn.BatchNorm1d(7)), (4, 5)),
+    "timm-mixed-conv2d": (lambda: conv_bn(MixedConv2d(6, 9, [3, 5, 7], padding="same", depthwise=False),
+                                          nn.BatchNorm2d(9)), (3, 6, 11, 11)),
 }
 
 
@@ -68,10 +75,12 @@ def test_each_producer_folds_exactly_in_float64(kind):
     result = fused(model, shape)
     assert bn_left(result.model) == []
     assert [(f["bn"], f["producer"]) for f in result.report.fusion["folded"]] == [("1", "0")]
-    assert type(result.model[1]) is nn.Identity and result.model[0].bias is not None
+    assert type(result.model[1]) is nn.Identity
+    assert all(conv.bias is not None for conv in result.model[0].modules() if "weight" in conv._parameters)
     x = torch.randn(shape, dtype=torch.float64)
     assert max_rel_error(model, result.model, x) < 1e-12
-    assert type(model[1]).__name__.startswith("BatchNorm") and model[0].weight is not result.model[0].weight  # source untouched
+    source_weight, fused_weight = (next(m.parameters()) for m in (model[0], result.model[0]))
+    assert type(model[1]).__name__.startswith("BatchNorm") and source_weight is not fused_weight  # source untouched
 
 
 def test_channels_last_fp32_within_1e5():
@@ -349,3 +358,60 @@ def test_verify_fails_on_a_wrong_fold_and_load_refuses_bad_fold_records(tmp_path
     _rewrite(out, metadata_change=not_a_list)
     result = run("verify", factory, out, "--input-shape", "2,3,8,8")
     assert result.exit_code != 0 and "recorded fold list is a dict" in result.output
+
+
+class Cancelling(nn.Module):
+    """conv -> BN -> sin(1e4 x): float32 rounding of x (~1e-7) becomes ~1e-3 of the output, float64's ~1e-12."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.sin(1e4 * self.bn(self.conv(x)))
+
+
+class Chaotic(nn.Module):
+    """conv -> BN -> sigmoid, then 80 steps of the logistic map: any rounding, even float64's, grows to O(1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = torch.sigmoid(self.bn(self.conv(x)))
+        for _ in range(80):
+            y = 4 * y * (1 - y)
+        return y
+
+
+def test_float32_rounding_is_judged_in_float64_and_a_wrong_fold_still_fails():
+    from bnsurgeon.fused_check import check_fused
+
+    torch.manual_seed(0)
+    model = perturb_bn(Cancelling())
+    x = torch.randn(2, 3, 8, 8)
+    result = fused(model, x)
+    as_converted, perturbed = check_fused(model, result.model, result.report.fusion["folded"], x)
+    assert as_converted.max_rel_error > 1e-3  # float32 cannot tell at all ...
+    assert as_converted.passed is True and "in float64 the fold errs" in as_converted.detail  # ... float64 can
+    assert perturbed.passed is True
+    with torch.no_grad():
+        result.model.conv.bias.add_(1e-6)  # a fold off by about float32's own rounding here
+    outcome = check_fused(model, result.model, result.report.fusion["folded"], x)[0]
+    assert outcome.passed is False and "NOT the float64 fold" in outcome.detail
+
+
+def test_a_chaotic_model_is_undecidable_and_never_passes_vacuously(tmp_path):
+    from bnsurgeon.fused_check import check_fused, fused_check_result, verify_fused
+
+    torch.manual_seed(0)
+    model = Chaotic()
+    x = torch.randn(2, 3, 8, 8)
+    result = fused(model, x)
+    outcomes = check_fused(model, result.model, result.report.fusion["folded"], x)
+    assert [o.passed for o in outcomes] == [None, None]
+    assert all("undecidable: the source is chaotic" in o.detail for o in outcomes)
+    assert fused_check_result(model, result, (2, 3, 8, 8)).passed is False
+    verification = verify_fused(model, result.model, result.report.fusion["folded"], (2, 3, 8, 8))
+    assert verification.passed is False and "no check could judge" in verification.first_failure.detail
