@@ -88,7 +88,8 @@ def test_channels_last_fp32_within_1e5():
     model = perturb_bn(conv_bn(nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16))).to(memory_format=torch.channels_last)
     x = torch.randn(2, 8, 10, 10).to(memory_format=torch.channels_last)
     result = fused(model, x)
-    assert result.model[0].weight.is_contiguous(memory_format=torch.channels_last) or result.model[0].weight.is_contiguous()
+    assert result.model[0].weight.is_contiguous(memory_format=torch.channels_last)  # the layout the user chose stays
+    assert result.model.eval()(x).is_contiguous(memory_format=torch.channels_last)
     assert bn_left(result.model) == [] and max_rel_error(model, result.model, x) < 1e-5
 
 
@@ -259,13 +260,27 @@ def test_export_has_no_batch_norm_for_folded_modules():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="the onnx package is not installed")
-def test_onnx_has_no_batch_norm(tmp_path):  # pragma: no cover - only where onnx is installed
+def test_onnx_has_no_batch_norm_for_folded_modules():
+    """torch's exporter folds Conv->BN itself, so the control is a Linear->BN1d, which it leaves."""
+    import io
+    import warnings
+
     import onnx
 
-    model = perturb_bn(conv_bn(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6)))
+    torch.manual_seed(0)
+    model = perturb_bn(nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.Flatten(), nn.Linear(216, 5),
+                                     nn.BatchNorm1d(5), nn.ReLU(), nn.BatchNorm1d(5)))  # the last: no producer
     result = fused(model, (2, 3, 8, 8))
-    torch.onnx.export(result.model.eval(), (torch.randn(2, 3, 8, 8),), tmp_path / "m.onnx", dynamo=False)
-    assert "BatchNormalization" not in {node.op_type for node in onnx.load(tmp_path / "m.onnx").graph.node}
+    assert bn_left(result.model) == ["6"]
+
+    def onnx_batch_norms(module):
+        buffer = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(module.eval(), (torch.randn(2, 3, 8, 8),), buffer, dynamo=False)
+        return [n for n in onnx.load_from_string(buffer.getvalue()).graph.node if n.op_type == "BatchNormalization"]
+
+    assert len(onnx_batch_norms(model)) == 2 and len(onnx_batch_norms(result.model)) == 1
 
 
 FACTORY = (
@@ -415,3 +430,14 @@ def test_a_chaotic_model_is_undecidable_and_never_passes_vacuously(tmp_path):
     assert fused_check_result(model, result, (2, 3, 8, 8)).passed is False
     verification = verify_fused(model, result.model, result.report.fusion["folded"], (2, 3, 8, 8))
     assert verification.passed is False and "no check could judge" in verification.first_failure.detail
+
+
+def test_a_wrong_fold_fails_the_pre_write_check_and_writes_nothing(tmp_path, factory, monkeypatch):
+    import bnsurgeon.fusion as fusion
+
+    right = fusion.bn_scale_shift
+    monkeypatch.setattr(fusion, "bn_scale_shift", lambda fields: (right(fields)[0], right(fields)[1] * 0.5))
+    out = tmp_path / "m.fused.safetensors"
+    result = run("convert", factory, "--to", "fused", "--input-shape", "2,3,8,8", "-o", out)
+    assert result.exit_code == 1, result.output
+    assert "differ" in result.output and not list(tmp_path.glob("m.fused*"))
