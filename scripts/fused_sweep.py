@@ -1,8 +1,10 @@
 """Sweep `--to fused` over timm's BN models and torchvision's backbones: what folds, what stays and why,
 the error, and the eval time fused/source.
 
-    nice -n 10 python scripts/fused_sweep.py --every 3 --budget-min 45   # the committed (sampled) run
-    nice -n 10 python scripts/fused_sweep.py                              # the whole zoo (hours on 2 cores)
+    nice -n 10 python scripts/fused_sweep.py --every 3 --budget-min 48   # the committed (sampled) run,
+    nice -n 10 python scripts/fused_sweep.py --every 3 --resume          # continued where the budget stopped it
+    python scripts/fused_sweep.py --every 3 --summarize                   # docs/fused_sweep.md from the .jsonl
+    nice -n 10 python scripts/fused_sweep.py                              # the whole zoo (~1.5 h on 2 cores)
     python scripts/fused_sweep.py --models resnet50 efficientnet_b0 --no-write
 
 Per model (pretrained=False, seed 0): BN modules before/after, folds, each BN left with its
@@ -47,6 +49,17 @@ def classify(reason: str) -> str:
     if reason.startswith("not called"):
         return "not called in eval"
     return "other"
+
+
+def judged(outcome) -> str:
+    """How a comparison was decided: float32 within tolerance, proven in float64, undecidable (chaotic), failed."""
+    from bnsurgeon.fused_check import FUSED_RTOL
+
+    if outcome.passed is None:
+        return "undecidable"
+    if not outcome.passed:
+        return "failed"
+    return "float32" if outcome.max_rel_error <= FUSED_RTOL else "float64"
 
 
 def _time_pair(source, fused, x, reps: int) -> tuple[float, float]:
@@ -104,7 +117,10 @@ def fused_one(kind: str, name: str) -> dict:
     outcomes = check_fused(model, result.model, fusion["folded"], example_tensor(model, shape))
     row["rel_error"], row["rel_error_perturbed"] = outcomes[0].max_rel_error, outcomes[1].max_rel_error
     row["perturbation"] = outcomes[1].detail.split(":")[0]
-    row["check_passed"] = all(o.passed for o in outcomes)
+    row["judged"] = [judged(o) for o in outcomes]
+    if row["judged"] != ["float32", "float32"]:
+        row["check_detail"] = " | ".join(o.detail for o in outcomes)[:600]
+    row["check_passed"] = all(o.passed is not False for o in outcomes) and any(o.passed for o in outcomes)
     timing_shape = (BATCH, shape[1], SIZE, SIZE)
     try:
         with torch.no_grad():
@@ -127,10 +143,14 @@ def fused_one(kind: str, name: str) -> dict:
     return row
 
 
-def model_names(every: int) -> list[tuple[str, str]]:
+def timm_bn_names() -> list[str]:
+    """Every timm model with BN-family modules, as the zoo sweep found them (docs/zoo_sweep.jsonl), sorted."""
     rows = [json.loads(line) for line in (ROOT / "docs" / "zoo_sweep.jsonl").read_text().splitlines() if line.strip()]
-    timm_names = sorted(r["model"] for r in rows if r["source"] == "timm" and r.get("status") != "no BN")
-    return [("timm", n) for n in timm_names[::every]] + [("torchvision", n) for n in TORCHVISION_MODELS]
+    return sorted(r["model"] for r in rows if r["source"] == "timm" and r.get("status") != "no BN")
+
+
+def model_names(every: int) -> list[tuple[str, str]]:
+    return [("torchvision", n) for n in TORCHVISION_MODELS] + [("timm", n) for n in timm_bn_names()[::every]]
 
 
 def geometric_mean(values: list[float]) -> float:
@@ -142,7 +162,10 @@ def summarize(rows: list[dict]) -> dict:
     left_kinds: Counter = Counter()
     for r in ok:
         left_kinds.update(r.get("left_by_kind", {}))
-    pairs_single = sum(r["folded"] for r in ok) + left_kinds["other"]
+    folded = sum(r["folded"] for r in ok)
+    pairs_single = folded + left_kinds["other"]
+    in_float32 = [r for r in ok if r.get("judged", ["float32"])[0] == "float32"]
+    ratios = [r["time_ratio"] for r in ok if r.get("time_ratio") and r["folded"]]
     return {
         "models": len(rows),
         "converted_and_checked": len(ok),
@@ -152,38 +175,60 @@ def summarize(rows: list[dict]) -> dict:
         "producers_from_hooks_only": sum(1 for r in ok if r.get("method") == "hooks"),
         "bn_before": sum(r["bn_before"] for r in ok),
         "bn_after": sum(r["bn_after"] for r in ok),
-        "folded": sum(r["folded"] for r in ok),
+        "folded": folded,
         "left_by_kind": dict(left_kinds),
-        "single_consumer_pairs_folded_pct": round(100.0 * sum(r["folded"] for r in ok) / pairs_single, 2) if pairs_single else None,
-        "max_rel_error": max((max(r["rel_error"], r["rel_error_perturbed"]) for r in ok), default=None),
-        "models_over_1e-5": sum(1 for r in ok if max(r["rel_error"], r["rel_error_perturbed"]) > GOAL_REL_ERROR),
-        "timed": sum(1 for r in ok if r.get("time_ratio")),
-        "time_ratio_geomean": round(geometric_mean([r["time_ratio"] for r in ok if r.get("time_ratio") and r["folded"]]), 4),
-        "time_ratio_median": statistics.median([r["time_ratio"] for r in ok if r.get("time_ratio")] or [float("nan")]),
+        "single_consumer_pairs_folded_pct": round(100.0 * folded / pairs_single, 2) if pairs_single else None,
+        "judged_as_converted": dict(Counter(r.get("judged", ["?"])[0] for r in ok)),
+        "judged_perturbed": dict(Counter(r.get("judged", ["?", "?"])[1] for r in ok)),
+        "max_rel_error_as_converted": max((r["rel_error"] for r in ok), default=None),
+        "max_rel_error_as_converted_float32_judged": max((r["rel_error"] for r in in_float32), default=None),
+        "models_over_1e-5_as_converted": sorted(r["model"] for r in ok if r["rel_error"] > GOAL_REL_ERROR),
+        "median_rel_error_as_converted": statistics.median([r["rel_error"] for r in ok]) if ok else None,
+        "timed": len(ratios),
+        "time_ratio_geomean": round(geometric_mean(ratios), 4),
+        "time_ratio_median": statistics.median(ratios) if ratios else None,
+        "time_ratio_range": [min(ratios), max(ratios)] if ratios else None,
     }
+
+
+def _versions() -> str:
+    import platform
+
+    import timm
+    import torch
+    import torchvision
+
+    return f"torch {torch.__version__}, torchvision {torchvision.__version__}, timm {timm.__version__}, Python {platform.python_version()}"
 
 
 def write_docs(rows: list[dict], docs: Path, command: str, note: str) -> None:
     totals = summarize(rows)
-    (docs / "fused_sweep.json").write_text(json.dumps({"totals": totals, "command": command, "models": rows}, indent=1) + "\n")
-    lines = ["# Fused sweep (`--to fused`)", "", f"Generated by `{command}`. {note}", "",
+    (docs / "fused_sweep.json").write_text(json.dumps({"totals": totals, "command": command}, indent=1) + "\n")
+    lines = ["# Fused sweep (`--to fused`)", "", f"Generated by `{command}` ({_versions()}; summary re-made from "
+             f"docs/fused_sweep.jsonl by `python scripts/fused_sweep.py --summarize`). {note}", "",
              f"Eval time: batch {BATCH}, {SIZE}x{SIZE} input (models that refuse {SIZE}x{SIZE} are not timed), "
              f"one CPU thread, source and fused interleaved in one process, median of {REPS} (3 for slow models). "
-             "Relative error: max |fused - source| / max |source| on a seeded (2, C, 64, 64) input (the model's own "
-             "size where needed), as converted and re-folded after perturbing the BN state as `verify` does.", "",
-             "| " + " | ".join(totals) + " |", "|" + "---|" * len(totals),
-             "| " + " | ".join(json.dumps(v) if isinstance(v, dict) else str(v) for v in totals.values()) + " |", "",
-             "| model | BN before -> after | folded | producers from | max rel. error (perturbed) | fused/source time | left (reason x count) |",
-             "|---|---|---|---|---|---|---|"]
+             "The machine's 2 cores were shared with other jobs during the run, so single ratios are noisy; the "
+             "interleaving keeps each pair under the same load. "
+             "Relative error: max |fused - source| / max |source| over the outputs on a seeded (2, C, 64, 64) input "
+             "(the model's own size where needed), as converted, and re-folded after perturbing the BN state as "
+             "`verify` does. Where float32 rounding alone exceeds the 1e-4 check tolerance (deep nets at random init), "
+             "the check re-does the folds in float64 (`judged` float64); where even float64 cannot tell because the "
+             "source is chaotic at that state, that comparison is `undecidable` and the other one decides.", "",
+             "## Totals", ""]
+    lines += [f"- {key.replace('_', ' ')}: {json.dumps(value)}" for key, value in totals.items()]
+    lines += ["", "## Per model", "",
+              "| model | BN before -> after | folded | producers from | max rel. error as converted (perturbed) | judged | fused/source time | left (reason x count) |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("status") not in ("ok", "FAILED"):
-            lines.append(f"| {r['source']}:{r['model']} | - | - | - | - | - | {r.get('status')}: {r.get('reason', '')[:120]} |")
+            lines.append(f"| {r['source']}:{r['model']} | - | - | - | - | - | - | {r.get('status')}: {r.get('reason', '')[:120]} |")
             continue
         left = "; ".join(f"{reason} x{count}" for reason, count in r["left"].items())
         error = f"{r['rel_error']:.2g} ({r['rel_error_perturbed']:.2g})" + ("" if r["check_passed"] else " FAILED")
         timing = f"{r['time_ratio']:.3f} ({r['source_ms']:.1f} ms)" if r.get("time_ratio") else "not timed (fixed size)"
         lines.append(f"| {r['source']}:{r['model']} | {r['bn_before']} -> {r['bn_after']} | {r['folded']} | "
-                     f"{r['method']} | {error} | {timing} | {left} |")
+                     f"{r['method']} | {error} | {'/'.join(r.get('judged', []))} | {timing} | {left} |")
     (docs / "fused_sweep.md").write_text("\n".join(lines) + "\n")
 
 
@@ -195,9 +240,16 @@ def main() -> None:
     parser.add_argument("--budget-min", type=float, default=0.0, help="stop starting new models after this many minutes")
     parser.add_argument("--resume", action="store_true", help="skip models already in docs/fused_sweep.jsonl")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--summarize", action="store_true", help="only re-make the docs from docs/fused_sweep.jsonl")
     args = parser.parse_args()
 
     docs = ROOT / "docs"
+    if args.summarize:
+        rows = [json.loads(line) for line in (docs / "fused_sweep.jsonl").read_text().splitlines() if line.strip()]
+        planned = len(model_names(args.every))
+        write_docs(rows, docs, _command(args.every), _note(len(rows), planned, args.every))
+        print(json.dumps(summarize(rows), indent=1))
+        return
     jsonl = None if args.no_write else docs / "fused_sweep.jsonl"
     tasks = [("timm", n) for n in args.models] if args.models else model_names(args.every)
     planned = len(tasks)
@@ -213,10 +265,17 @@ def main() -> None:
     summary = summarize(rows)
     print(json.dumps(summary, indent=1))
     if not args.no_write:
-        command = "python scripts/fused_sweep.py" + (f" --every {args.every}" if args.every > 1 else "")
-        note = (f"{len(rows)} of {planned} planned models" + (f" (every {args.every}th timm BN model by name, plus "
-                f"{len(TORCHVISION_MODELS)} torchvision)" if args.every > 1 else "") + ".")
-        write_docs(rows, docs, command, note)
+        write_docs(rows, docs, _command(args.every), _note(len(rows), planned, args.every))
+
+
+def _command(every: int) -> str:
+    return "nice -n 10 python scripts/fused_sweep.py" + (f" --every {every}" if every > 1 else "")
+
+
+def _note(done: int, planned: int, every: int) -> str:
+    sample = (f" ({len(TORCHVISION_MODELS)} torchvision, then every {every}th of the {len(timm_bn_names())} timm "
+              f"models with BN, sorted by name)") if every > 1 else ""
+    return f"{done} of {planned} planned models{sample}."
 
 
 if __name__ == "__main__":
