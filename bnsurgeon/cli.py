@@ -103,6 +103,7 @@ class Target(str, Enum):
     sync = "sync"
     plain = "plain"
     frozen = "frozen"
+    fused = "fused"
 
 
 class FrozenPolicy(str, Enum):
@@ -179,7 +180,7 @@ def convert(
     output: Path = typer.Option(..., "--output", "-o", metavar="OUT",
                                 help="Output checkpoint (.safetensors, .pt, .pth or .pth.tar); reports go next to it. "
                                      "A .pt/.pth/.pth.tar output carries a training checkpoint's other entries."),
-    to: Target = typer.Option(Target.sync, "--to", help="What every BN-family module becomes."),
+    to: Target = typer.Option(Target.sync, "--to", help="What every BN-family module becomes (fused: folded into the conv/linear before it; eval only)."),
     frozen: FrozenPolicy = typer.Option(FrozenPolicy.keep, "--frozen", help="Frozen BN under --to sync/plain: keep it frozen, or unfreeze it."),
     allow_unhandled: bool = typer.Option(False, "--allow-unhandled", help="Leave BN-like modules no rule claims untouched (listed in the report) instead of refusing."),
     allow_no_bn: bool = typer.Option(False, "--allow-no-bn", help="Write the model even when it has no BatchNorm-family module (default: exit 11, write nothing)."),

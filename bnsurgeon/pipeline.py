@@ -12,6 +12,7 @@ from . import __version__
 from .architecture import LoadedSource
 from .checkpoint import check_output_path, describe_checkpoint, read_checkpoint
 from .checks import (
+    CHECK_SEED,
     check_input,
     compare_eval,
     first_runnable_shape,
@@ -24,6 +25,7 @@ from .checks import (
 )
 from .errors import ConfirmationError, NothingToConvertError, UsageError, VerificationError
 from .inspection import Inspection, inspect_model
+from .recorded import read_recorded
 from .sources import load_source, looks_like_file
 from .surgery import ConvertResult, convert
 from .writing import write_conversion
@@ -69,6 +71,15 @@ def verify_timeout_s() -> float:
 
     raw = os.environ.get(ENV_VAR)
     return parse_timeout_s(raw) if raw and raw.strip() else 120.0
+def _check_shape(loaded: LoadedSource, input_shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The input for the eval check (and for finding producers under --to fused)."""
+    shape = input_shape or loaded.input_shape or infer_input_shape(loaded.model)
+    if shape is None:
+        raise UsageError("cannot tell what input the model takes for the equivalence check",
+                         "pass --input-shape N,C,H,W (or --no-check)")
+    if input_shape is None:
+        shape = first_runnable_shape(loaded.model, tuple(shape))
+    return tuple(shape)
 
 
 @dataclass
@@ -118,8 +129,11 @@ def convert_source(
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
-    phase(f"converting to {to}")
-    result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled)
+    fused = to == "fused"
+    shape = _check_shape(loaded, input_shape) if check or fused else None
+    phase(f"converting to {to}" + (f" (finding producers on {tuple(shape)})" if fused else ""))
+    result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled,
+                     example_input=tuple(shape) if fused else None)
     result.report.source = loaded.description
     result.report.tool_version = __version__
     report = result.report
@@ -128,14 +142,13 @@ def convert_source(
     carried = carry_entries(loaded, result, out)
     result.report.carried = carried.summary
     if check:
-        shape = input_shape or loaded.input_shape or infer_input_shape(loaded.model)
-        if shape is None:
-            raise UsageError("cannot tell what input the model takes for the equivalence check",
-                             "pass --input-shape N,C,H,W (or --no-check)")
-        if input_shape is None:
-            shape = first_runnable_shape(loaded.model, tuple(shape))
         phase(f"checking eval outputs on {tuple(shape)}")
-        result.report.check = compare_eval(loaded.model, result.model, tuple(shape), exact=result.exact)
+        if fused:
+            from .fused_check import fused_check_result
+
+            result.report.check = fused_check_result(loaded.model, result, tuple(shape), CHECK_SEED)
+        else:
+            result.report.check = compare_eval(loaded.model, result.model, tuple(shape), exact=result.exact)
         if not result.report.check.passed:
             raise VerificationError(
                 f"converted model's eval outputs differ from the source's (max |diff| "
@@ -145,9 +158,15 @@ def convert_source(
             from .verify import verify_models
 
             phase("verifying (train, 2 gloo ranks, perturbed)")
-            verification = verify_models(loaded.model, result.model, tuple(shape), world_sizes=verify_world_sizes,
-                                         exact=result.exact, source_name=loaded.description,
-                                         collective_timeout=timeout)
+            if fused:
+                from .fused_check import verify_fused
+
+                verification = verify_fused(loaded.model, result.model, result.report.fusion["folded"], tuple(shape),
+                                            source_name=loaded.description)
+            else:
+                verification = verify_models(loaded.model, result.model, tuple(shape), world_sizes=verify_world_sizes,
+                                             exact=result.exact, source_name=loaded.description,
+                                             collective_timeout=timeout)
             result.report.verification = verification.to_dict()
             if not verification.passed:
                 failed = verification.first_failure
@@ -189,12 +208,20 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
                         accept_recorded_args=accept_recorded_args, flag="--converted-model")
     refuse_non_finite(left.model, left.description)
     refuse_non_finite(right.model, right.description)
-    require_same_architecture(left.model, right.model, left.description, right.description)
+    recorded = read_recorded(right.checkpoint) if right.checkpoint is not None and right.checkpoint.is_bnsurgeon else None
+    fused = recorded is not None and recorded.target == "fused"
+    if not fused:  # a fused model lacks the folded BN modules by design
+        require_same_architecture(left.model, right.model, left.description, right.description)
     shape = input_shape or left.input_shape or right.input_shape or infer_input_shape(left.model)
     if shape is None:
         raise UsageError("cannot tell what input the models take", "pass --input-shape N,C,... (e.g. 4,16,32)")
     if input_shape is None:
         shape = first_runnable_shape(left.model, tuple(shape))
+    if fused:
+        from .fused_check import verify_fused
+
+        return verify_fused(left.model, right.model, recorded.folds, tuple(shape), atol=atol, perturb=perturb,
+                            source_name=left.description, converted_name=right.description)
     x = check_input(tuple(shape))
     with preserved_modes(left.model, right.model), torch.no_grad():
         for loaded, what in ((left, "SOURCE"), (right, "CONVERTED")):

@@ -33,7 +33,8 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
     def build(on_meta: bool):
         base = model if model is not None else architecture.build(meta=on_meta)
         return convert(base, target, frozen=options.get("frozen", "keep"),
-                       allow_unhandled=bool(options.get("allow_unhandled", False)), inplace=True).model
+                       allow_unhandled=bool(options.get("allow_unhandled", False)), inplace=True,
+                       folds=recorded.folds if target == "fused" else None).model
 
     if meta:
         rebuilt = build(True)

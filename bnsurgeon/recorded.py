@@ -42,6 +42,7 @@ class Recorded:
     classes: dict[str, str] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     source: str = ""
+    folds: list[dict[str, Any]] = field(default_factory=list)  # --to fused; each checked against the model by fusion
 
 
 def _bad(raw: RawCheckpoint, key: str, problem: str) -> MetadataError:
@@ -146,7 +147,11 @@ def read_recorded(raw: RawCheckpoint) -> Recorded:
         if key not in stored:
             raise _bad(raw, "aliases", f"maps {alias!r} to {key!r}, which the file does not store")
     source = _field(raw, "source", "")
-    return Recorded(schema, architecture, target, options, classes, aliases, source if isinstance(source, str) else "")
+    folds = _field(raw, "folds", []) if target == "fused" else []
+    if not isinstance(folds, list) or not all(isinstance(fold, dict) for fold in folds):
+        raise _bad(raw, "folds", "must be a JSON list of objects")
+    return Recorded(schema, architecture, target, options, classes, aliases, source if isinstance(source, str) else "",
+                    folds)
 
 
 def check_rebuilt(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") -> None:

@@ -135,6 +135,15 @@ def _patterns(paths: list[str], verbose: bool) -> str:
     return text
 
 
+def fusion_summary(fusion: dict[str, Any]) -> str:
+    """One line for --to fused: BN before/after, folds, how producers were found, the measured error."""
+    errors = fusion.get("max_rel_error") or {}
+    measured = ", ".join(f"{k.replace('_', ' ')} {v:.2g}" for k, v in errors.items())
+    return (f"fused: {len(fusion['folded'])} BN folded into their producers, {len(fusion['left'])} left; "
+            f"BN modules {fusion['bn_before']} -> {fusion['bn_after']}; producers from {fusion['method']}"
+            + (f"; max relative error {measured}" if measured else ""))
+
+
 def render_report(report: "Report", out: Console, *, verbose: bool = False) -> None:
     grouped: dict[tuple[str, str], list[str]] = {}
     for change in report.changed:
@@ -165,6 +174,8 @@ def render_report(report: "Report", out: Console, *, verbose: bool = False) -> N
         status = "passed" if check.passed else "FAILED"
         say(out, f"eval check ({check.mode}, input {tuple(check.input_shape)}): {status}, "
                  f"max |diff| {check.max_abs_diff:.3g}", indent="")
+    if report.fusion is not None:
+        say(out, fusion_summary(report.fusion), indent="")
     if report.carried:
         say(out, "carried from the source checkpoint: "
                  + "; ".join(f"{name} ({what})" for name, what in report.carried.items()), indent="  ")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-ALL_TARGETS = ["frozen", "plain", "sync"]
+ALL_TARGETS = ["frozen", "fused", "plain", "sync"]
 
 BUILTIN_RULES: list[dict[str, Any]] = [
     {"name": "torch-batchnorm",

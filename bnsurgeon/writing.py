@@ -14,7 +14,7 @@ from .surgery import ConvertResult
 
 
 def _metadata(result: ConvertResult, architecture: Architecture, source: str) -> dict[str, Any]:
-    return {
+    metadata = {
         "schema": 1,
         "version": __version__,
         "architecture": architecture.to_dict(),
@@ -23,6 +23,9 @@ def _metadata(result: ConvertResult, architecture: Architecture, source: str) ->
         "classes": class_map(result.model),
         "source": source,
     }
+    if result.report.fusion is not None:  # --to fused: which BN went into which producer, for load
+        metadata["folds"] = result.report.fusion["folded"]
+    return metadata
 
 
 def save(result: ConvertResult, path: "str | Path", architecture: Architecture, *, source: str = "",

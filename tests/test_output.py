@@ -303,8 +303,8 @@ def test_every_command_takes_quiet_verbose_and_json_and_shows_an_example(command
 
 def test_choices_are_in_the_help_and_enforced():
     help_text = invoke("convert", "--help").output
-    assert "--to <sync|plain|frozen>" in help_text and "--frozen <keep|unfreeze>" in help_text
-    assert invoke("convert", "resnet18", "-o", "x.safetensors", "--to", "fused").exit_code == 2
+    assert "--to <sync|plain|frozen|fused>" in help_text and "--frozen <keep|unfreeze>" in help_text
+    assert invoke("convert", "resnet18", "-o", "x.safetensors", "--to", "fuse").exit_code == 2
 
 
 def test_quiet_and_json_mean_what_the_help_says(models):

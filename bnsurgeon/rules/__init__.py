@@ -8,7 +8,7 @@ or a zero-argument callable returning either.
 from __future__ import annotations
 
 from .base import ENTRY_POINT_GROUP, FROZEN_POLICIES, TARGETS, BuildContext, Registry, Rule, check_target
-from .builders import keep_if, to_frozen, to_frozen_act, to_plain, to_plain_act, to_sync, to_sync_act
+from .builders import keep_if, to_frozen, to_frozen_act, to_fused, to_fused_act, to_plain, to_plain_act, to_sync, to_sync_act
 
 __all__ = [
     "FROZEN_POLICIES",
@@ -22,6 +22,8 @@ __all__ = [
     "register",
     "to_frozen",
     "to_frozen_act",
+    "to_fused",
+    "to_fused_act",
     "to_plain",
     "to_plain_act",
     "to_sync",
