@@ -7,7 +7,6 @@ is self-describing and ``bnsurgeon.load`` can rebuild the same model.
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib
 import sys
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import RawCheckpoint
-from .errors import SourceNotFoundError, UsageError
+from .errors import FactoryRaisedError, SourceNotFoundError, UsageError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -91,19 +90,51 @@ def _timm_name(name: str) -> str:
 def _create_timm(name: str, kwargs: dict[str, Any]) -> "nn.Module":
     import timm
 
-    if not timm.is_model(name):
-        close = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
-        hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models() for the names"
-        raise SourceNotFoundError(f"unknown timm model {name!r}", hint)
+    name = resolve_timm_name(name)
     try:
         return timm.create_model(name, pretrained=False, **kwargs)
     except TypeError as error:
         raise UsageError(f"timm model {name!r} does not accept these arguments: {error}", "check --model-arg") from None
+    except Exception as error:  # timm validates kwargs with asserts, KeyErrors, ValueErrors...
+        raise UsageError(f"timm model {name!r} cannot be built with {_describe_kwargs(kwargs) or 'no arguments'}: "
+                         f"{type(error).__name__}: {_first_line(error)}",
+                         "check the --model-arg values against the model's constructor") from None
+
+
+def _describe_kwargs(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else "no message")[:200]
+
+
+def resolve_timm_name(name: str) -> str:
+    """``name`` if timm knows it, else its unique case-insensitive match; else SourceNotFoundError with suggestions."""
+    import timm
+
+    from .names import case_insensitive_match, suggestions
+
+    if timm.is_model(name):
+        return name
+    known = timm.list_models()
+    match = case_insensitive_match(name, known)
+    if match is not None:
+        return match
+    close = suggestions(name, known)
+    hint = f"did you mean {', '.join(close)}?" if close else "see timm.list_models() for the names"
+    raise SourceNotFoundError(f"unknown timm model {name!r}", hint)
 
 
 def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
+    import inspect
+
     from torch import nn
 
+    from .trust import check_factory_spec
+
+    check_factory_spec(target)
     module_name, _, function_name = target.partition(":")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
@@ -115,7 +146,18 @@ def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise SourceNotFoundError(f"{module_name} has no callable {function_name!r}", "write SOURCE as package.module:function")
-    model = factory(**kwargs)
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as error:
+        raise UsageError(f"factory {target!r} cannot be called with {_describe_kwargs(kwargs) or 'no arguments'} ({error})",
+                         "pass its arguments with --model-arg key=value, or name a function that builds the model") from None
+    except ValueError:  # no signature to check (some builtins): the call below says
+        pass
+    try:
+        model = factory(**kwargs)
+    except Exception as error:
+        raise FactoryRaisedError(f"factory {target!r} raised {type(error).__name__}: {_first_line(error)}",
+                         "fix the factory or its --model-arg values") from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"factory {target!r} returned {type(model).__name__}, not an nn.Module", "return the model from it")
     return model
@@ -125,7 +167,7 @@ def parse_architecture(spec: str, kwargs: dict[str, Any] | None = None) -> Archi
     """``resnet50`` / ``timm:resnet50`` -> timm; ``pkg.mod:fn`` -> factory."""
     kwargs = dict(kwargs or {})
     if spec.startswith("timm:") or ":" not in spec:
-        return Architecture("timm", _timm_name(spec), kwargs)
+        return Architecture("timm", resolve_timm_name(_timm_name(spec)), kwargs)
     return Architecture("factory", spec, kwargs)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, UsageError
+from .errors import CheckpointError, ModelCannotRunError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -129,15 +129,37 @@ class CheckInput:
 
         generator = generator or torch.Generator().manual_seed(seed)
         dtype = dtype or torch.float32
+        self._refuse_oversized()
 
         def noise(shape):
-            return torch.randn(tuple(shape), generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+            try:
+                return torch.randn(tuple(shape), generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+            except (RuntimeError, MemoryError) as error:
+                raise ModelCannotRunError(f"cannot allocate the check input {self.describe()}: "
+                                          f"{str(error).strip()[:200]}", "pass a smaller --input-shape") from None
 
         if self.kind == "tensor":
             return noise(self.shapes[0])
         if self.kind == "list":
             return [noise(shape) for shape in self.shapes]
         return {key: noise(shape) for key, shape in self.shapes}
+
+    def _refuse_oversized(self) -> None:
+        """Refused, not attempted: an allocation beyond physical memory can take the machine down with it."""
+        import math
+        import os
+
+        shapes = [shape for _, shape in self.shapes] if self.kind == "dict" else list(self.shapes)
+        needed = sum(math.prod(shape) for shape in shapes) * 8  # drawn in float64, then cast
+        try:
+            physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return
+        if needed > physical:
+            raise ModelCannotRunError(
+                f"the check input {self.describe()} needs {needed / 2**30:,.1f} GiB, more than this machine's "
+                f"{physical / 2**30:,.1f} GiB of memory",
+                "pass a smaller --input-shape (the batch and spatial size do not change which BN code runs)")
 
     def split(self, value: Any, sizes: list[int]) -> list[Any]:
         """A value of this structure cut into consecutive per-rank pieces of ``sizes`` samples."""
@@ -279,8 +301,9 @@ def infer_check_input(model: "nn.Module", batch: int = 2, *, attempts: int = 3) 
     Starts from the first such layer in module order and runs the model once (eval, no
     grad) with a pre-hook on every candidate: if the forward fails, the layer it reached
     first is the model's real entry, and the next try is sized for it. None when no try
-    runs (the model wants a dict, or a size of its own). A model on the meta device
-    cannot run; the module-order guess is returned for it.
+    runs after a layer was reached (the model wants a size of its own). A model that fails
+    before reaching any layer, or sits on the meta device, gets the module-order guess: the
+    check then names the model's own error.
     """
     import torch
 
@@ -306,8 +329,8 @@ def infer_check_input(model: "nn.Module", batch: int = 2, *, attempts: int = 3) 
                 model.eval()(guess.make(dtype=reference.dtype, device=reference.device))
             return guess
         except Exception:  # the guess did not fit: size the next one for the layer actually reached
-            if not reached:
-                break
+            if not reached:  # it failed before any conv/linear: not a size problem; the check says what failed
+                return guess
             guess = _guess(reached[0], batch)
         finally:
             for handle in handles:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -44,10 +44,6 @@ class RawCheckpoint:
     def is_bnsurgeon(self) -> bool:
         return PREFIX + "architecture" in self.metadata
 
-    def bnsurgeon(self, key: str, default: Any = None) -> Any:
-        value = self.metadata.get(PREFIX + key)
-        return default if value is None else json.loads(value)
-
 
 def _check_readable(path: Path) -> None:
     if not path.exists():
@@ -58,13 +54,32 @@ def _check_readable(path: Path) -> None:
         raise CheckpointError(f"{path} is empty (0 bytes)", "the file was not written completely; use an intact copy")
 
 
-def read_checkpoint(path: str | os.PathLike, *, trust_pickle: bool = False) -> RawCheckpoint:
-    """Load a checkpoint file without running code from it (unless ``trust_pickle``)."""
+def read_checkpoint(path: str | os.PathLike, *, trust_pickle: bool = False, mmap: bool = False) -> RawCheckpoint:
+    """Load a checkpoint file without running code from it (unless ``trust_pickle``).
+
+    The tensors are private copies in memory: a file rewritten or truncated later changes
+    nothing (and cannot kill the process with SIGBUS). A file rewritten *while* it is read
+    is detected and refused. ``mmap=True`` maps the file instead (no copy; for reading
+    shapes, or huge read-only uses where the file will not change).
+    """
     path = Path(path)
     _check_readable(path)
+    before = file_identity(path)
     if path.suffix in SAFETENSORS_SUFFIXES or _looks_like_safetensors(path):
-        return _read_safetensors(path)
-    return _read_torch(path, trust_pickle)
+        raw = _read_safetensors(path, mmap)
+    else:
+        raw = _read_torch(path, trust_pickle, mmap)
+    if not mmap and file_identity(path) != before:
+        from .errors import InputChangedError
+
+        raise InputChangedError(f"{path} changed while bnsurgeon was reading it (size, mtime or inode differ)")
+    return raw
+
+
+def file_identity(path: Path) -> tuple[int, ...]:
+    """What changes when a file is rewritten, replaced or truncated."""
+    stat = os.stat(path)
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 def _looks_like_safetensors(path: Path) -> bool:
@@ -73,13 +88,16 @@ def _looks_like_safetensors(path: Path) -> bool:
     return len(head) == 9 and head[8:9] == b"{"
 
 
-def _read_safetensors(path: Path) -> RawCheckpoint:
+def _read_safetensors(path: Path, mmap: bool) -> RawCheckpoint:
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(str(path), framework="pt") as handle:
+        with safe_open(str(path), framework="pt") as handle:  # validates the header and offsets
             metadata = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            if mmap:
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        if not mmap:
+            tensors = _read_safetensors_copy(path)
     except (SafetensorError, OSError, ValueError) as error:
         raise CheckpointError(
             f"{path} is not a readable .safetensors file ({error})",
@@ -88,7 +106,44 @@ def _read_safetensors(path: Path) -> RawCheckpoint:
     return RawCheckpoint(path, tensors, dict(metadata))
 
 
-def _read_torch(path: Path, trust_pickle: bool) -> RawCheckpoint:
+#: safetensors dtype names -> torch dtype attribute names
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16", "U32": "uint32",
+    "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+def _read_safetensors_copy(path: Path) -> dict[str, "torch.Tensor"]:
+    """Every tensor read into memory of its own, one at a time (peak: the tensors, no second copy).
+
+    safetensors' own readers return views of a memory map; ``safetensors.torch.load``
+    needs the whole file as bytes besides the tensors. The header was validated by
+    ``safe_open`` just before.
+    """
+    import struct
+
+    import torch
+
+    tensors = {}
+    with open(path, "rb") as stream:
+        (length,) = struct.unpack("<Q", stream.read(8))
+        header = json.loads(stream.read(length))
+        header.pop("__metadata__", None)
+        for key, info in header.items():
+            start, end = info["data_offsets"]
+            dtype = getattr(torch, SAFETENSORS_DTYPES.get(info["dtype"], ""), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"tensor {key!r} has dtype {info['dtype']}, which this torch cannot hold")
+            data = torch.empty(end - start, dtype=torch.uint8)
+            stream.seek(8 + length + start)
+            if stream.readinto(memoryview(data.numpy())) != end - start:
+                raise ValueError(f"tensor {key!r} ends past the end of the file")
+            tensors[key] = data.view(dtype).reshape(info["shape"])
+    return tensors
+
+
+def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckpoint:
     import argparse
     import pickle
 
@@ -99,10 +154,10 @@ def _read_torch(path: Path, trust_pickle: bool) -> RawCheckpoint:
             obj = torch.load(path, map_location="cpu", weights_only=False)
         else:
             with torch.serialization.safe_globals([argparse.Namespace]):
-                obj = _torch_load(path)
+                obj = _torch_load(path, mmap)
     except pickle.UnpicklingError as error:
         text = str(error)
-        if "Weights only load failed" in text or "Unsupported global" in text:
+        if UNSUPPORTED_GLOBAL.search(text):  # the pickle imports something: code would run
             culprit = _unsupported_global(text)
             raise UnsafeCheckpointError(
                 f"{path} is a pickle that would run code when loaded ({culprit})"
@@ -120,14 +175,13 @@ def _read_torch(path: Path, trust_pickle: bool) -> RawCheckpoint:
     return RawCheckpoint(path, obj, metadata)
 
 
-def _torch_load(path: Path):
-    """weights_only load, memory-mapped when the file is in torch's zip format (no copy in RAM)."""
+def _torch_load(path: Path, mmap: bool):
+    """weights_only load; memory-mapped on request when the file is in torch's zip format."""
     import zipfile
 
     import torch
 
-    mmap = zipfile.is_zipfile(path)
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
 
 
 def _first_line(text: str) -> str:
@@ -135,10 +189,13 @@ def _first_line(text: str) -> str:
     return line[:200]
 
 
-def _unsupported_global(text: str) -> str:
-    import re
+#: torch's weights_only refusals of a GLOBAL ("Unsupported global: GLOBAL m.f was not an allowed global",
+#: "Trying to load unsupported GLOBAL posix.system whose module posix is blocked"); garbage bytes say otherwise
+UNSUPPORTED_GLOBAL = re.compile(r"unsupported global(?:: GLOBAL)? ([\w.]+)", re.IGNORECASE)
 
-    match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+
+def _unsupported_global(text: str) -> str:
+    match = UNSUPPORTED_GLOBAL.search(text)
     return f"it references {match.group(1)}" if match else "it references globals outside the safe allow-list"
 
 
@@ -169,20 +226,27 @@ def state_dict_candidates(obj: Any) -> dict[str, dict[str, "torch.Tensor"]]:
     return found
 
 
-def describe_checkpoint(raw: RawCheckpoint) -> dict[str, Any]:
-    """What a file holds: top-level entries, which of them look like model weights, its metadata."""
+def count_tensors(value: Any) -> int:
+    """Tensors anywhere inside ``value`` (an optimizer state nests them in dicts of dicts)."""
     import torch
     from torch import nn
 
+    if isinstance(value, torch.Tensor):
+        return 1
+    if isinstance(value, nn.Module):
+        return len(value.state_dict())
+    if isinstance(value, dict):
+        return sum(count_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(count_tensors(v) for v in value)
+    return 0
+
+
+def describe_checkpoint(raw: RawCheckpoint) -> dict[str, Any]:
+    """What a file holds: top-level entries, which of them look like model weights, its metadata."""
+
     def entry(key: str, value: Any) -> dict[str, Any]:
-        tensors = 0
-        if isinstance(value, torch.Tensor):
-            tensors = 1
-        elif isinstance(value, dict):
-            tensors = sum(isinstance(v, torch.Tensor) for v in value.values())
-        elif isinstance(value, nn.Module):
-            tensors = len(value.state_dict())
-        return {"key": key, "type": type(value).__name__, "tensors": tensors}
+        return {"key": key, "type": type(value).__name__, "tensors": count_tensors(value)}
 
     obj = raw.obj
     if isinstance(obj, dict) and not _is_tensor_dict(obj):
@@ -216,11 +280,43 @@ def strip_common_prefix(state: dict[str, "torch.Tensor"], expected: set[str]) ->
     return best, best_prefix
 
 
+def report_paths(output: Path) -> tuple[Path, Path]:
+    """The JSON and Markdown reports written next to an output."""
+    return output.with_name(output.name + ".report.json"), output.with_name(output.name + ".report.md")
+
+
 def check_output_path(output: str | os.PathLike, inputs: list[str | os.PathLike], *, force: bool) -> Path:
     """Refuse outputs that would lose data or cannot be written, before any work is done."""
     out = Path(output)
-    if out.suffix not in OUTPUT_SUFFIXES:
-        raise OutputError(f"cannot tell the format of output {out}", f"end it with one of {', '.join(OUTPUT_SUFFIXES)}")
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:
+        raise OutputError(f"output name {str(out)!r} is not valid UTF-8",
+                          "choose a name made of UTF-8 characters") from None
+    try:
+        return _check_output_path(out, inputs, force=force)
+    except OSError as error:
+        raise OutputError(f"cannot use output {out}: {error.strerror or error}",
+                          "choose another path (a shorter name, a directory you can write to)") from None
+
+
+def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: bool) -> Path:
+    from .safewrite import NAME_OVERHEAD
+
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        name_max = os.pathconf(parent if parent.is_dir() else ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    length = len(os.fsencode(out.name))
+    if length + NAME_OVERHEAD > name_max:
+        raise OutputError(
+            f"output name is {length} bytes; with the report and temp-file suffixes bnsurgeon adds it would exceed "
+            f"this filesystem's {name_max}-byte limit",
+            f"use a name of at most {name_max - NAME_OVERHEAD} bytes",
+        )
+    if out.suffix not in OUTPUT_SUFFIXES and not out.name.endswith(".pth.tar"):
+        raise OutputError(f"cannot tell the format of output {out}", f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar")
     for source in inputs:
         source_path = Path(source)
         same = source_path.resolve() == out.resolve() or (
@@ -230,43 +326,21 @@ def check_output_path(output: str | os.PathLike, inputs: list[str | os.PathLike]
             raise OutputError(f"output {out} is the input file", "write to a new path; bnsurgeon never overwrites its input")
     if out.is_dir():
         raise OutputError(f"output {out} is a directory", "give a file path such as OUT.safetensors")
-    parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise OutputError(f"output directory {parent} does not exist", f"create it first (mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"output directory {parent} is not writable", "choose a directory you can write to")
-    if out.exists() and not force:
-        raise OutputError(f"output {out} already exists", "pass --force to replace it")
+    for path in (out, *report_paths(out)):
+        if path.exists() and not force:
+            raise OutputError(f"output {path} already exists", "pass --force to replace it (and its reports)")
     return out
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write via a temp file in the same directory + fsync + rename; clean up on any failure."""
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    os.close(handle)
-    temp = Path(temp_name)
-    try:
-        write(temp)
-        with open(temp, "rb+") as stream:
-            os.fsync(stream.fileno())
-        os.replace(temp, path)
-    except OSError as error:
-        temp.unlink(missing_ok=True)
-        raise OutputError(
-            f"could not write {path}: {error.strerror or error}",
-            "free disk space or choose another directory; any previous file there is intact",
-        ) from None
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    try:
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    except OSError:
-        pass
+def atomic_write(path: Path, write: Callable[[Path], None], *, force: bool = True) -> None:
+    """Write one file atomically (see ``safewrite.write_files``); replaces it unless ``force=False``."""
+    from .safewrite import write_files
+
+    write_files({path: write}, force=force)
 
 
 def unique_tensors(model: "nn.Module") -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
@@ -283,8 +357,9 @@ def unique_tensors(model: "nn.Module") -> tuple[dict[str, "torch.Tensor"], dict[
     return tensors, aliases
 
 
-def write_checkpoint(path: Path, model: "nn.Module", metadata: dict[str, Any], extras: dict[str, Any] | None = None) -> None:
-    """Write the model's tensors plus ``bnsurgeon.*`` metadata to .safetensors or .pt/.pth."""
+def checkpoint_writer(path: Path, model: "nn.Module", metadata: dict[str, Any],
+                      extras: dict[str, Any] | None = None) -> Callable[[Path], None]:
+    """A function writing the model's tensors plus ``bnsurgeon.*`` metadata (format from ``path``) to a temp path."""
     import torch
 
     tensors, aliases = unique_tensors(model)
@@ -292,15 +367,21 @@ def write_checkpoint(path: Path, model: "nn.Module", metadata: dict[str, Any], e
     flat.update({PREFIX + key: json.dumps(value) for key, value in metadata.items()})
     flat[PREFIX + "aliases"] = json.dumps(aliases)
     if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
+        import safetensors.torch
 
-        atomic_write(path, lambda temp: save_file(tensors, str(temp), metadata=flat))
-    else:
-        payload = {"state_dict": tensors, "bnsurgeon": {k[len(PREFIX):]: v for k, v in flat.items() if k.startswith(PREFIX)}}
-        payload["bnsurgeon"]["format"] = "pt"
-        if extras:
-            payload.update(extras)
-        atomic_write(path, lambda temp: torch.save(payload, temp))
+        # any temp file safetensors makes lands next to ``temp``: inside our staging directory
+        return lambda temp: safetensors.torch.save_file(tensors, str(temp), metadata=flat)
+    payload = {"state_dict": tensors, "bnsurgeon": {k[len(PREFIX):]: v for k, v in flat.items() if k.startswith(PREFIX)}}
+    payload["bnsurgeon"]["format"] = "pt"
+    if extras:
+        payload.update(extras)
+    return lambda temp: torch.save(payload, temp)
+
+
+def write_checkpoint(path: Path, model: "nn.Module", metadata: dict[str, Any], extras: dict[str, Any] | None = None,
+                     *, force: bool = True) -> None:
+    """Write the model's tensors plus ``bnsurgeon.*`` metadata to .safetensors or .pt/.pth (atomic)."""
+    atomic_write(path, checkpoint_writer(path, model, metadata, extras), force=force)
 
 
 def expand_aliases(tensors: dict[str, "torch.Tensor"], aliases: dict[str, str]) -> dict[str, "torch.Tensor"]:

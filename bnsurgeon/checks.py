@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from .errors import BnSurgeonError, ModelCannotRunError, NonFiniteWeightsError
 from .outputs import flatten_tensors
 from .report import CheckResult
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from .check_input import CheckInput
@@ -92,6 +94,51 @@ def first_runnable_shape(model: "nn.Module", shape: tuple[int, ...]) -> tuple[in
     return candidates[-1]
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else "no message")[:200]
+
+
+def run_forward(model: "nn.Module", x: Any, what: str, described: str | None = None):
+    """``model(x)``, with a model that raises on this input reported as such (exit 9), not as a crash."""
+    try:
+        return model(x)
+    except BnSurgeonError:
+        raise
+    except Exception as error:
+        shown = described or str(tuple(x.shape))
+        raise ModelCannotRunError(
+            f"{what} cannot run on the input {shown}: {type(error).__name__}: {_first_line(error)}",
+            "pass the input it takes: --input-shape N,C,H,W or --example-input x.pt",
+        ) from None
+
+
+def non_finite_tensors(model: "nn.Module") -> list[str]:
+    """Names of floating-point weights and buffers holding NaN or Inf."""
+    import torch
+
+    return [name for name, tensor in model.state_dict().items()
+            if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all())]
+
+
+def refuse_non_finite(model: "nn.Module", origin: str) -> None:
+    bad = non_finite_tensors(model)
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {len(bad)} tensor(s): {shown}")
+
+
+def require_finite(model: "nn.Module", outputs: list) -> None:
+    """NaN compares unequal to itself: when a check fails on non-finite outputs, say why instead of 'outputs differ'."""
+    import torch
+
+    if all(bool(torch.isfinite(o).all()) for o in outputs if o.is_floating_point()):
+        return
+    refuse_non_finite(model, "the source model")
+    raise ModelCannotRunError("the source model's outputs on the check input are not finite (NaN or Inf)",
+                              "check the weights, or pass another --input-shape (or --no-check)")
+
+
 def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: "tuple[int, ...] | CheckInput", *,
                  exact: bool = True, seed: int = CHECK_SEED) -> CheckResult:
     """Eval outputs of both models on one seeded input: bit for bit, or within fp tolerance."""
@@ -110,15 +157,8 @@ def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: "tupl
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         converted.eval()
-        try:
-            expected = flatten_tensors(source(clone_value(x)))
-        except Exception as error:  # the model does not take this input
-            from .errors import UsageError
-
-            raise UsageError(f"the source model fails on the check input {check_input.describe()} "
-                             f"({type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''})",
-                             "pass the input it takes: --input-shape N,C,H,W or --example-input x.pt") from None
-        actual = flatten_tensors(converted(clone_value(x)))
+        expected = flatten_tensors(run_forward(source, clone_value(x), "the source model", check_input.describe()))
+        actual = flatten_tensors(run_forward(converted, clone_value(x), "the converted model", check_input.describe()))
     diff = 0.0
     passed = len(expected) == len(actual) and len(expected) > 0
     for a, b in zip(expected, actual):
@@ -133,6 +173,10 @@ def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: "tupl
         else:
             scale = a.float().abs().max().item() if a.numel() else 1.0
             passed = passed and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5 * max(scale, 1.0))
+    if not passed or vacuous_reason(expected):
+        refuse_non_finite(source, "the source model")  # non-finite weights are named (exit 4), not "inconclusive"
+    if not passed:
+        require_finite(source, expected)
     mode = "bit-identical" if exact else "close (rtol 1e-4; frozen x*scale+shift vs batch_norm arithmetic)"
     vacuous = vacuous_reason(expected)  # the check then proves little: said, not hidden (verify fails on it)
     note = f"inconclusive: {vacuous}; run bnsurgeon verify (--example-input, --compare-at)" if vacuous else ""
@@ -150,7 +194,7 @@ def vacuous_reason(outputs: list) -> str | None:
     return None
 
 
-def _inexact(source: "nn.Module", converted: "nn.Module") -> bool:
+def is_inexact(source: "nn.Module", converted: "nn.Module") -> bool:
     """True where a module converted from x*scale+shift frozen BN sits: eval is close, not bitwise."""
     from .rules import default_registry
 
@@ -203,3 +247,26 @@ def observed_input_dims(model: "nn.Module", check_input: "CheckInput") -> dict[s
         for handle in handles:
             handle.remove()
     return dims
+
+
+def tensor_shapes(model: "nn.Module") -> dict[str, tuple[int, ...]]:
+    """Every weight and buffer's shape (num_batches_tracked aside: frozen targets drop it)."""
+    return {name: tuple(t.shape) for name, t in model.state_dict().items() if not name.endswith("num_batches_tracked")}
+
+
+def require_same_architecture(source: "nn.Module", converted: "nn.Module", source_name: str, converted_name: str) -> None:
+    """Surgery keeps every weight's name and shape: models that differ there were not converted from one another."""
+    from .errors import WeightsMismatchError
+
+    ours, theirs = tensor_shapes(source), tensor_shapes(converted)
+    if ours == theirs:
+        return
+    missing = [k for k in ours if k not in theirs]
+    unexpected = [k for k in theirs if k not in ours]
+    mismatched = [k for k in ours if k in theirs and ours[k] != theirs[k]]
+    parts = [f"{label} {len(items)} (e.g. {items[0]})" for label, items in
+             (("only in SOURCE", missing), ("only in CONVERTED", unexpected), ("different shape", mismatched)) if items]
+    raise WeightsMismatchError(
+        f"{converted_name} is not a conversion of {source_name}: their weights differ ({'; '.join(parts)})",
+        "pass the SOURCE that CONVERTED was made from (with the same --model-arg values)",
+    )

@@ -6,6 +6,42 @@ the user how to fix the problem. Library code raises; only ``cli.py`` exits.
 
 from __future__ import annotations
 
+import re
+
+#: hints are written for the command line; from Python each flag reads as its keyword argument
+FLAG_KEYWORDS = {
+    "--allow-unhandled": "allow_unhandled=True", "--allow-no-bn": "allow_no_bn=True",
+    "--trust-pickle": "trust_pickle=True", "--force": "force=True", "--no-check": "check=False",
+    "--model": "model=", "--model-arg": "model_args=", "--weights": "weights=", "--input-shape": "input_shape=",
+    "--to": "to=", "--frozen": "frozen=", "--world-size": "world_sizes=",
+}
+
+#: flags whose keyword argument takes the flag's value as a string
+STRING_VALUED = ("--model", "--weights", "--to", "--frozen")
+
+
+def python_hint(hint: str) -> str:
+    """A command-line hint with every known flag written as the keyword argument.
+
+    ``--force`` -> ``force=True``; ``--model ARCH`` -> ``model=ARCH``; a valued flag with
+    no placeholder after it (``check --model-arg``) -> the bare name (``check model_args``).
+    """
+
+    def keyword(match: re.Match) -> str:
+        flag, placeholder = match.group(1), match.group(2)
+        replacement = FLAG_KEYWORDS.get(flag)
+        if replacement is None:
+            return match.group(0)
+        if not replacement.endswith("="):
+            return replacement + (f" {placeholder}" if placeholder else "")
+        if placeholder and placeholder.isupper():  # --model ARCH -> model=ARCH
+            return replacement + placeholder
+        if placeholder and flag in STRING_VALUED:  # --model pkg.mod:fn -> model='pkg.mod:fn'
+            return replacement + repr(placeholder)
+        return replacement[:-1] + (f" {placeholder}" if placeholder else "")
+
+    return re.sub(r"(--[a-z][a-z0-9-]*)(?: ([^\s(),;]+))?", keyword, hint)
+
 
 class BnSurgeonError(Exception):
     """Base class: a problem with the user's input or environment, never a bug."""
@@ -19,13 +55,18 @@ class BnSurgeonError(Exception):
         self.hint = hint if hint is not None else self.default_hint
 
     def __str__(self) -> str:
-        return f"{self.message} ({self.hint})" if self.hint else self.message
+        """What a Python caller sees: the hint names keyword arguments, not flags (the CLI prints ``hint``)."""
+        return f"{self.message} ({python_hint(self.hint)})" if self.hint else self.message
 
 
 class UsageError(BnSurgeonError):
     """A flag or argument value that cannot be used."""
 
     exit_code = 2
+
+
+class FactoryRaisedError(UsageError):
+    """The user's factory raised while building the model (on the meta device it may build for real)."""
 
 
 class SourceNotFoundError(BnSurgeonError):
@@ -48,6 +89,24 @@ class UnsafeCheckpointError(CheckpointError):
         "only if you trust the file's origin, pass --trust-pickle (unpickling runs code); "
         "otherwise ask for a state dict or a .safetensors file"
     )
+
+
+class MetadataError(CheckpointError):
+    """bnsurgeon metadata that is malformed, from a newer schema, or inconsistent with the tensors."""
+
+    default_hint = "the file's bnsurgeon.* metadata was edited or damaged; convert the original again"
+
+
+class InputChangedError(CheckpointError):
+    """An input file rewritten while bnsurgeon was reading it: the tensors may mix two versions."""
+
+    default_hint = "nothing was written; run again once nothing else is writing the file"
+
+
+class NonFiniteWeightsError(CheckpointError):
+    """Weights holding NaN or Inf: no output comparison can prove anything about them."""
+
+    default_hint = "nothing was written; use a checkpoint saved before training diverged"
 
 
 class WeightsMismatchError(BnSurgeonError):
@@ -77,6 +136,36 @@ class OutputError(BnSurgeonError):
     """An output path that cannot or must not be written."""
 
     exit_code = 8
+
+
+class ModelCannotRunError(BnSurgeonError):
+    """The model raised on the check input, or the input cannot even be allocated."""
+
+    exit_code = 9
+    default_hint = "pass --input-shape with the input the model takes (N,C,H,W), or --no-check"
+
+
+class ConfirmationError(UsageError):
+    """A file names code to import or constructor arguments the user has not confirmed."""
+
+    exit_code = 10
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived; raised like KeyboardInterrupt so every cleanup runs."""
+
+    def __init__(self, signum: int, state: str = "nothing was written") -> None:
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        self.state = state  # what is on disk, said exactly
+class NothingToConvertError(BnSurgeonError):
+    """A model with no BatchNorm-family module: a conversion would only copy it."""
+
+    exit_code = 11  # 9 and 10 are taken by issue 12 (check input, unconfirmed code)
+    default_hint = "nothing was written; pass --allow-no-bn to write the unchanged model anyway"
 
 
 class VerificationError(BnSurgeonError):

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, UsageError
+from .errors import UsageError
 from .rules import FROZEN_POLICIES, TARGETS
 from .surgery import check_filters
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .checkpoint import RawCheckpoint
 
 MAX_STEPS = 64
 
@@ -31,22 +30,7 @@ def step(target: str, options: dict[str, Any]) -> dict[str, Any]:
             "include": list(options.get("include") or []), "exclude": list(options.get("exclude") or [])}
 
 
-def recorded_history(raw: "RawCheckpoint") -> list[dict[str, Any]]:
-    """The validated history of a bnsurgeon checkpoint (files from before it: their one step)."""
-    try:
-        history = raw.bnsurgeon("history")
-        if history is None:
-            history = [step(raw.bnsurgeon("target", "sync"), raw.bnsurgeon("options", {}) or {})]
-    except (ValueError, AttributeError):
-        history = None
-    problem = _problem(history)
-    if problem:
-        raise CheckpointError(f"{raw.path}: recorded conversion history is invalid ({problem})",
-                              "re-convert from the original model; the file's metadata was altered or damaged")
-    return history
-
-
-def _problem(history: Any) -> str | None:
+def history_problem(history: Any) -> str | None:
     if not isinstance(history, list) or not 1 <= len(history) <= MAX_STEPS:
         return f"expected a list of 1-{MAX_STEPS} steps"
     for entry in history:
@@ -62,7 +46,8 @@ def _problem(history: Any) -> str | None:
     return None
 
 
-def replay(model: "nn.Module", history: list[dict[str, Any]], recorded_classes: dict | None = None) -> "nn.Module":
+def replay(model: "nn.Module", history: list[dict[str, Any]], recorded_classes: dict | None = None,
+           folds: list | None = None) -> "nn.Module":
     """Apply every recorded conversion in order, in place.
 
     A last ``plain`` step takes each BatchNorm1d/2d/3d the file records (what the check
@@ -77,5 +62,6 @@ def replay(model: "nn.Module", history: list[dict[str, Any]], recorded_classes: 
         last_plain = index == len(history) - 1 and entry["target"] == "plain"
         model = convert(model, entry["target"], frozen=entry["frozen"], allow_unhandled=entry["allow_unhandled"],
                         include=entry.get("include", ()), exclude=entry.get("exclude", ()), inplace=True,
-                        input_dims=final_dims if last_plain else None).model
+                        input_dims=final_dims if last_plain else None,
+                        folds=folds if entry["target"] == "fused" else None).model
     return model

@@ -1,8 +1,13 @@
 """Run a function on W gloo ranks on 127.0.0.1 with a free port and a hard timeout.
 
-Used by ``bnsurgeon verify`` (the N-rank check) and by the tests. A hang becomes an
-error: the parent waits at most ``timeout`` seconds, then kills every rank and raises.
-Results travel as ``torch.save`` bytes, not shared-memory handles that die with a rank.
+``run_world`` starts W fresh processes for one call (the tests, the benchmarks).
+``RankPool`` starts its processes once and runs many calls on them, each call in a new
+process group of any size up to the pool's: ``bnsurgeon verify`` pays process start-up
+and the torch/timm imports once instead of once per check.
+
+A hang becomes an error: the parent waits at most ``timeout`` seconds, then kills every
+rank and raises. Results travel as ``torch.save`` bytes, not shared-memory handles that
+die with a rank.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import io
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -66,8 +72,6 @@ def run_world(world_size: int, fn, *args, timeout: float = 180.0, collective_tim
         process.start()
     collected = {}
     try:
-        import time
-
         deadline = time.monotonic() + timeout
         while len(collected) < world_size:
             remaining = deadline - time.monotonic()
@@ -97,3 +101,124 @@ def run_world(world_size: int, fn, *args, timeout: float = 180.0, collective_tim
     if errors and not allow_errors:
         raise RankFailure("\n".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items())))
     return [collected[rank] if allow_errors else collected[rank][1] for rank in range(world_size)]
+
+
+def _pool_entry(rank, inbox, results):
+    """A pool process: run each task it is sent, in a process group made for that task."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    while True:
+        task = inbox.get()
+        if task is None:
+            return
+        task_id, world_size, port, collective_timeout, fn, args = task
+        _run_task(task_id, rank, world_size, port, collective_timeout, fn, args, results)
+
+
+def _run_task(task_id, rank, world_size, port, collective_timeout, fn, args, results):
+    import torch
+    import torch.distributed as dist
+
+    started = time.monotonic()
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout),
+        )
+        value = fn(rank, world_size, *args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((task_id, rank, "ok", buffer.getvalue(), time.monotonic() - started))
+    except BaseException as error:  # report every failure to the parent
+        results.put((task_id, rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}",
+                     time.monotonic() - started))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+class RankPool:
+    """``size`` spawned processes that run ``fn(rank, world_size, *args)`` on the first W of them.
+
+    Use as a context manager; the processes start at once (their imports overlap with
+    whatever the parent does next) and are stopped, or killed, on exit. After a failure
+    the pool is broken and every later ``run`` raises.
+    """
+
+    def __init__(self, size: int, *, collective_timeout: float = 60.0) -> None:
+        context = mp.get_context("spawn")
+        self.size = size
+        self.collective_timeout = collective_timeout
+        self._results = context.Queue()
+        self._inboxes = [context.Queue() for _ in range(size)]
+        self._processes = [context.Process(target=_pool_entry, args=(rank, self._inboxes[rank], self._results))
+                           for rank in range(size)]
+        self._next_task = 0
+        self._broken: str | None = None
+        self.task_seconds: list[float] = []  # per run: the slowest rank's time inside the task
+        for process in self._processes:
+            process.start()
+
+    def run(self, world_size: int, fn, *args, timeout: float = 180.0) -> list:
+        """Results of ``fn(rank, world_size, *args)`` on ranks 0..W-1, by rank; raises RankFailure."""
+        if self._broken:
+            raise RankFailure(f"the rank pool failed earlier: {self._broken}")
+        if not 1 <= world_size <= self.size:
+            raise ValueError(f"world size {world_size} does not fit a pool of {self.size}")
+        task_id, self._next_task = self._next_task, self._next_task + 1
+        port = free_port()
+        for rank in range(world_size):
+            self._inboxes[rank].put((task_id, world_size, port, self.collective_timeout, fn, args))
+        collected: dict[int, tuple[str, object]] = {}
+        seconds = 0.0
+        deadline = time.monotonic() + timeout
+        try:
+            while len(collected) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RankFailure(f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish in {timeout}s")
+                try:
+                    got_id, rank, status, value, spent = self._results.get(timeout=min(remaining, 5.0))
+                except queue.Empty:
+                    dead = {r: p.exitcode for r, p in enumerate(self._processes[:world_size]) if p.exitcode is not None}
+                    if dead:
+                        raise RankFailure(f"rank(s) died with exit codes {dead}") from None
+                    continue
+                if got_id != task_id:  # a late answer to an earlier, failed task
+                    continue
+                seconds = max(seconds, spent)
+                collected[rank] = (status, value)
+        except RankFailure as error:
+            self._broken = str(error).splitlines()[0]
+            raise
+        errors = {rank: value for rank, (status, value) in collected.items() if status != "ok"}
+        if errors:
+            self._broken = "a rank raised"
+            raise RankFailure("\n".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items())))
+        import torch
+
+        self.task_seconds.append(seconds)
+        return [torch.load(io.BytesIO(collected[rank][1]), weights_only=False) for rank in range(world_size)]
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            try:
+                inbox.put(None)
+            except Exception:
+                pass
+        for process in self._processes:
+            process.join(timeout=0 if self._broken else 10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -3,6 +3,7 @@ write) and ``verify`` (load both sides, run every check)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -10,12 +11,24 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import __version__
 from .architecture import LoadedSource
 from .checkpoint import check_output_path, describe_checkpoint, read_checkpoint
-from .checks import _inexact, compare_eval, needs_input_dims, observed_input_dims, resolve_check_input
-from .errors import UsageError, VerificationError
+from .checks import (
+    CHECK_SEED,
+    compare_eval,
+    is_inexact,
+    needs_input_dims,
+    observed_input_dims,
+    preserved_modes,
+    refuse_non_finite,
+    require_same_architecture,
+    resolve_check_input,
+    run_forward,
+)
+from .errors import ConfirmationError, NothingToConvertError, UsageError, VerificationError
 from .inspection import Inspection, inspect_model
+from .recorded import read_recorded
 from .sources import load_source, looks_like_file
 from .surgery import ConvertResult, convert
-from .writing import save, write_reports
+from .writing import write_conversion
 
 if TYPE_CHECKING:
     from torch import nn
@@ -59,10 +72,14 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
         result.notes += [note] if note else []
         return result
 
-    raw = read_checkpoint(source, trust_pickle=source_options.get("trust_pickle", False))
+    raw = read_checkpoint(source, trust_pickle=source_options.get("trust_pickle", False), mmap=True)
     contents = describe_checkpoint(raw)
     try:
         loaded, note = _load_for_inspection(source, raw=raw, **source_options)
+    except ConfirmationError as error:
+        result = Inspection(source=str(source), parameters=0, checkpoint=contents)
+        result.notes.append(f"{error.message}: {error.hint}")
+        return result
     except UsageError as error:
         if source_options.get("model"):
             raise
@@ -84,16 +101,45 @@ def _load_for_inspection(source: str, **options: Any) -> "tuple[LoadedSource, st
     models: ``.item()``/copies out of a tensor) cannot be built on meta; ``convert`` falls
     back to a real build for them and so does ``inspect``.
     """
-    from .errors import BnSurgeonError
+    from .errors import BnSurgeonError, FactoryRaisedError
 
     try:
         return load_source(source, meta=True, **options), None
+    except FactoryRaisedError as error:
+        reason = error.message.split(" raised ", 1)[-1][:120]
     except BnSurgeonError:
         raise
     except Exception as error:  # not buildable on meta: build it for real
         reason = str(error).strip().splitlines()[0][:120] if str(error).strip() else type(error).__name__
-        loaded = load_source(source, meta=False, **options)
-        return loaded, f"built with real weights: the model cannot be built on the meta device ({reason})"
+    loaded = load_source(source, meta=False, **options)  # a factory that fails for real says so here
+    return loaded, f"built with real weights: the model cannot be built on the meta device ({reason})"
+
+
+def verify_timeout_s() -> float:
+    """The ranks' collective timeout: ``BNSURGEON_DIST_TIMEOUT`` if set (validated up front), else 120 s."""
+    from .runtime.timeout import ENV_VAR, parse_timeout_s
+
+    raw = os.environ.get(ENV_VAR)
+    return parse_timeout_s(raw) if raw and raw.strip() else 120.0
+
+
+def _check_input(loaded: LoadedSource, input_shape: "tuple[int, ...] | None",
+                 example_input: "CheckInput | None") -> "CheckInput":
+    """The input for the eval check (and for finding producers under --to fused)."""
+    chosen = resolve_check_input(loaded.model, input_shape=input_shape, example_input=example_input,
+                                 recorded=loaded.check_input, own_shape=loaded.input_shape)
+    if chosen is None:
+        raise UsageError("cannot tell what input the model takes for the equivalence check",
+                         "pass --input-shape N,C,H,W or --example-input x.pt (or --no-check)")
+    return chosen
+
+
+def _fused_shape(check_input: "CheckInput") -> tuple[int, ...]:
+    """--to fused finds producers on one batch-first tensor."""
+    if check_input.shape is None:
+        raise UsageError(f"--to fused needs a single tensor input, not {check_input.describe()}",
+                         "pass --input-shape N,C,H,W")
+    return tuple(check_input.shape)
 
 
 @dataclass
@@ -115,6 +161,7 @@ def convert_source(
     model_args: dict[str, Any] | None = None,
     weights: str | None = None,
     trust_pickle: bool = False,
+    accept_recorded_args: bool = False,
     force: bool = False,
     check: bool = True,
     input_shape: tuple[int, ...] | None = None,
@@ -123,43 +170,59 @@ def convert_source(
     exclude: tuple[str, ...] = (),
     verify_world_sizes: tuple[int, ...] = (),
     progress: "Callable[[str], None] | None" = None,
+    allow_no_bn: bool = False,
 ) -> ConvertOutcome:
     """The ``bnsurgeon convert`` pipeline. Writes nothing unless every step succeeded.
 
     ``progress`` is told the name of each phase as it starts (the CLI shows a spinner).
+    A model with no BN-family module raises NothingToConvertError unless ``allow_no_bn``.
+    A .pt/.pth/.pth.tar output carries a training checkpoint's other entries
+    (``training_checkpoint.carry_entries``).
     """
     from .rules import check_target
+    from .training_checkpoint import carry_entries
 
     phase = progress or (lambda text: None)
 
     check_target(to, frozen)
     if verify_world_sizes and not check:
         raise UsageError("--verify needs the eval check", "drop --no-check")
+    timeout = verify_timeout_s() if verify_world_sizes else None
     out = check_output_path(output, [source], force=force) if output is not None else None
-    trust_factory = model is not None
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
-                         trust_pickle=trust_pickle, trust_factory=trust_factory)
-    phase(f"converting to {to}")
+                         trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
+    fused = to == "fused"
+    # fused finds producers on it before converting; otherwise chosen after the surgery, which
+    # refuses an uninitialized lazy BN before any forward (inferring the input runs one)
+    check_input = _check_input(loaded, input_shape, example_input) if fused else None
+    shape = _fused_shape(check_input) if fused else None
     input_dims = None
     if to == "plain" and needs_input_dims(loaded.model):  # _BatchNormXd and SyncBN: which BatchNormNd?
-        shown_by = resolve_check_input(loaded.model, input_shape=input_shape, example_input=example_input,
-                                       recorded=loaded.check_input, own_shape=loaded.input_shape)
+        shown_by = check_input or resolve_check_input(loaded.model, input_shape=input_shape,
+                                                      example_input=example_input, recorded=loaded.check_input,
+                                                      own_shape=loaded.input_shape)
         input_dims = observed_input_dims(loaded.model, shown_by) if shown_by is not None else None
+        check_input = shown_by
+    phase(f"converting to {to}" + (f" (finding producers on {shape})" if fused else ""))
     result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled, include=include, exclude=exclude,
-                     input_dims=input_dims)
+                     input_dims=input_dims, example_input=shape)
     result.report.source = loaded.description
     result.report.tool_version = __version__
-    result.report.carried = {k: f"{v} (not written)" for k, v in loaded.carried.items()}
-    check_input = None
+    report = result.report
+    if not (report.changed or report.kept or report.unhandled) and not allow_no_bn:
+        raise NothingToConvertError(f"{loaded.description} has no BatchNorm-family module: there is nothing to convert")
+    carried = carry_entries(loaded, result, out)
+    result.report.carried = carried.summary
     if check:
-        check_input = resolve_check_input(loaded.model, input_shape=input_shape, example_input=example_input,
-                                          recorded=loaded.check_input, own_shape=loaded.input_shape)
-        if check_input is None:
-            raise UsageError("cannot tell what input the model takes for the equivalence check",
-                             "pass --input-shape N,C,H,W or --example-input x.pt (or --no-check)")
+        check_input = check_input or _check_input(loaded, input_shape, example_input)
         phase(f"checking eval outputs on {check_input.describe()}")
-        result.report.check = compare_eval(loaded.model, result.model, check_input, exact=result.exact)
+        if fused:
+            from .fused_check import fused_check_result
+
+            result.report.check = fused_check_result(loaded.model, result, shape, CHECK_SEED)
+        else:
+            result.report.check = compare_eval(loaded.model, result.model, check_input, exact=result.exact)
         check_result = result.report.check
         if not check_result.passed:
             raise VerificationError(
@@ -170,8 +233,15 @@ def convert_source(
             from .verify import verify_models
 
             phase("verifying (train, 2 gloo ranks, perturbed)")
-            verification = verify_models(loaded.model, result.model, check_input, world_sizes=verify_world_sizes,
-                                         exact=result.exact, source_name=loaded.description)
+            if fused:
+                from .fused_check import verify_fused
+
+                verification = verify_fused(loaded.model, result.model, result.report.fusion["folded"], shape,
+                                            source_name=loaded.description)
+            else:
+                verification = verify_models(loaded.model, result.model, check_input, world_sizes=verify_world_sizes,
+                                             exact=result.exact, source_name=loaded.description,
+                                             collective_timeout=timeout)
             result.report.verification = verification.to_dict()
             if not verification.passed:
                 failed = verification.first_failure
@@ -183,31 +253,63 @@ def convert_source(
     if out is not None:
         result.report.output = str(out)
         phase(f"writing {out}")
-        save(result, out, loaded.architecture, source=loaded.description,
-             check_input=check_input or loaded.check_input, history=loaded.history)
-        reports = write_reports(result, out)
+        reports = write_conversion(result, out, loaded.architecture, source=loaded.description, force=force,
+                                   extras=carried.entries, check_input=check_input or loaded.check_input,
+                                   history=loaded.history)
     return ConvertOutcome(result, loaded, out, reports)
 
 
 def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), input_shape: tuple[int, ...] | None = None,
            atol: float | None = None, perturb: bool = True, model: str | None = None,
-           model_args: dict[str, Any] | None = None, trust_pickle: bool = False,
+           model_args: dict[str, Any] | None = None, converted_model: str | None = None,
+           converted_model_args: dict[str, Any] | None = None, trust_pickle: bool = False,
+           accept_recorded_args: bool = False, on_check: "Callable[[Any], None] | None" = None,
            example_input: "CheckInput | None" = None, compare_at: str | None = None):
-    """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen)."""
+    """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
+
+    Both arguments are loaded under the same trust rules, each confirmed only by what the
+    user typed for it: ``model``/``model_args`` for SOURCE, ``converted_model``/
+    ``converted_model_args`` for CONVERTED. ``on_check`` is told each check (a
+    ``verify.CheckOutcome``) as it finishes. ``example_input`` (or the input recorded in
+    either file) replaces the inferred one; ``compare_at`` names the submodule compared.
+    """
+    import torch
+
+    from .check_input import clone_value
+
     from .verify import verify_models
 
-    named_factory = ":" in source and not source.startswith("timm:") and not Path(source).exists()
-    left = load_source(source, model=model, model_args=model_args, trust_pickle=trust_pickle,
-                       trust_factory=model is not None or named_factory)
-    right = load_source(converted, trust_pickle=trust_pickle, trust_factory=named_factory or model is not None)
+    timeout = verify_timeout_s()
     if any(w < 2 for w in world_sizes):
         raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
+    left = load_source(source, model=model, model_args=model_args, trust_pickle=trust_pickle,
+                       accept_recorded_args=accept_recorded_args)
+    right = load_source(converted, model=converted_model, model_args=converted_model_args, trust_pickle=trust_pickle,
+                        accept_recorded_args=accept_recorded_args, flag="--converted-model")
+    refuse_non_finite(left.model, left.description)
+    refuse_non_finite(right.model, right.description)
+    recorded = read_recorded(right.checkpoint) if right.checkpoint is not None and right.checkpoint.is_bnsurgeon else None
+    fused = recorded is not None and recorded.target == "fused"
+    if not fused:  # a fused model lacks the folded BN modules by design
+        require_same_architecture(left.model, right.model, left.description, right.description)
     check_input = resolve_check_input(left.model, input_shape=input_shape, example_input=example_input,
                                       recorded=left.check_input or right.check_input,
                                       own_shape=left.input_shape or right.input_shape)
     if check_input is None:
         raise UsageError("cannot tell what input the models take",
                          "pass --input-shape N,C,... (e.g. 4,16,32) or --example-input x.pt")
+    if fused:
+        from .fused_check import verify_fused
+
+        return verify_fused(left.model, right.model, recorded.folds, _fused_shape(check_input), atol=atol,
+                            perturb=perturb, source_name=left.description, converted_name=right.description)
+    with preserved_modes(left.model, right.model), torch.no_grad():
+        for loaded, what in ((left, "SOURCE"), (right, "CONVERTED")):
+            parameter = next(iter(loaded.model.parameters()), None)
+            dtype = parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
+            run_forward(loaded.model.eval(), clone_value(check_input.make(dtype=dtype)),
+                        f"{what} ({loaded.description})", check_input.describe())
     return verify_models(left.model, right.model, check_input, world_sizes=world_sizes, atol=atol, perturb=perturb,
-                         exact=not _inexact(left.model, right.model), source_name=left.description,
-                         converted_name=right.description, compare_at=compare_at)
+                         exact=not is_inexact(left.model, right.model), source_name=left.description,
+                         converted_name=right.description, collective_timeout=timeout, on_check=on_check,
+                         compare_at=compare_at)

@@ -3,92 +3,77 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .architecture import LoadedSource, parse_architecture, timm_input_shape
+from .architecture import Architecture, LoadedSource, timm_input_shape
 from .checkpoint import RawCheckpoint, read_checkpoint
-from .errors import CheckpointError, UsageError
-from .history import recorded_history, replay
-
-PREFIX_RULES = "bnsurgeon.rules"
-from .recorded import architecture_from_checkpoint, class_map, state_from_checkpoint
+from .errors import CheckpointError
+from .history import replay
+from .recorded import check_rebuilt, read_recorded, state_from_checkpoint
 from .surgery import name_sync_layers
+from .trust import confirm_architecture
 from .weights import load_weights, materialize
 
 if TYPE_CHECKING:
     from torch import nn
 
 
-def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, trust_factory: bool = False,
+def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architecture: Architecture | None = None,
                             model: "nn.Module | None" = None) -> LoadedSource:
-    """Build the recorded architecture, redo the recorded surgery, load the weights strictly."""
-    architecture = architecture_from_checkpoint(raw)
-    if model is None:
-        if architecture.kind == "factory" and not trust_factory:
-            raise UsageError(
-                f"{raw.path} was made from the factory {architecture.name!r}; importing it runs code",
-                f"confirm with --model {architecture.name} (or bnsurgeon.load(path, model={architecture.name!r}))",
-            )
-    recorded_rules = raw.bnsurgeon("rules") if PREFIX_RULES in raw.metadata else []
-    if recorded_rules:
-        from .rules import confirm_rules
+    """Build the recorded architecture, replay the recorded conversions, load the weights strictly.
 
-        confirm_rules(recorded_rules, str(raw.path))
-    history = recorded_history(raw)
-    target = history[-1]["target"]
-    recorded = raw.bnsurgeon("classes", {}) or {}
+    ``architecture`` is what the caller confirmed (``trust.confirm_architecture``); without
+    it the recorded one is used only where the trust rules allow it with no confirmation.
+    A file converted with ``--rules`` is rebuilt only once the user has named them again.
+    """
+    recorded = read_recorded(raw)
+    if model is None and architecture is None:
+        architecture = confirm_architecture(recorded.architecture, raw.path)
+    architecture = architecture or recorded.architecture
+    history, target = recorded.history, recorded.target
 
     def build(on_meta: bool):
         base = model if model is not None else architecture.build(meta=on_meta)
-        return replay(base, history, recorded if isinstance(recorded, dict) else {})
+        return replay(base, history, recorded.classes, folds=recorded.folds if target == "fused" else None)
 
     if meta:
         rebuilt = build(True)
     elif model is not None:
         rebuilt = build(False)
-        load_weights(rebuilt, state_from_checkpoint(raw), raw.path)
+        load_weights(rebuilt, state_from_checkpoint(raw, recorded), raw.path)
     else:
-        rebuilt = materialize(build, state_from_checkpoint(raw), raw.path)
-    actual = class_map(rebuilt)
-    differing = [p for p in recorded if actual.get(p) != recorded[p]]
-    if differing:
-        path = differing[0]
-        raise CheckpointError(
-            f"{raw.path}: rebuilding gave {actual.get(path)} at {path!r} where the checkpoint recorded "
-            f"{recorded[path]} ({len(differing)} module(s) differ)",
-            "use the bnsurgeon/timm versions that wrote the file, or pass the model explicitly",
-        )
+        rebuilt = materialize(build, state_from_checkpoint(raw, recorded), raw.path)
+    check_rebuilt(raw, recorded, rebuilt)
     name_sync_layers(rebuilt)
     loaded = LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",
                           timm_input_shape(rebuilt), raw)
     loaded.history = history
-    try:
-        recorded_input = raw.bnsurgeon("check_input")
-    except ValueError:  # not JSON
-        recorded_input = {"kind": None}
-    if recorded_input is not None:
-        from .check_input import CheckInput
-
-        loaded.check_input = CheckInput.from_record(recorded_input, f"{raw.path}")
+    loaded.check_input = recorded.check_input
     return loaded
 
 
-def load(path: "str | Path", *, model: "str | nn.Module | None" = None, trust_factory: bool = False) -> "nn.Module":
+def load(path: "str | Path", *, model: "str | nn.Module | None" = None, model_args: dict[str, Any] | None = None,
+         accept_recorded_args: bool = False, mmap: bool = False) -> "nn.Module":
     """Rebuild a converted model from a bnsurgeon checkpoint, ready to wrap in DDP.
 
     ``model`` overrides the recorded architecture: an ``nn.Module`` of the original
-    architecture (converted in place), or a SOURCE-style name, which also confirms a
-    recorded factory.
+    architecture (converted in place), or a SOURCE-style name; naming exactly the recorded
+    factory is what confirms it. ``model_args`` confirm (or override) recorded constructor
+    arguments. The returned model owns its memory: rewriting the file afterwards changes
+    nothing. ``mmap=True`` keeps the tensors as views of the file instead (no copy, for huge
+    read-only uses; the file must then not change while the model lives).
     """
     from torch import nn
 
-    raw = read_checkpoint(path)
+    raw = read_checkpoint(path, mmap=mmap)
     if not raw.is_bnsurgeon:
         raise CheckpointError(f"{path} is not a bnsurgeon checkpoint (no bnsurgeon metadata)",
                               "convert it first: bnsurgeon convert SOURCE -o OUT")
     if isinstance(model, nn.Module):
-        return rebuild_from_checkpoint(raw, model=model).model
-    if isinstance(model, str):
-        architecture = parse_architecture(model, architecture_from_checkpoint(raw).kwargs)
-        return rebuild_from_checkpoint(raw, model=architecture.build()).model
-    return rebuild_from_checkpoint(raw, trust_factory=trust_factory).model
+        rebuilt = rebuild_from_checkpoint(raw, model=model).model
+    else:
+        recorded = read_recorded(raw)
+        architecture = confirm_architecture(recorded.architecture, raw.path, model, model_args,
+                                            accept_recorded_args=accept_recorded_args)
+        rebuilt = rebuild_from_checkpoint(raw, architecture=architecture).model
+    return rebuilt

@@ -60,6 +60,8 @@ class Report:
     keys_removed: list[str] = field(default_factory=list)
     check: CheckResult | None = None
     verification: dict[str, Any] | None = None
+    #: fused target: how producers were found, each fold, the reason for each BN left
+    fusion: dict[str, Any] | None = None
     output: str | None = None
     carried: dict[str, str] = field(default_factory=dict)
     schema_version: int = REPORT_SCHEMA_VERSION
@@ -157,6 +159,8 @@ def render_markdown(report: Report) -> str:
             patterns = ", ".join(f"`{p}`" + (f" x{n}" if n > 1 else "") for p, n in collapse_paths(paths)[:4])
             lines.append(f"| {short(cls)} | {patterns} | {reason} |")
         lines.append("")
+    if report.fusion is not None:
+        lines += _fusion_markdown(report.fusion)
     if report.keys_added or report.keys_removed:
         lines += ["### State-dict keys", ""]
         lines += [f"- added: `{k}`" for k in report.keys_added[:20]]
@@ -167,3 +171,15 @@ def render_markdown(report: Report) -> str:
         lines += [f"- `{k}`: {v}" for k, v in report.carried.items()]
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _fusion_markdown(fusion: dict[str, Any]) -> list[str]:
+    """--to fused: how producers were found, the measured error, and each BN -> producer fold."""
+    lines = [f"### Folds ({len(fusion['folded'])})", "",
+             f"BN modules {fusion['bn_before']} -> {fusion['bn_after']}. Producers found from {fusion['method']}."]
+    for name, value in (fusion.get("max_rel_error") or {}).items():
+        lines.append(f"Max error relative to the output scale, {name.replace('_', ' ')}: {value:.3g}.")
+    lines += ["", "| BN | folded into |", "|---|---|"]
+    lines += [f"| `{f['bn']}` ({short(f['bn_class'])}) | `{f['producer']}` ({short(f['producer_class'])}) |"
+              for f in fusion["folded"]]
+    return lines + [""]

@@ -28,7 +28,8 @@ from .checkpoint import (
 )
 from .errors import CheckpointError, UsageError
 from .rebuild import rebuild_from_checkpoint
-from .recorded import architecture_from_checkpoint, state_from_checkpoint  # noqa: F401
+from .recorded import architecture_from_checkpoint, read_recorded, state_from_checkpoint  # noqa: F401
+from .trust import TIMM_NAME_PATTERN, confirm_architecture, is_plain_literal
 from .weights import check_fit, load_weights, materialize  # noqa: F401
 
 TRAINING_ARG_NAMES = ("num_classes", "in_chans", "global_pool")
@@ -47,16 +48,19 @@ def load_source(
     weights: str | None = None,
     trust_pickle: bool = False,
     meta: bool = False,
-    trust_factory: bool = False,
+    accept_recorded_args: bool = False,
     raw: RawCheckpoint | None = None,
+    flag: str = "--model",
 ) -> LoadedSource:
     """Resolve SOURCE to a model with its weights (or on the meta device when ``meta``).
 
-    ``raw`` is the already-read file, when the caller has read it (read once, not twice).
+    ``model``/``model_args`` are what the user typed for this SOURCE: they confirm what
+    the file names (``trust.confirm_architecture``), and ``flag`` is how the user types
+    them, for the messages. ``raw`` is the already-read file, when the caller has read it.
     """
     if raw is not None or looks_like_file(source):
-        raw = raw or read_checkpoint(Path(source), trust_pickle=trust_pickle)
-        return _load_file(raw, model, model_args, weights, meta, trust_factory)
+        raw = raw or read_checkpoint(Path(source), trust_pickle=trust_pickle, mmap=meta)
+        return _load_file(raw, model, model_args, weights, meta, accept_recorded_args, flag)
     if model:
         raise UsageError(f"--model is only for checkpoint files; {source!r} already names the model",
                          "drop --model, or pass a checkpoint file")
@@ -65,7 +69,7 @@ def load_source(
     return LoadedSource(built, architecture, architecture.describe(), timm_input_shape(built))
 
 
-def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, trust_factory) -> LoadedSource:
+def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_recorded_args, flag) -> LoadedSource:
     from torch import nn
 
     path = raw.path
@@ -73,11 +77,9 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, trust_facto
         module = raw.obj
         return LoadedSource(module, Architecture("unknown", type(module).__name__), str(path), None, raw)
     if raw.is_bnsurgeon:
-        override = None
-        if model:
-            recorded = architecture_from_checkpoint(raw)
-            override = parse_architecture(model, model_args or recorded.kwargs).build(meta=meta)
-        return rebuild_from_checkpoint(raw, meta=meta, trust_factory=trust_factory, model=override)
+        architecture = confirm_architecture(read_recorded(raw).architecture, path, model, model_args,
+                                            accept_recorded_args=accept_recorded_args, flag=flag)
+        return rebuild_from_checkpoint(raw, meta=meta, architecture=architecture)
 
     candidates = state_dict_candidates(raw.obj)
     if not candidates:
@@ -86,7 +88,7 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, trust_facto
                               "pass the file that holds the model's state dict")
     key = _pick_weights(path, candidates, weights)
     state = candidates[key]
-    architecture = _architecture_for(path, raw, model, model_args, state)
+    architecture = _architecture_for(path, raw, model, model_args, accept_recorded_args, flag)
     if meta:
         built = architecture.build(meta=True)
         state, prefix = strip_common_prefix(state, set(built.state_dict()))
@@ -124,18 +126,26 @@ def _carried(raw: RawCheckpoint, key: str) -> dict[str, Any]:
     return {name: type(value).__name__ for name, value in raw.obj.items() if name != key}
 
 
-def _architecture_for(path, raw: RawCheckpoint, model, model_args, state) -> Architecture:
-    kwargs = dict(model_args or {})
+def _architecture_for(path, raw: RawCheckpoint, model, model_args, accept_recorded_args, flag) -> Architecture:
+    """The user's --model, else a timm training checkpoint's ``arch`` (a timm name: data, never code)."""
     if model:
-        return parse_architecture(model, kwargs)
+        return parse_architecture(model, model_args)
     obj = raw.obj if isinstance(raw.obj, dict) else {}
     arch = obj.get("arch")
     if isinstance(arch, str):
+        if not TIMM_NAME_PATTERN.match(arch):
+            raise CheckpointError(f"{path} names the architecture {arch!r}, which is not a timm model name",
+                                  "pass --model ARCH")
         args = obj.get("args")
+        recorded = {}
         for name in TRAINING_ARG_NAMES:
             value = getattr(args, name, None) if args is not None else None
-            if value is not None and name not in kwargs:
-                kwargs[name] = value
-        return Architecture("timm", arch, kwargs)
+            if value is not None:
+                if not is_plain_literal(value):
+                    raise CheckpointError(f"{path}: args.{name} is a {type(value).__name__}, not a plain value",
+                                          f"pass {flag}-arg {name}=VALUE and {flag} {arch}")
+                recorded[name] = value
+        return confirm_architecture(Architecture("timm", arch, recorded), path, None, model_args,
+                                    accept_recorded_args=accept_recorded_args, flag=flag)
     raise UsageError(f"{path} does not say which model it belongs to",
                      "pass --model ARCH (a timm name or package.module:function)")

@@ -129,8 +129,14 @@ def convert(
     include: "tuple[str, ...] | list[str]" = (),
     exclude: "tuple[str, ...] | list[str]" = (),
     input_dims: "dict[str, int] | None" = None,
+    example_input: Any = None,
+    folds: Any = None,
 ) -> ConvertResult:
-    """Convert every BN-family module of ``model`` to ``to`` (sync, plain or frozen).
+    """Convert every BN-family module of ``model`` to ``to`` (sync, plain, frozen or fused).
+
+    ``fused`` folds each BN into the Conv/Linear that feeds it; the producers are found on
+    ``example_input`` (a tensor or an input shape), or taken from ``folds`` (records of a
+    checkpoint, validated against the model).
 
     Raises LazyModuleError for an uninitialized LazyBatchNorm and UnhandledModuleError
     for BN-like modules no rule claims (unless ``allow_unhandled``), before changing
@@ -154,6 +160,12 @@ def convert(
                                         "include": list(include), "exclude": list(exclude)})
     replacements: dict[int, nn.Module] = {}
     exact = True
+    fold_plan = None
+    if to == "fused":
+        from .fusion import fusion_plan
+
+        fold_plan = fusion_plan(model, example_input, folds)
+        exact = False
     for entry in entries:
         filtered = filtered_out(entry.paths, include, exclude)
         if filtered is not None:
@@ -167,7 +179,9 @@ def convert(
             continue
         dims = next((input_dims[p] for p in entry.paths if p in input_dims), None) if input_dims else None
         context = BuildContext(target=to, frozen=frozen, process_group=process_group, input_dims=dims)
-        new = entry.rule.build(entry.module, context)
+        if fold_plan is not None:
+            fold_plan.prepare(context, model, entry.path, entry.rule)
+        new = entry.rule.build(entry.module, context) if to in entry.rule.targets else entry.module
         if new is entry.module:
             report.kept.append(
                 ModuleKept(entry.path, entry.paths[1:], entry.cls_name, entry.rule.name, context.kept_reason or "unchanged")
@@ -175,6 +189,7 @@ def convert(
             continue
         _carry_over(entry.module, new, entry.path)
         replacements[id(entry.module)] = new
+        replacements.update(context.replaces)
         exact = exact and entry.rule.exact and not context.inexact
         report.changed.append(
             ModuleChange(
@@ -188,6 +203,8 @@ def convert(
             )
         )
 
+    if fold_plan is not None:
+        report.fusion = fold_plan.summary(report)
     converted = _rebuild(model, replacements, inplace, {})
     name_sync_layers(converted)
     before = set(model.state_dict(keep_vars=True)) if not inplace else None

@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 import glob
 import io
+import time
 import zlib
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .check_input import CheckInput, clone_value, leaves
 from .checks import vacuous_reason
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 SEED = 0
+VERIFY_SCHEMA_VERSION = 1
 DIST_RTOL = 1e-6
 INEXACT_RTOL = 1e-4
 
@@ -36,6 +39,7 @@ class CheckOutcome:
     max_abs_diff: float = 0.0
     detail: str = ""
     first_divergence: str | None = None
+    seconds: float = 0.0  # wall time of this check in the verifying process
 
 
 @dataclass
@@ -56,7 +60,10 @@ class Verification:
         return next((c for c in self.checks if c.passed is False), None)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        from . import __version__
+
+        data = {"schema_version": VERIFY_SCHEMA_VERSION, "tool_version": __version__}
+        data.update(asdict(self))
         data["passed"] = self.passed
         return data
 
@@ -334,23 +341,44 @@ def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], 
     }
 
 
-def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
-                label: str | None = None, compare_at: str | None = None) -> CheckOutcome:
-    """W gloo ranks of the converted model on slices == the source on the whole batch (float64).
+def rank_batch(world_sizes) -> int:
+    """One batch for every world size checked: 3 + 2 per extra rank of the largest (5 for 2 ranks, 7 for 3)."""
+    return 3 + 2 * (max(world_sizes) - 1)
 
-    Outputs are compared per sample: a batch-first tensor is cut along its first dimension,
-    a detector's list of per-image results is taken image by image, so ranks holding 3 and
-    2 images line up with the source's 5.
+
+def uneven_splits(batch: int, world_size: int) -> list[int]:
+    """``batch`` rows over the ranks, never all equal: counts must weight the merge (7 -> [4, 3] or [3, 2, 2])."""
+    share, extra = divmod(batch, world_size)
+    splits = [share + 1] * extra + [share] * (world_size - extra)
+    if extra == 0 and world_size > 1:
+        splits[0], splits[-1] = splits[0] + 1, splits[-1] - 1
+    return splits
+
+
+@dataclass
+class RankReference:
+    """What W ranks must reproduce: the source in float64 on the whole batch, per sample.
+
+    Computed once per model pair and shared by every world size (the float64
+    forward/backward of the source is the parent's largest cost), with the bytes each
+    rank loads: the converted model in float64, the batch, its CheckInput and the output
+    gradient. ``problem`` (not per sample, or vacuous) makes every N-rank check fail with it.
     """
+
+    batch: int
+    payload: bytes
+    samples: list
+    input_grads: list
+    param_grads: dict
+    stats: dict
+    check_input: "CheckInput | None" = None
+    x: Any = None
+    problem: "tuple[float, str] | None" = None
+
+
+def rank_reference(source, converted, shape, batch: int, *, seed=SEED, compare_at: str | None = None) -> RankReference:
     import torch
 
-    from .multiproc import RankFailure, run_world
-
-    label = label or f"{world_size} ranks"
-    if not _has_sync_layers(converted):
-        return CheckOutcome(label, None, detail="not applicable: the converted model has no sync layers")
-    splits = [3] + [2] * (world_size - 1)  # uneven on purpose: counts must weight the merge
-    batch = sum(splits)
     check_input = CheckInput.of_shape(shape).with_batch(batch, uniform=True)  # same-size images: same padding
     source64 = only_bn_trains(copy.deepcopy(source).double())
     converted64 = copy.deepcopy(converted).double()
@@ -361,20 +389,59 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
         leaf.requires_grad_()
     samples = per_sample(run_model(source64, xr, compare_at), batch)
     if samples is None:
-        return CheckOutcome(label, False, float("inf"),
-                            "the outputs are not per sample (neither batch-first tensors nor one result per "
-                            "image), so ranks cannot be lined up; compare at a submodule (--compare-at MODULE)")
-    vacuous = _vacuous(label, [t for sample in samples for t in sample])
+        return RankReference(batch, b"", [], [], {}, {}, check_input, x, problem=(
+            float("inf"), "the outputs are not per sample (neither batch-first tensors nor one result per "
+                          "image), so ranks cannot be lined up; compare at a submodule (--compare-at MODULE)"))
+    vacuous = _vacuous("", [t for sample in samples for t in sample])
     if vacuous is not None:
-        return vacuous
+        return RankReference(batch, b"", [], [], {}, {}, check_input, x,
+                             problem=(vacuous.max_abs_diff, vacuous.detail))
     grad = [[torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in sample] for sample in samples]
     loss = _loss(samples, grad)
     if loss is not None and loss.requires_grad:
         loss.backward()
     buffer = io.BytesIO()
     torch.save({"converted": converted64, "x": x, "grad": grad, "input": check_input, "compare_at": compare_at}, buffer)
+    input_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves(xr)]
+    return RankReference(
+        batch, buffer.getvalue(), [[o.detach() for o in sample] for sample in samples], input_grads,
+        {n: p.grad for n, p in source64.named_parameters() if p.grad is not None},
+        {n: b.double() for n, b in source64.named_buffers()
+         if n.endswith(("running_mean", "running_var", "num_batches_tracked"))},
+        check_input, x,
+    )
+
+
+def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
+                label: str | None = None, pool=None, reference: RankReference | None = None,
+                collective_timeout: float = 120.0, compare_at: str | None = None) -> CheckOutcome:
+    """W gloo ranks of the converted model on slices == the source on the whole batch (float64).
+
+    Outputs are compared per sample: a batch-first tensor is cut along its first dimension,
+    a detector's list of per-image results is taken image by image, so ranks holding 3 and
+    2 images line up with the source's 5. ``pool`` (a ``multiproc.RankPool`` of at least
+    W processes) runs the ranks in processes that are already started; without one, W
+    processes are started for this check alone. ``reference`` (from ``rank_reference``)
+    is reused when given.
+    """
+    import torch
+
+    from .multiproc import RankFailure, RankPool
+
+    label = label or f"{world_size} ranks"
+    if not _has_sync_layers(converted):
+        return CheckOutcome(label, None, detail="not applicable: the converted model has no sync layers")
+    if reference is None:
+        reference = rank_reference(source, converted, shape, rank_batch([world_size]), seed=seed,
+                                   compare_at=compare_at)
+    if reference.problem is not None:
+        diff, detail = reference.problem
+        return CheckOutcome(label, False, diff, detail)
+    splits = uneven_splits(reference.batch, world_size)
+    own_pool = RankPool(world_size, collective_timeout=collective_timeout) if pool is None else nullcontext(pool)
     try:
-        ranks = run_world(world_size, _rank_worker, buffer.getvalue(), splits, seed, timeout=timeout, collective_timeout=120)
+        with own_pool as ranks_pool:
+            ranks = ranks_pool.run(world_size, _rank_worker, reference.payload, splits, seed, timeout=timeout)
     except RankFailure as error:
         return CheckOutcome(label, False, float("inf"), f"ranks failed: {str(error).splitlines()[0]}")
 
@@ -388,36 +455,52 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
             problems.append(name)
 
     rank_samples = [sample for r in ranks for sample in r["outputs"]]
-    for index, (expected, actual) in enumerate(zip(samples, rank_samples)):
-        compare(f"output of sample {index}", [o.detach() for o in expected], actual)
-    input_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves(xr)]
-    grad_value = input_grads[0] if check_input.kind == "tensor" else (
-        input_grads if check_input.kind == "list" else dict(zip(x, input_grads)))
+    for index, (expected, actual) in enumerate(zip(reference.samples, rank_samples)):
+        compare(f"output of sample {index}", expected, actual)
+    check_input, x = reference.check_input, reference.x
+    grad_value = reference.input_grads[0] if check_input.kind == "tensor" else (
+        reference.input_grads if check_input.kind == "list" else dict(zip(x, reference.input_grads)))
     for rank, (piece, r) in enumerate(zip(check_input.split(grad_value, splits), ranks)):
         theirs = [g if g is not None else torch.zeros_like(e) for g, e in zip(r["input_grad"], leaves(piece))]
         compare(f"input gradient (rank {rank})", leaves(piece), theirs)
-    for name, param in source64.named_parameters():
-        if param.grad is not None:
-            summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
-            compare(f"grad {name}", [param.grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(param)])
-    for name, buf in source64.named_buffers():
-        if name.endswith(("running_mean", "running_var", "num_batches_tracked")):
-            compare(name, [buf.double()], [ranks[0]["stats"][name].double()])
+    for name, grad in reference.param_grads.items():
+        summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
+        compare(f"grad {name}", [grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(grad)])
+    for name, buf in reference.stats.items():
+        compare(name, [buf], [ranks[0]["stats"][name].double()])
     detail = f"splits {splits}, float64, per sample" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
     return CheckOutcome(label, not problems, worst, detail, problems[0] if problems else None)
 
 
+def _timed(check: Callable[[], CheckOutcome], on_check: Callable[[CheckOutcome], None] | None) -> CheckOutcome:
+    started = time.monotonic()
+    outcome = check()
+    outcome.seconds = time.monotonic() - started
+    if on_check is not None:
+        on_check(outcome)
+    return outcome
+
+
 def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, world_sizes=(2,),
                   atol: float | None = None, perturb: bool = True, exact: bool = True,
-                  source_name: str = "", converted_name: str = "", compare_at: str | None = None) -> Verification:
+                  source_name: str = "", converted_name: str = "", collective_timeout: float = 120.0,
+                  on_check: Callable[[CheckOutcome], None] | None = None,
+                  share_work: bool = True, compare_at: str | None = None) -> Verification:
     """Run every check, then all of them again with identically perturbed BN state.
 
     ``input_shape`` is a tensor shape or a ``CheckInput`` (list/dict inputs);
     ``exact=False`` (conversions from x*scale+shift frozen BN) compares within rtol 1e-4;
     ``atol`` relaxes bit-identity explicitly; ``compare_at`` compares the output of that
     submodule instead of the model's (a detector head's output is not comparable after
-    perturbation: 0 boxes).
+    perturbation: 0 boxes). ``on_check`` is told each check as it finishes. The N-rank
+    checks share one pool of max(N) processes, started first so that their imports
+    overlap with the one-process checks, and one float64 reference per variant (one batch
+    for every N). ``share_work=False`` starts fresh processes and recomputes the reference
+    for every N-rank check, as verify did before: the benchmark's yardstick
+    (``scripts/bench_verify.py``).
     """
+    from .multiproc import RankPool
+
     check_compare_at(compare_at, source, converted)
     check_input = CheckInput.of_shape(input_shape)
     tol = Tolerance(atol=atol or 0.0, rtol=0.0 if exact else INEXACT_RTOL)
@@ -427,21 +510,45 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
     if perturb:
         variants.append((" (perturbed)", perturb_bn(copy.deepcopy(source)), perturb_bn(copy.deepcopy(converted))))
     frozen = _is_frozen_model(converted)
+    distributed = bool(world_sizes) and not frozen and _has_sync_layers(converted)
+    pool = RankPool(max(world_sizes), collective_timeout=collective_timeout) if distributed and share_work else None
     at = {"compare_at": compare_at}
-    for suffix, src, conv in variants:
-        result.checks.append(check_eval(src, conv, check_input, tol, label="eval" + suffix, **at))
-        if frozen:
-            result.checks.append(check_frozen(src, conv, check_input, tol,
-                                              label="frozen (train) == source (eval)" + suffix, **at))
-            continue
-        thawed = thawed_reference(src, conv)
-        reference, against = (src, "") if thawed is None else (thawed, " vs source thawed")
-        train_tol = tol if thawed is None else Tolerance(atol=tol.atol)  # thawed: batch_norm arithmetic both sides
-        result.checks.append(check_train(reference, conv, check_input, train_tol,
-                                         label="train, one process" + against + suffix, **at))
-        for world_size in world_sizes:
-            result.checks.append(check_ranks(reference, conv, check_input, world_size,
-                                             label=f"{world_size} ranks" + against + suffix, **at))
+
+    def add(check: Callable[[], CheckOutcome]) -> None:
+        result.checks.append(_timed(check, on_check))
+
+    with pool if pool is not None else nullcontext():
+        references_for: dict[str, tuple] = {}  # suffix -> (reference model, label suffix)
+        for suffix, src, conv in variants:
+            add(lambda: check_eval(src, conv, check_input, tol, label="eval" + suffix, **at))
+            if frozen:
+                add(lambda: check_frozen(src, conv, check_input, tol,
+                                         label="frozen (train) == source (eval)" + suffix, **at))
+                continue
+            thawed = thawed_reference(src, conv)
+            reference, against = (src, "") if thawed is None else (thawed, " vs source thawed")
+            train_tol = tol if thawed is None else Tolerance(atol=tol.atol)  # thawed: batch_norm arithmetic both sides
+            references_for[suffix] = (reference, against)
+            add(lambda: check_train(reference, conv, check_input, train_tol,
+                                    label="train, one process" + against + suffix, **at))
+        if not frozen:
+            batch = rank_batch(world_sizes) if world_sizes else 0
+            references = {}  # one float64 reference per variant, shared by every world size
+            for world_size in world_sizes:
+                for suffix, src, conv in variants:
+                    ref_model, against = references_for[suffix]
+
+                    def ranks_check(suffix=suffix, ref_model=ref_model, against=against, conv=conv,
+                                    world_size=world_size) -> CheckOutcome:
+                        if suffix not in references and distributed and share_work:
+                            references[suffix] = rank_reference(ref_model, conv, check_input, batch,
+                                                                compare_at=compare_at)
+                        return check_ranks(ref_model, conv, check_input, world_size,
+                                           label=f"{world_size} ranks" + against + suffix,
+                                           pool=pool, reference=references.get(suffix),
+                                           collective_timeout=collective_timeout, compare_at=compare_at)
+
+                    add(ranks_check)
     return result
 
 

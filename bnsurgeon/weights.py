@@ -29,13 +29,37 @@ def materialize(build, state: dict[str, "torch.Tensor"], origin: Any, adapt=None
         expected = model.state_dict()
         check_fit(model, tensors, origin, expected)
         tensors = {k: v.to(expected[k].dtype) if v.dtype != expected[k].dtype else v for k, v in tensors.items()}
+        shared = shared_names(model)
         model.load_state_dict(tensors, strict=True, assign=True)
+        retie(model, shared)
         leftovers = [t for t in (*model.parameters(), *model.buffers()) if t.is_meta]
         if not leftovers:
             return model
     model = build(False)
     load_weights(model, adapt(model, state) if adapt else state, origin)
     return model
+
+
+def shared_names(model: "nn.Module") -> list[list[str]]:
+    """Groups of state-dict names that are one tensor in ``model`` (tied weights, a shared module)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def retie(model: "nn.Module", groups: list[list[str]]) -> None:
+    """Make each group one tensor again: ``load_state_dict(assign=True)`` wraps every name in its own Parameter."""
+    for first, *others in groups:
+        owner, _, attribute = first.rpartition(".")
+        tensor = getattr(model.get_submodule(owner), attribute)
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            module = model.get_submodule(owner)
+            if attribute in module._parameters:
+                module._parameters[attribute] = tensor
+            else:
+                module._buffers[attribute] = tensor
 
 
 def check_fit(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any = "checkpoint",

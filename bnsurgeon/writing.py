@@ -1,4 +1,4 @@
-"""Write a conversion: the checkpoint with self-describing metadata, and its two reports."""
+"""Write a conversion: the checkpoint with self-describing metadata, and its two reports, as one unit."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ from typing import Any
 
 from . import __version__
 from .architecture import Architecture
-from .checkpoint import atomic_write, write_checkpoint
+from .checkpoint import checkpoint_writer, report_paths, write_checkpoint
 from .history import step
 from .recorded import class_map
+from .safewrite import write_files
 from .surgery import ConvertResult
 
 
-def save(result: ConvertResult, path: "str | Path", architecture: Architecture, *, source: str = "",
-         extras: dict[str, Any] | None = None, check_input: Any = None, history: list | None = None) -> Path:
-    """Write the converted model with self-describing metadata (atomic)."""
-    path = Path(path)
+def _metadata(result: ConvertResult, architecture: Architecture, source: str, *, check_input: Any = None,
+              history: list | None = None) -> dict[str, Any]:
     metadata = {
         "schema": 1,
         "version": __version__,
@@ -34,13 +33,38 @@ def save(result: ConvertResult, path: "str | Path", architecture: Architecture, 
     metadata["history"] = list(history or []) + [step(result.report.target, result.report.options)]
     if check_input is not None:  # a CheckInput: reused by later conversions of the file
         metadata["check_input"] = check_input.to_record()
-    write_checkpoint(path, result.model, metadata, extras)
+    if result.report.fusion is not None:  # --to fused: which BN went into which producer, for load
+        metadata["folds"] = result.report.fusion["folded"]
+    return metadata
+
+
+def save(result: ConvertResult, path: "str | Path", architecture: Architecture, *, source: str = "",
+         extras: dict[str, Any] | None = None, check_input: Any = None, history: list | None = None) -> Path:
+    """Write the converted model with self-describing metadata (atomic; replaces ``path``)."""
+    path = Path(path)
+    write_checkpoint(path, result.model, _metadata(result, architecture, source, check_input=check_input,
+                                                   history=history), extras)
     return path
 
 
-def write_reports(result: ConvertResult, output: Path) -> tuple[Path, Path]:
-    json_path = output.with_name(output.name + ".report.json")
-    md_path = output.with_name(output.name + ".report.md")
-    atomic_write(json_path, lambda temp: temp.write_text(result.report.to_json() + "\n"))
-    atomic_write(md_path, lambda temp: temp.write_text(result.report.to_markdown()))
+def write_conversion(result: ConvertResult, output: Path, architecture: Architecture, *, source: str = "",
+                     force: bool = False, extras: dict[str, Any] | None = None, check_input: Any = None,
+                     history: list | None = None) -> tuple[Path, Path]:
+    """The checkpoint (plus a training checkpoint's carried ``extras``) and its JSON and Markdown reports:
+    all three written, or none changed."""
+    json_path, md_path = report_paths(output)
+    write_files({
+        output: checkpoint_writer(output, result.model, _metadata(result, architecture, source, check_input=check_input,
+                                                                   history=history), extras),
+        json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
+        md_path: lambda temp: temp.write_text(result.report.to_markdown()),
+    }, force=force)
+    return json_path, md_path
+
+
+def write_reports(result: ConvertResult, output: Path, *, force: bool = True) -> tuple[Path, Path]:
+    """Only the two reports (atomic each)."""
+    json_path, md_path = report_paths(output)
+    write_files({json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
+                 md_path: lambda temp: temp.write_text(result.report.to_markdown())}, force=force)
     return json_path, md_path

@@ -165,17 +165,18 @@ def _timm_converter():
     return convert_sync_batchnorm
 
 
-def _worker(tasks, results):
+def _worker(tasks, results, job=None):
     import torch
 
     torch.set_num_threads(1)
+    job = job or sweep_one
     while True:
         task = tasks.get()
         if task is None:
             return
         kind, name = task
         try:
-            results.put(sweep_one(kind, name))
+            results.put(job(kind, name))
         except Exception as error:
             results.put({"model": name, "source": kind, "status": "error", "reason": f"{type(error).__name__}: {error}"[:200]})
 
@@ -202,15 +203,20 @@ def bn_model_names(limit: int | None = None) -> list[str]:
     return names
 
 
-def run_sweep(tasks: list[tuple[str, str]], timeout: float, out_path: Path | None) -> list[dict]:
+def run_sweep(tasks: list[tuple[str, str]], timeout: float, out_path: Path | None, job=None,
+              deadline: float | None = None) -> list[dict]:
+    """Run ``job(kind, name)`` (default: sweep_one) per task in a worker; stop starting tasks after ``deadline`` (monotonic)."""
     context = mp.get_context("spawn")
     rows = []
     task_queue, result_queue = context.Queue(), context.Queue()
-    worker = context.Process(target=_worker, args=(task_queue, result_queue), daemon=True)
+    worker = context.Process(target=_worker, args=(task_queue, result_queue, job), daemon=True)
     worker.start()
     sink = open(out_path, "a") if out_path else None
     try:
         for index, (kind, name) in enumerate(tasks):
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"time budget spent after {index} of {len(tasks)} models", file=sys.stderr, flush=True)
+                break
             task_queue.put((kind, name))
             try:
                 row = result_queue.get(timeout=timeout)
@@ -219,7 +225,7 @@ def run_sweep(tasks: list[tuple[str, str]], timeout: float, out_path: Path | Non
                 worker.join()
                 row = {"model": name, "source": kind, "status": "timeout", "reason": f"over {timeout:.0f}s (time box)"}
                 task_queue, result_queue = context.Queue(), context.Queue()
-                worker = context.Process(target=_worker, args=(task_queue, result_queue), daemon=True)
+                worker = context.Process(target=_worker, args=(task_queue, result_queue, job), daemon=True)
                 worker.start()
             rows.append(row)
             if sink:

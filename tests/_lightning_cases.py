@@ -119,14 +119,27 @@ def precision_rank(rank: int, world_size: int, precisions: list[str]) -> dict:
     from bnsurgeon.integrations.lightning import BNSurgeonLayerSync
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
+    from bnsurgeon.runtime import sync_op
+
+    op_calls = [0]
+    eager_forward = sync_op.sync_forward
+
+    def counted(*args, **kwargs):
+        op_calls[0] += 1
+        return eager_forward(*args, **kwargs)
+
+    sync_op.sync_forward = counted  # counts the sync layers run through the compiled path's custom op
     states = {}
-    for precision in precisions:
+    for run in precisions:
+        precision, _, compiled = run.partition(" ")
         module = PrecisionModule()
+        op_calls[0] = 0
         trainer = pl.Trainer(
             accelerator="cpu", devices=world_size, strategy="ddp", sync_batchnorm=True, plugins=[BNSurgeonLayerSync()],
             max_steps=STEPS, precision=precision, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False,
         )
-        trainer.fit(module)
-        states[precision] = {name: value.float().clone() for name, value in module.net.state_dict().items()}
+        trainer.fit(torch.compile(module, backend="aot_eager") if compiled else module)
+        states[run] = {name: value.float().clone() for name, value in module.net.state_dict().items()}
+        states[run]["compiled sync layer calls"] = op_calls[0]
     return states

@@ -148,7 +148,7 @@ def test_user_bn_subclass_refused_then_allowed(tmp_path, monkeypatch):
     "args, code, message",
     [
         (["convert", "resnet5O", "-o", "{tmp}/x.safetensors"], 3, "did you mean resnet50"),
-        (["convert", "resnet18", "-o", "{tmp}/x.safetensors", "--to", "sideways"], 2, "unknown target 'sideways'"),
+        (["convert", "resnet18", "-o", "{tmp}/x.safetensors", "--to", "sideways"], 2, "'sideways' is not one of 'sync', 'plain', 'frozen'"),
         (["convert", "{tmp}/missing.pt", "-m", "resnet18", "-o", "{tmp}/x.safetensors"], 3, "no such file"),
         (["convert", "{tmp}", "-m", "resnet18", "-o", "{tmp}/x.safetensors"], 4, "is a directory"),
         (["convert", "{tmp}/empty.pt", "-m", "resnet18", "-o", "{tmp}/x.safetensors"], 4, "is empty"),

@@ -81,16 +81,17 @@ def test_dict_example_input_is_recorded_and_reused(in_tmp):
     import torch
 
     from bnsurgeon.checkpoint import read_checkpoint
+    from bnsurgeon.recorded import read_recorded
 
     factory = "_real_models:dict_input"
     refused = run("convert", factory, "-o", in_tmp / "x.safetensors")
-    assert refused.exit_code == 2 and "--example-input" in refused.output
+    assert refused.exit_code == 9 and "cannot run on the input" in refused.output and "--example-input" in refused.output
     torch.save({"image": torch.zeros(2, 3, 16, 16), "scale": torch.ones(2, 8)}, in_tmp / "batch.pt")
     sync = in_tmp / "sync.safetensors"
     result = run("convert", factory, "--example-input", in_tmp / "batch.pt", "-o", sync, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["check"]["input"] == "dict {image: (2, 3, 16, 16), scale: (2, 8)}"
-    assert read_checkpoint(sync).bnsurgeon("check_input") == {
+    assert read_recorded(read_checkpoint(sync)).check_input.to_record() == {
         "kind": "dict", "shapes": [["image", [2, 3, 16, 16]], ["scale", [2, 8]]]}
     plain = in_tmp / "plain.safetensors"
     again = run("convert", sync, "--to", "plain", "--model", factory, "-o", plain, "--json")
@@ -187,8 +188,8 @@ def test_vacuous_comparisons_are_not_a_pass(vacuous_models, factory, reason):
     converted = run("convert", f"vacuous_models:{factory}", "--input-shape", "2,3,8,8", "-o", out, "--json")
     assert converted.exit_code == 0, converted.output
     assert "inconclusive" in json.loads(converted.stdout)["check"]["note"]
-    result = run("verify", f"vacuous_models:{factory}", out, "--input-shape", "2,3,8,8", "--no-perturb",
-                 "-w", "2", "--json")
+    result = run("verify", f"vacuous_models:{factory}", out, "--converted-model", f"vacuous_models:{factory}",
+                 "--input-shape", "2,3,8,8", "--no-perturb", "-w", "2", "--json")
     assert result.exit_code == 1, result.output
     checks = json.loads(result.stdout)["checks"]
     assert checks[0]["name"] == "eval" and checks[0]["passed"] is False
@@ -199,15 +200,17 @@ def test_vacuous_comparisons_are_not_a_pass(vacuous_models, factory, reason):
 def test_compare_at_a_submodule_where_the_output_is_not_per_sample(vacuous_models):
     out = vacuous_models / "sync.safetensors"
     assert run("convert", "vacuous_models:pooled", "--input-shape", "2,3,8,8", "-o", out).exit_code == 0
-    whole = run("verify", "vacuous_models:pooled", out, "--input-shape", "2,3,8,8", "--no-perturb", "--json")
+    whole = run("verify", "vacuous_models:pooled", out, "--converted-model", "vacuous_models:pooled",
+                "--input-shape", "2,3,8,8", "--no-perturb", "--json")
     assert whole.exit_code == 1
     ranks = json.loads(whole.stdout)["checks"][-1]
     assert ranks["name"] == "2 ranks" and "not per sample" in ranks["detail"]
-    at = run("verify", "vacuous_models:pooled", out, "--input-shape", "2,3,8,8", "--no-perturb", "--json",
-             "--compare-at", "body")
+    at = run("verify", "vacuous_models:pooled", out, "--converted-model", "vacuous_models:pooled",
+             "--input-shape", "2,3,8,8", "--no-perturb", "--json", "--compare-at", "body")
     assert at.exit_code == 0, at.output
     assert json.loads(at.stdout)["compare_at"] == "body"
-    bad = run("verify", "vacuous_models:pooled", out, "--input-shape", "2,3,8,8", "--compare-at", "nope")
+    bad = run("verify", "vacuous_models:pooled", out, "--converted-model", "vacuous_models:pooled",
+              "--input-shape", "2,3,8,8", "--compare-at", "nope")
     assert bad.exit_code == 2 and "not a submodule" in bad.output and "body" in bad.output
 
 
@@ -248,7 +251,8 @@ def test_real_model_end_to_end(in_tmp, name, inputs, convert_flags):
     report = json.loads(converted.stdout)
     assert report["check"]["passed"] and not report["check"]["note"] and report["totals"]["changed"] > 0
 
-    verified = run("verify", factory, sync, "-w", "2", "--no-perturb", "--json")  # the input recorded in sync
+    # the input recorded in sync; CONVERTED's factory confirmed like SOURCE's
+    verified = run("verify", factory, sync, "--converted-model", factory, "-w", "2", "--no-perturb", "--json")
     assert verified.exit_code == 0, verified.output
     checks = {c["name"]: c for c in json.loads(verified.stdout)["checks"]}
     ranks = next(c for n, c in checks.items() if n.startswith("2 ranks"))
@@ -381,6 +385,7 @@ def model():
 def test_rules_named_on_the_command_line_and_confirmed_again_on_load(in_tmp, monkeypatch):
     import bnsurgeon.rules as rules_module
     from bnsurgeon.checkpoint import read_checkpoint
+    from bnsurgeon.recorded import read_recorded
 
     (in_tmp / "my_rules.py").write_text(USER_RULES)
     monkeypatch.syspath_prepend(str(in_tmp))
@@ -390,12 +395,12 @@ def test_rules_named_on_the_command_line_and_confirmed_again_on_load(in_tmp, mon
     assert refused.exit_code == 7 and "MyBN" in refused.output
     converted = run("convert", "my_rules:model", "--rules", "my_rules:RULES", "-o", sync)
     assert converted.exit_code == 0, converted.output
-    assert read_checkpoint(sync).bnsurgeon("rules") == ["my_rules:RULES"]
+    assert read_recorded(read_checkpoint(sync)).rules == ["my_rules:RULES"]
 
     monkeypatch.setattr(rules_module, "_named_specs", {})  # a new process: nothing named yet
     plain = in_tmp / "plain.safetensors"
     unconfirmed = run("convert", sync, "--to", "plain", "--model", "my_rules:model", "-o", plain)
-    assert unconfirmed.exit_code == 2 and "confirm with --rules my_rules:RULES" in unconfirmed.output
+    assert unconfirmed.exit_code == 10 and "confirm with --rules my_rules:RULES" in unconfirmed.output
     assert not plain.exists()
     confirmed = run("convert", sync, "--to", "plain", "--model", "my_rules:model", "--rules", "my_rules:RULES",
                     "-o", plain)

@@ -58,8 +58,8 @@ def test_torch_converter_fails_and_names_first_divergent_module(models):
 def test_bnsurgeon_conversion_passes_at_2_and_3_ranks_and_json_parses(models):
     out = models / "b0.sync.safetensors"
     assert run("convert", "vmodels:source", "-o", out).exit_code == 0
-    result = runner.invoke(app, ["verify", "vmodels:source", str(out), "--input-shape", SMALL,
-                                 "-w", "2", "-w", "3", "--json"])
+    result = runner.invoke(app, ["verify", "vmodels:source", str(out), "--converted-model", "vmodels:source",
+                                 "--input-shape", SMALL, "-w", "2", "-w", "3", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     names = [c["name"] for c in data["checks"]]
@@ -70,7 +70,8 @@ def test_bnsurgeon_conversion_passes_at_2_and_3_ranks_and_json_parses(models):
 def test_1d_3d_model_with_explicit_input_shape(models):
     out = models / "m.sync.safetensors"
     assert run("convert", "vmodels:bn1d3d", "-o", out, "--input-shape", "4,4,10").exit_code == 0
-    result = run("verify", "vmodels:bn1d3d", out, "--input-shape", "4,4,10", "--no-perturb")
+    result = run("verify", "vmodels:bn1d3d", out, "--converted-model", "vmodels:bn1d3d", "--input-shape", "4,4,10",
+                 "--no-perturb")
     assert result.exit_code == 0, result.output
     assert "all checks passed" in result.output
 
@@ -78,14 +79,15 @@ def test_1d_3d_model_with_explicit_input_shape(models):
 def test_frozen_target_checks_frozen_train_against_source_eval(models):
     out = models / "b0.frozen.safetensors"
     assert run("convert", "vmodels:source", "--to", "frozen", "-o", out).exit_code == 0
-    result = runner.invoke(app, ["verify", "vmodels:source", str(out), "--input-shape", SMALL, "--json"])
+    result = runner.invoke(app, ["verify", "vmodels:source", str(out), "--converted-model", "vmodels:source",
+                                 "--input-shape", SMALL, "--json"])
     data = json.loads(result.stdout)
     assert result.exit_code == 0 and "frozen (train) == source (eval)" in [c["name"] for c in data["checks"]]
 
 
-def test_usage_errors_exit_2(models):
+def test_bad_input_gets_the_same_exit_codes_as_convert(models):
     result = run("verify", "vmodels:source", "no_such.safetensors", "--input-shape", SMALL)
-    assert result.exit_code == 2 and "no such file" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 3 and "no such file" in result.output and "Traceback" not in result.output
 
 
 def test_convert_verify_records_checks_in_report(models):

@@ -8,7 +8,7 @@ or a zero-argument callable returning either.
 from __future__ import annotations
 
 from .base import ENTRY_POINT_GROUP, FROZEN_POLICIES, TARGETS, BuildContext, Registry, Rule, check_target
-from .builders import keep_if, to_frozen, to_frozen_act, to_plain, to_plain_act, to_sync, to_sync_act
+from .builders import keep_if, to_frozen, to_frozen_act, to_fused, to_fused_act, to_plain, to_plain_act, to_sync, to_sync_act
 
 __all__ = [
     "FROZEN_POLICIES",
@@ -22,6 +22,8 @@ __all__ = [
     "register",
     "to_frozen",
     "to_frozen_act",
+    "to_fused",
+    "to_fused_act",
     "to_plain",
     "to_plain_act",
     "to_sync",
@@ -104,13 +106,13 @@ def specs_for(rule_names) -> list[str]:
 
 def confirm_rules(recorded, origin: str) -> None:
     """A checkpoint made with ``--rules X`` is rebuilt only after the user names X again."""
-    from ..errors import CheckpointError, UsageError
+    from ..errors import CheckpointError, ConfirmationError
 
     if not isinstance(recorded, list) or not all(isinstance(s, str) and 0 < len(s) <= 200 for s in recorded):
         raise CheckpointError(f"{origin}: recorded rules are invalid", "re-convert from the original model")
     missing = [spec for spec in recorded if spec not in _named_specs]
     if missing:
-        raise UsageError(f"{origin} was converted with rules from {', '.join(missing)}; importing them runs code",
+        raise ConfirmationError(f"{origin} was converted with rules from {', '.join(missing)}; importing them runs code",
                          "confirm with " + " ".join(f"--rules {spec}" for spec in missing)
                          + " (or bnsurgeon.rules.use_rules([...]))")
 

@@ -16,7 +16,9 @@ from ..fields import qualname
 if TYPE_CHECKING:
     from torch import nn
 
-TARGETS = ("sync", "plain", "frozen")
+TARGETS = ("sync", "plain", "frozen", "fused")
+#: every rule builds these; ``fused`` is optional (a rule without it leaves its modules, saying so)
+REQUIRED_TARGETS = ("sync", "plain", "frozen")
 FROZEN_POLICIES = ("keep", "unfreeze")
 ENTRY_POINT_GROUP = "bnsurgeon.rules"
 
@@ -32,6 +34,11 @@ class BuildContext:
     kept_reason: str | None = None
     inexact: bool = False  # set by a builder whose result computes eval with other (equivalent) arithmetic
     input_dims: int | None = None  # input rank the check input showed at this module (plain of _BatchNormXd)
+    #: fused target only: the layer that feeds this BN (None: not foldable, see fold_reason)
+    producer: "nn.Module | None" = None
+    fold_reason: str | None = None
+    #: fused target only: other modules the build replaces (id of old -> new), e.g. the folded producer
+    replaces: dict[int, "nn.Module"] = field(default_factory=dict)
 
     def keep(self, module: "nn.Module", reason: str) -> "nn.Module":
         """Leave ``module`` as it is, and say why in the report."""
@@ -72,7 +79,7 @@ class Registry:
             self.register(rule)
 
     def register(self, rule: Rule, *, replace: bool = False) -> Rule:
-        missing = [t for t in TARGETS if t not in rule.targets]
+        missing = [t for t in REQUIRED_TARGETS if t not in rule.targets]
         if missing:
             raise UsageError(
                 f"rule {rule.name!r} has no builder for target(s) {', '.join(missing)}",

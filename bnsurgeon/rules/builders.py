@@ -106,6 +106,26 @@ def to_plain_act(module: nn.Module, context: BuildContext) -> nn.Module:
     return new
 
 
+def _fold(module: nn.Module, context: BuildContext, *, keep_act: bool) -> nn.Module:
+    from ..fusion import fold_into, fused_replacement
+
+    if context.producer is None:
+        return context.keep(module, context.fold_reason or "no Conv/Linear producer found")
+    fields = read_fields(module)
+    context.replaces[id(context.producer)] = fold_into(context.producer, fields)
+    return fused_replacement(fields, keep_act=keep_act)
+
+
+def to_fused(module: nn.Module, context: BuildContext) -> nn.Module:
+    """Folded into its producer's weight and bias (eval semantics); nothing takes its place."""
+    return _fold(module, context, keep_act=False)
+
+
+def to_fused_act(module: nn.Module, context: BuildContext) -> nn.Module:
+    """Folded into its producer; its own drop and act stay in its place."""
+    return _fold(module, context, keep_act=True)
+
+
 def regroup_or_keep(rebuild):
     """A layer that is already sync: rebuilt (same tensors) when a process_group is given, else kept."""
 

@@ -4,16 +4,17 @@ and bnsurgeon's own frozen classes."""
 from __future__ import annotations
 
 from .base import Rule
-from .builders import keep_if, thaw_or_keep, to_plain, to_plain_act, to_sync, to_sync_act
+from .builders import keep_if, thaw_or_keep, to_fused, to_fused_act, to_plain, to_plain_act, to_sync, to_sync_act
 
 
 def _frozen_rule(name: str, cls: type, description: str, *, act: bool, exact: bool = True) -> Rule:
     """Frozen stays frozen under --to frozen; --to sync/plain thaw per the frozen policy."""
-    sync, plain = (to_sync_act, to_plain_act) if act else (to_sync, to_plain)
+    sync, plain, fused = (to_sync_act, to_plain_act, to_fused_act) if act else (to_sync, to_plain, to_fused)
     return Rule(
         name=name,
         classes=(cls,),
-        targets={"sync": thaw_or_keep(sync), "plain": thaw_or_keep(plain), "frozen": keep_if("frozen")},
+        targets={"sync": thaw_or_keep(sync), "plain": thaw_or_keep(plain), "frozen": keep_if("frozen"),
+                 "fused": fused},
         description=description,
         exact=exact,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import Rule
-from .builders import regroup_or_keep, to_frozen_act, to_plain_act, to_sync_act
+from .builders import regroup_or_keep, to_frozen_act, to_fused_act, to_plain_act, to_sync_act
 
 
 def rules() -> list[Rule]:
@@ -13,7 +13,8 @@ def rules() -> list[Rule]:
         Rule(
             name="bnsurgeon-sync-act",
             classes=(SyncBatchNormAct,),
-            targets={"sync": regroup_or_keep(to_sync_act), "plain": to_plain_act, "frozen": to_frozen_act},
+            targets={"sync": regroup_or_keep(to_sync_act), "plain": to_plain_act, "frozen": to_frozen_act,
+                     "fused": to_fused_act},
             description="bnsurgeon SyncBatchNormAct (act and drop kept)",
         )
     ]
@@ -26,7 +27,7 @@ def rules() -> list[Rule]:
         Rule(
             name="timm-batchnorm-act",
             classes=(BatchNormAct2d, TimmSyncBatchNormAct),
-            targets={"sync": to_sync_act, "plain": to_plain_act, "frozen": to_frozen_act},
+            targets={"sync": to_sync_act, "plain": to_plain_act, "frozen": to_frozen_act, "fused": to_fused_act},
             description="timm BatchNormAct2d and SyncBatchNormAct (act and drop kept)",
         ),
     )

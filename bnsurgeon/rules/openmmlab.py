@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from .base import Rule
-from .builders import to_frozen, to_plain, to_sync
+from .builders import to_frozen, to_fused, to_plain, to_sync
 
 #: module that must already be imported -> (attribute, rule name, description)
 OPTIONAL_CLASSES = {
@@ -40,6 +40,6 @@ def imported_rules(already: set[str]) -> list[Rule]:
             continue
         already.add(name)
         found.append(Rule(name=name, classes=(cls,),
-                          targets={"sync": to_sync, "plain": to_plain, "frozen": to_frozen},
+                          targets={"sync": to_sync, "plain": to_plain, "frozen": to_frozen, "fused": to_fused},
                           description=description))
     return found

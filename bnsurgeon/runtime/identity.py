@@ -19,8 +19,9 @@ no extra round trip, and ranks that reached different layers raise
   built directly and never converted is named by class, width and construction order in
   its process (``SyncBatchNorm#3(64)``), the same on every rank that builds the same
   layers in the same order.
-- Activation-checkpointing recomputation runs the forward again on every rank alike,
-  so the counts stay in step.
+- An activation-checkpointing recompute reuses its original forward's statistics and sends
+  nothing (recompute.py), so it does not count; when it is not recognised it synchronizes
+  with the header of the last call, on every rank alike.
 
 Rows can only be compared when they have the same size: ranks at layers of different
 widths (or float64 against float32 statistics) send rows of different lengths, which
@@ -39,10 +40,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import weakref
 
 import torch
 
 from ..errors import DistributedMismatchError
+from .recompute import StatsStash
 
 HEADER = 8
 FORWARD, BACKWARD = 1, 2
@@ -54,6 +57,9 @@ _PHASES = {FORWARD: "forward", BACKWARD: "backward"}
 #: so a rank can name the layer another rank reports)
 _names: dict[int, str] = {}
 _construction_order = itertools.count()
+#: token -> live identity, for the compiled path (sync_op.py), which passes layers as integers
+_live: "weakref.WeakValueDictionary[int, LayerIdentity]" = weakref.WeakValueDictionary()
+_tokens = itertools.count(1)
 
 
 def layer_id(name: str) -> int:
@@ -73,12 +79,16 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 class LayerIdentity:
-    """A layer's name, its 64-bit id, and the per-device header tensors holding its call count."""
+    """A layer's name, its 64-bit id, the per-device header tensors holding its call count,
+    its checkpoint stash, and the token that names it to the compiled path."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.id = layer_id(name)
         self._headers: dict = {}
+        self.stash = StatsStash()
+        self.token = next(_tokens)
+        _live[self.token] = self
 
     def __getstate__(self):
         return {"name": self.name}
@@ -89,8 +99,9 @@ class LayerIdentity:
     def __deepcopy__(self, memo):
         return LayerIdentity(self.name)
 
-    def next_header(self, x: torch.Tensor, stats_dtype: torch.dtype) -> torch.Tensor:
-        """This call's forward header, on ``x``'s device in ``stats_dtype``; advances the call count.
+    def next_header(self, x: torch.Tensor, stats_dtype: torch.dtype, advance: bool = True) -> torch.Tensor:
+        """This call's forward header, on ``x``'s device in ``stats_dtype``; advances the call count
+        (``advance=False``: the last call's header, for an unrecognised recompute).
 
         The count lives in the header tensor itself and is advanced in place (no host value,
         so the same code runs on devices and under graph capture).
@@ -103,8 +114,14 @@ class LayerIdentity:
             with torch.inference_mode(False):  # a normal tensor, updatable in and out of inference mode
                 header = torch.tensor(slots, dtype=stats_dtype).to(x.device)
             self._headers[key] = header
-        header[6:7].add_(1).remainder_(_CALL_MODULUS)
+        if advance:
+            header[6:7].add_(1).remainder_(_CALL_MODULUS)
         return header
+
+
+def identity_for(token: int) -> "LayerIdentity":
+    """The live identity a compiled graph names by its token."""
+    return _live[token]
 
 
 _BACKWARD_TAILS: dict = {}

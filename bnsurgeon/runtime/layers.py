@@ -22,7 +22,9 @@ from torch import nn
 
 from ..fields import BNFields, attach_affine, attach_children, attach_stats, read_fields
 from .identity import LayerIdentity, default_name
+from .recompute import recomputing
 from .sync_function import SyncBatchNormFunction
+
 
 _TORCH_TAKES_BIAS = "bias" in inspect.signature(nn.SyncBatchNorm.__init__).parameters
 
@@ -168,11 +170,36 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             x, self.weight, self.bias, running_mean, running_var, self.eps, factor, group, world_size, self._identity,
         )
 
+    @torch.jit.unused
+    def _compiled_sync(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Under ``torch.compile``: the synchronized batch norm as one custom op (sync_op.py), or None."""
+        group, world_size = self._sync_group()
+        if world_size <= 1:
+            return None
+        from . import sync_op
+
+        y, mean, var, _, total, _, counted = sync_op.sync_batch_norm(
+            x, self.weight, self.bias, self.eps, not torch.is_grad_enabled(),
+            "" if group is None else group.group_name, world_size, self._identity.token,
+        )
+        if self.track_running_stats:
+            sync_op.update_compiled_stats(self.running_mean, self.running_var, self.num_batches_tracked, mean, var,
+                                          total, counted, self.momentum)
+        return y
+
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
+        counts = True
+        if not torch.jit.is_scripting():
+            if self.training and torch.compiler.is_compiling():
+                synced = self._compiled_sync(x)
+                if synced is not None:
+                    return synced
+            counts = not recomputing()  # a checkpoint recompute counts no batch (recompute.py)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+            if counts:
+                self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         use_buffers = not self.training or self.track_running_stats

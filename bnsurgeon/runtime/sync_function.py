@@ -24,6 +24,7 @@ from . import debug
 from .collectives import all_gather_rows, all_reduce_sum
 from .identity import HEADER, backward_header, check_headers, describe_header
 from .kernels import kernels_for
+from .recompute import GlobalStats, may_be_recomputed, recomputing
 
 
 def merge_stats(gathered: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,59 +72,88 @@ def _lerp_into(buffer: torch.Tensor, value: torch.Tensor, factor) -> None:
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Batch norm over the union of all ranks' batches in ``group``.
+    """Batch norm over the union of all ranks' batches in ``group`` (the eager path).
 
     ``identity`` (a ``LayerIdentity`` or None) names the layer in the header of every
-    row this layer sends; see identity.py for the check it makes possible.
+    row this layer sends (identity.py) and holds its checkpoint stash (recompute.py).
+    ``torch.compile`` goes through the custom op in ``sync_op.py`` instead, which runs the
+    same two functions below.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity):
         with _statistics_precision(x):
-            return _forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity)
+            y, saved_x, stats = sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, group,
+                                             world_size, identity, may_be_recomputed())
+        ctx.save_for_backward(saved_x, weight, stats.mean, stats.var, stats.invstd, stats.header)
+        ctx.total = stats.total
+        ctx.stats = stats
+        ctx.eps = eps
+        ctx.group = group
+        ctx.world_size = world_size
+        ctx.identity = identity
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):
+        x, weight, mean, var, invstd, header = ctx.saved_tensors
+        if ctx.identity is not None:
+            ctx.identity.stash.discard(ctx.stats)
         with _statistics_precision(grad_output):
-            return _backward(ctx, grad_output)
+            grad_input, grad_weight, grad_bias = sync_backward(
+                grad_output, x, weight, mean, var, invstd, header, ctx.total, ctx.eps, ctx.group, ctx.world_size,
+                ctx.needs_input_grad[0],
+            )
+        grad_weight = grad_weight if weight is not None and ctx.needs_input_grad[1] else None
+        grad_bias = grad_bias if ctx.needs_input_grad[2] else None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
-def _backward(ctx, grad_output):
-    x, weight, mean, var, invstd, header = ctx.saved_tensors
+def sync_backward(grad_output, x, weight, mean, var, invstd, header, total, eps, group, world_size,
+                  input_grad: bool = True):
+    """(grad_input or None, grad_weight, grad_bias): ONE sum over ranks, grad_weight/bias stay local."""
     kernels = kernels_for(x)
     if x.is_cuda:
         grad_output = grad_output.contiguous(memory_format=_memory_format(x))
-    sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
+    sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, eps)
 
     grad_input = None
-    if ctx.needs_input_grad[0]:
-        global_sum_dy, global_sum_term = _sum_over_ranks(ctx, header, sum_dy, sum_term, counts_on_host(x))
-        grad_input = kernels.grad_input(
-            grad_output, x, weight, mean, var, invstd, ctx.eps, global_sum_dy, global_sum_term, ctx.total
-        )
-
-    grad_weight = grad_bias = None
-    if weight is not None and ctx.needs_input_grad[1]:
-        grad_weight = sum_dy_xhat.to(weight.dtype)
-    if ctx.needs_input_grad[2]:
-        grad_bias = sum_dy.to(weight.dtype if weight is not None else sum_dy.dtype)
-    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+    if input_grad:
+        global_sum_dy, global_sum_term = _sum_over_ranks(header, sum_dy, sum_term, counts_on_host(x), group,
+                                                         world_size)
+        grad_input = kernels.grad_input(grad_output, x, weight, mean, var, invstd, eps, global_sum_dy,
+                                        global_sum_term, total)
+    param_dtype = weight.dtype if weight is not None else sum_dy.dtype
+    return grad_input, sum_dy_xhat.to(param_dtype), sum_dy.to(param_dtype)
 
 
-def _forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity):
+def sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity,
+                 remember: bool = False):
+    """(y, x as the backward needs it, GlobalStats): ONE all_gather, or none for a recognised recompute.
+
+    ``remember``: the engine will not keep this forward's input (it may be recomputed), so
+    its statistics wait in the layer's stash for the recompute (recompute.py).
+    """
     kernels = kernels_for(x)
     if x.is_cuda:
         x = x.contiguous(memory_format=_memory_format(x))
     channels = x.shape[1]
     local_mean, local_var, centred = kernels.local_stats(x, eps)
-    if identity is not None:
-        header = identity.next_header(x, local_mean.dtype)
-    else:
-        header = local_mean.new_zeros(HEADER)
     count = local_mean.new_full((1,), x.numel() // max(channels, 1))
-    local = torch.cat([header, count, local_mean, local_var])
+    fingerprint = torch.cat([count, local_mean, local_var])
     on_host = counts_on_host(x)
     name = identity.name if identity is not None else "<anonymous>"
+    replay = identity is not None and recomputing()
+    if replay:
+        stats = identity.stash.take(fingerprint, on_host, name)
+        if stats is not None:  # a recognised recompute: the original forward's statistics
+            return kernels.normalize(x, weight, bias, stats.mean, stats.var, stats.invstd, eps, centred), x, stats
+        running_mean = running_var = None  # not recognised: synchronize again, update nothing
+    if identity is not None:
+        header = identity.next_header(x, local_mean.dtype, advance=not replay)
+    else:
+        header = local_mean.new_zeros(HEADER)
+    local = torch.cat([header, fingerprint])
 
     def describe() -> str:
         return f"sync batch norm {describe_header(local[:HEADER])}"
@@ -143,16 +173,13 @@ def _forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, gro
     update_running_stats(running_mean, running_var, mean, var, total, momentum)
 
     y = kernels.normalize(x, weight, bias, mean, var, invstd, eps, centred)
-    ctx.save_for_backward(x, weight, mean, var, invstd, local[:HEADER])
-    ctx.total = total
-    ctx.eps = eps
-    ctx.group = group
-    ctx.world_size = world_size
-    ctx.describe = describe
-    return y
+    stats = GlobalStats(mean, var, invstd, total, local[:HEADER], fingerprint)
+    if identity is not None and remember and not replay:
+        identity.stash.remember(stats)
+    return y, x, stats
 
 
-def _sum_over_ranks(ctx, header, sum_dy, sum_term, on_host: bool):
+def _sum_over_ranks(header, sum_dy, sum_term, on_host: bool, group, world_size: int):
     """Both backward sums over the ranks, in one collective.
 
     On the CPU the row is an all_gather that starts with the forward's header (phase 2),
@@ -160,19 +187,19 @@ def _sum_over_ranks(ctx, header, sum_dy, sum_term, on_host: bool):
     (identity.py); on devices an all_reduce of the two sums.
     """
     def describe() -> str:
-        return ctx.describe().replace(" forward ", " backward ", 1)
+        return f"sync batch norm {describe_header(torch.cat(backward_header(header)))}"
 
     if on_host:
         row = torch.cat([*backward_header(header), sum_dy, sum_term])
         if debug.enabled():
-            debug.check_same_layer(row[:HEADER], ctx.world_size, ctx.group, describe)
-        gathered = all_gather_rows(row, ctx.world_size, ctx.group, describe)
-        check_headers(gathered, ctx.group, True, "")
+            debug.check_same_layer(row[:HEADER], world_size, group, describe)
+        gathered = all_gather_rows(row, world_size, group, describe)
+        check_headers(gathered, group, True, "")
         packed = gathered[:, HEADER + 1:].sum(0)
     else:
         if debug.enabled():
-            debug.check_same_layer(torch.cat(backward_header(header)), ctx.world_size, ctx.group, describe)
-        packed = all_reduce_sum(torch.cat([sum_dy, sum_term]), ctx.world_size, ctx.group, describe)
+            debug.check_same_layer(torch.cat(backward_header(header)), world_size, group, describe)
+        packed = all_reduce_sum(torch.cat([sum_dy, sum_term]), world_size, group, describe)
     return packed.chunk(2)
 
 

@@ -1,0 +1,502 @@
+"""The ``fused`` target: which BN can be folded into the conv/linear that feeds it, and the fold.
+
+A fold is exact (in exact arithmetic) only when the BN's input IS the producer's output,
+nothing else reads that output, and nothing else reads the producer's weights. Both are
+read from the real dataflow, never from module order:
+
+- forward hooks + a TorchFunctionMode on one eval run of the check input: every module
+  call and every torch function that touches the producer's output tensor object (or
+  its weight/bias) is recorded, so an in-place add, a second branch, or a returned
+  feature map counts as a second consumer;
+- ``torch.fx`` (BN and conv/linear as leaves) when the model is traceable: the graph must
+  agree (the producer node has the BN as its only user, each called once).
+
+A BN is folded only where every available method agrees; everything else stays, with the
+reason. The fold itself is computed in float64 and cast back.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import CheckpointError, UsageError
+from .fields import BNFields, qualname
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+#: tensor attribute reads that do not consume values (shape checks in forward are fine)
+_METADATA = frozenset({"shape", "size", "dim", "ndim", "ndimension", "dtype", "device", "is_contiguous", "stride",
+                       "numel", "is_floating_point", "layout", "requires_grad", "is_cuda", "is_meta",
+                       "element_size", "is_complex", "names"})
+
+
+def producer_types() -> tuple[type, ...]:
+    """Exact classes a BN folds into: torch's conv/linear, and timm's subclasses whose forward
+    uses ``self.weight``/``self.bias`` unchanged (SAME padding, the scripting-safe Linear), and
+    timm's MixedConv2d (each of its convs owns a slice of the output channels). Other subclasses
+    may change the weight (weight standardization, CondConv's expert mixing) and are left."""
+    from torch import nn
+
+    torch_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+                   nn.Linear)
+    return torch_types + _timm_producer_types()
+
+
+def _timm_producer_types() -> tuple[type, ...]:
+    try:
+        from timm.layers import Linear, MixedConv2d
+        from timm.layers.conv2d_same import Conv2dSame, Conv2dSameExport
+    except ImportError:  # timm absent or reorganized: torch's classes only
+        return ()
+    return (Conv2dSame, Conv2dSameExport, Linear, MixedConv2d)
+
+
+def is_mixed_conv(module: "nn.Module") -> bool:
+    return type(module).__name__ == "MixedConv2d" and type(module) in _timm_producer_types()
+
+
+def out_features(module: "nn.Module") -> int:
+    return int(getattr(module, "out_channels", None) or module.out_features)
+
+
+def batched_rank(module: "nn.Module") -> int:
+    """Rank of the producer's batched output; only there is dim 1 its channel dim."""
+    from torch import nn
+
+    if isinstance(module, nn.Linear):
+        return 2
+    if is_mixed_conv(module):
+        return 4
+    return 2 + len(module.kernel_size)
+
+
+@dataclass
+class Fold:
+    """One BN (by path) folded into its producer (by path); classes recorded for load-time validation."""
+
+    bn: str
+    producer: str
+    bn_class: str = ""
+    producer_class: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return {"bn": self.bn, "producer": self.producer, "bn_class": self.bn_class, "producer_class": self.producer_class}
+
+
+@dataclass
+class FoldPlan:
+    """Which BN modules fold into which producer, and why the others stay."""
+
+    folds: list[Fold] = field(default_factory=list)
+    left: dict[str, str] = field(default_factory=dict)
+    method: str = ""
+
+    def fold_for(self, bn_path: str) -> Fold | None:
+        return next((f for f in self.folds if f.bn == bn_path), None)
+
+    def prepare(self, context: Any, model: "nn.Module", bn_path: str, rule: Any) -> None:
+        """Tell one BN's builder its producer, or why it has none."""
+        fold = self.fold_for(bn_path)
+        if "fused" not in rule.targets:
+            context.kept_reason = f"rule {rule.name!r} has no fused builder"
+        elif fold is None:
+            context.fold_reason = self.left.get(bn_path, "not folded when the checkpoint was written")
+        else:
+            context.producer = model.get_submodule(fold.producer)
+
+    def summary(self, report: Any) -> dict[str, Any]:
+        """For the report and the checkpoint: the folds that happened and the reason for each BN left."""
+        done = {change.path for change in report.changed}
+        folded = [f.to_dict() for f in self.folds if f.bn in done]
+        left = {kept.path: kept.reason for kept in report.kept}
+        return {"method": self.method, "folded": folded, "left": left,
+                "bn_before": len(report.changed) + len(report.kept) + len(report.unhandled),
+                "bn_after": len(report.kept) + len(report.unhandled)}
+
+
+def fusion_plan(model: "nn.Module", example: Any, records: Any) -> FoldPlan:
+    """The fold plan: from a checkpoint's records (validated), else discovered on ``example``."""
+    if records is not None:
+        return plan_from_records(model, records)
+    if example is None:
+        raise UsageError("--to fused needs an example input to find which layer feeds each BatchNorm",
+                         "pass example_input= (a tensor or an input shape such as (2, 3, 64, 64))")
+    return plan_folds(model, example_tensor(model, example))
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _tensors_in(value: Any) -> list["torch.Tensor"]:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _func_name(func: Any) -> str:
+    owner = getattr(func, "__self__", None)
+    return getattr(owner, "__name__", None) or getattr(func, "__name__", "") or ""
+
+
+@dataclass
+class _Observed:
+    """What one instrumented eval run saw."""
+
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    output_of: dict[str, Any] = field(default_factory=dict)  # producer path -> its output tensor
+    ranks: dict[str, int] = field(default_factory=dict)
+    bn_input: dict[str, tuple] = field(default_factory=dict)  # bn path -> (args, kwargs) of its call
+    bn_call: dict[str, int] = field(default_factory=dict)  # bn path -> id of its (first) call
+    uses: dict[str, list[tuple[str, frozenset]]] = field(default_factory=lambda: defaultdict(list))
+    weight_reads: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+
+
+def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str]) -> _Observed:
+    """One eval forward recording who produces, who consumes and who reads what (see module doc)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    producers = producer_types()
+    paths: dict[int, str] = {}
+    for path, module in model.named_modules():
+        paths.setdefault(id(module), path or "<root>")
+    seen = _Observed()
+    stack: list[tuple[int, str]] = []  # (call id, path) of module calls in progress
+    counter = [0]
+    watched: dict[int, tuple[str, Any]] = {}  # id(output tensor) -> (producer path, tensor)
+    params: dict[int, str] = {}
+    for path, module in model.named_modules():
+        if type(module) in producers:
+            for tensor in module._parameters.values():
+                if tensor is not None:
+                    params[id(tensor)] = paths[id(module)]
+
+    def use(tensors, what: str, exclude_top: bool) -> None:
+        frames = stack[:-1] if exclude_top else stack
+        on_stack = frozenset(call for call, _ in frames)
+        for tensor in tensors:
+            entry = watched.get(id(tensor))
+            if entry is not None and entry[1] is tensor:
+                seen.uses[entry[0]].append((what, on_stack))
+
+    def pre_hook(module, args, kwargs):
+        counter[0] += 1
+        path = paths[id(module)]
+        stack.append((counter[0], path))
+        seen.calls[path] += 1
+        if id(module) in bn_paths:
+            seen.bn_input.setdefault(path, (args, kwargs))
+            seen.bn_call.setdefault(path, counter[0])
+        use(_tensors_in((args, kwargs)), f"module {path}", exclude_top=True)
+
+    def post_hook(module, args, kwargs, output):
+        path = stack.pop()[1] if stack else paths[id(module)]
+        if type(module) in producers and isinstance(output, torch.Tensor):
+            seen.output_of[path] = output
+            seen.ranks[path] = output.dim()
+            watched[id(output)] = (path, output)
+
+    class Recorder(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = _func_name(func)
+            if name not in _METADATA:
+                tensors = _tensors_in((args, kwargs))
+                use(tensors, f"op {name}", exclude_top=False)
+                inside = {p for _, p in stack}
+                for tensor in tensors:
+                    owner = params.get(id(tensor))
+                    if owner is not None and owner not in inside:
+                        seen.weight_reads[owner].append(name)
+            return func(*args, **kwargs)
+
+    handles = []
+    for module in {id(m): m for m in model.modules()}.values():
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+    try:
+        with torch.no_grad(), Recorder():
+            outputs = model(example)
+    finally:
+        for handle in handles:
+            handle.remove()
+    use(_tensors_in(outputs), "the model's output", exclude_top=False)
+    return seen
+
+
+def _hook_reason(seen: _Observed, bn_path: str, producer_path: str | None) -> str | None:
+    """None when the hooks run proves the BN reads exactly its producer's output, and nothing else does."""
+    if seen.calls.get(bn_path, 0) == 0:
+        return "not called in eval mode on the check input (a train-only or unused path)"
+    if seen.calls[bn_path] > 1:
+        return f"called {seen.calls[bn_path]} times per forward (one fold cannot serve several inputs)"
+    args, kwargs = seen.bn_input[bn_path]
+    if len(args) != 1 or kwargs:
+        return "called with more than one argument"
+    source = next((p for p, t in seen.output_of.items() if t is args[0]), None)
+    if source is None:
+        return "its input is not the output of a Conv1d/2d/3d, ConvTranspose or Linear (e.g. pre-activation BN)"
+    if producer_path is not None and source != producer_path:
+        return f"hooks and torch.fx disagree on its producer ({source} vs {producer_path})"
+    if seen.calls[source] > 1:
+        return f"its producer {source} is called {seen.calls[source]} times per forward"
+    uses = seen.uses.get(source, [])
+    direct = [what for what, _ in uses if what == f"module {bn_path}"]
+    others = [what for what, on_stack in uses if what != f"module {bn_path}" and not _inside(on_stack, seen, bn_path)]
+    if len(direct) != 1 or others:
+        return f"its producer {source} feeds {len(direct) + len(others)} consumers ({', '.join(sorted(set(others)))[:120]} besides it)"
+    reads = [op for owner, ops in seen.weight_reads.items() if owner == source or owner.startswith(source + ".") for op in ops]
+    if reads:
+        return f"the weights of {source} are also read outside its forward ({', '.join(sorted(set(reads)))[:80]})"
+    return None
+
+
+def _inside(on_stack: frozenset, seen: _Observed, bn_path: str) -> bool:
+    """Whether a use happened inside the BN's own call (its own F.batch_norm is not a second consumer)."""
+    return seen.bn_call.get(bn_path) in on_stack
+
+
+def _fx_plan(model: "nn.Module", bn_modules: dict[int, str]) -> tuple[dict[str, tuple[str | None, str | None]] | None, str]:
+    """bn path -> (producer path or None, reason or None) from a torch.fx trace; None when untraceable."""
+    import torch.fx as fx
+
+    from .surgery import is_bn_like
+
+    producers = producer_types()
+
+    class LeafTracer(fx.Tracer):
+        def is_leaf_module(self, module, qualified_name):
+            return type(module) in producers or is_bn_like(module) or super().is_leaf_module(module, qualified_name)
+
+    try:
+        graph = LeafTracer().trace(model)
+    except Exception as error:  # control flow on values, unsupported Python: use the hooks run alone
+        return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
+    modules = dict(model.named_modules())
+    calls: dict[str, int] = defaultdict(int)
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] += 1
+    read_attrs = {node.target for node in graph.nodes if node.op == "get_attr"}
+    result: dict[str, tuple[str | None, str | None]] = {}
+    bn_paths = set(bn_modules.values())
+    for node in graph.nodes:
+        if node.op != "call_module" or node.target not in bn_paths:
+            continue
+        path = node.target
+        if calls[path] > 1:
+            result[path] = (None, f"called {calls[path]} times in the traced graph")
+            continue
+        source = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+        if source is None or getattr(source, "op", None) != "call_module" or type(modules.get(source.target)) not in producers:
+            result[path] = (None, "its input is not the output of a Conv1d/2d/3d, ConvTranspose or Linear "
+                                  "(e.g. pre-activation BN)")
+            continue
+        producer = source.target
+        if calls[producer] > 1:
+            result[path] = (None, f"its producer {producer} is called {calls[producer]} times in the traced graph")
+        elif len(source.users) != 1:
+            users = ", ".join(str(u.target) for u in source.users)[:120]
+            result[path] = (None, f"its producer {producer} feeds {len(source.users)} consumers ({users})")
+        elif any(a.startswith(producer + ".") for a in read_attrs):
+            result[path] = (None, f"the weights of {producer} are also read directly in forward")
+        else:
+            result[path] = (producer, None)
+    return result, ""
+
+
+def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = True) -> FoldPlan:
+    """Find, for every BN-like module of ``model``, its producer or the reason it has none (eval mode)."""
+    import torch
+
+    from .surgery import is_bn_like
+
+    bn_modules: dict[int, str] = {}
+    for path, module in model.named_modules():
+        if is_bn_like(module):
+            bn_modules.setdefault(id(module), path or "<root>")
+    saved = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        seen = observe(model, example, bn_modules)
+        fx_result, fx_error = _fx_plan(model, bn_modules) if use_fx else (None, "torch.fx not tried")
+    finally:
+        for module, training in saved:
+            module.training = training
+    plan = FoldPlan(method="torch.fx graph + hooks on the check input" if fx_result is not None
+                    else f"hooks on the check input (not traceable by torch.fx: {fx_error})")
+    modules = dict(model.named_modules())
+    for module_id, path in bn_modules.items():
+        module = modules[path] if path != "<root>" else model
+        producer_path, reason = (None, None)
+        if fx_result is not None:
+            producer_path, reason = fx_result.get(path, (None, "not called in eval mode (absent from the traced graph: a train-only or unused path)"))
+        reason = reason or _hook_reason(seen, path, producer_path)
+        if reason is None:
+            producer_path = producer_path or next(p for p, t in seen.output_of.items() if t is seen.bn_input[path][0][0])
+            reason = _static_reason(module, modules[producer_path], seen.ranks.get(producer_path))
+        if reason is not None:
+            plan.left[path] = reason
+        else:
+            plan.folds.append(Fold(path, producer_path, qualname(type(module)), qualname(type(modules[producer_path]))))
+    return plan
+
+
+def _static_reason(bn: "nn.Module", producer: "nn.Module", rank: int | None) -> str | None:
+    """Checks that need no dataflow: channel axis, eval semantics, hooks that would see different values."""
+    from torch import nn
+
+    features = getattr(bn, "num_features", None)
+    running = bn._buffers.get("running_mean")
+    if running is None or bn._buffers.get("running_var") is None:
+        return "no running statistics: in eval it normalizes with batch statistics, which no weight can hold"
+    if features is None:
+        features = running.shape[0]
+    if int(features) != out_features(producer):
+        return f"{features} features but its producer has {out_features(producer)} output channels"
+    if rank != batched_rank(producer):
+        if isinstance(producer, nn.Linear):
+            return f"its Linear producer outputs rank {rank}: BatchNorm normalizes dim 1, not the Linear's features"
+        return f"its producer's output has rank {rank} (unbatched): dim 1 is not the channel dim"
+    if any(module._forward_hooks or module._forward_pre_hooks for module in producer.modules()):
+        return "its producer has forward hooks, which would see the folded weights or output"
+    if bn._forward_pre_hooks:
+        return "it has forward pre-hooks, which would see the folded input"
+    return None
+
+
+def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
+    """A FoldPlan from a checkpoint's recorded folds, each validated against ``model`` (untrusted data)."""
+    from .surgery import is_bn_like
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"recorded fold {what}", "the file's bnsurgeon.folds metadata does not fit the "
+                               "architecture; re-create it with bnsurgeon convert --to fused")
+
+    if not isinstance(records, list):
+        raise bad(f"list is a {type(records).__name__}, not a list")
+    plan = FoldPlan(method="recorded in the checkpoint")
+    modules = dict(model.named_modules())
+    used: set[str] = set()
+    for record in records:
+        keys = ("bn", "producer", "bn_class", "producer_class")
+        if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in keys):
+            raise bad(f"{str(record)[:80]!r} is not a record with string fields {', '.join(keys)}")
+        fold = Fold(*(record[k] for k in keys))
+        bn, producer = modules.get(fold.bn), modules.get(fold.producer)
+        if bn is None or producer is None:
+            raise bad(f"{fold.bn} -> {fold.producer}: no such module path in the model")
+        if fold.bn in used or fold.producer in used or fold.bn == fold.producer:
+            raise bad(f"{fold.bn} -> {fold.producer}: a module appears in more than one fold")
+        used.update((fold.bn, fold.producer))
+        if not is_bn_like(bn) or qualname(type(bn)) != fold.bn_class:
+            raise bad(f"{fold.bn}: the model has {qualname(type(bn))} there, the file says {fold.bn_class}")
+        if type(producer) not in producer_types() or qualname(type(producer)) != fold.producer_class:
+            raise bad(f"{fold.producer}: the model has {qualname(type(producer))} there, the file says "
+                      f"{fold.producer_class} (must be a Conv/ConvTranspose/Linear)")
+        reason = _static_reason(bn, producer, batched_rank(producer))
+        if reason is not None:
+            raise bad(f"{fold.bn} -> {fold.producer}: {reason}")
+        plan.folds.append(fold)
+    return plan
+
+
+# --------------------------------------------------------------------------- the fold
+
+
+def bn_scale_shift(fields: BNFields) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Eval BN as y = x * scale + shift per channel, in float64."""
+    import torch
+
+    var = fields.running_var.detach().double()
+    mean = fields.running_mean.detach().double()
+    scale = torch.rsqrt(var + fields.eps)
+    if fields.weight is not None:
+        scale = scale * fields.weight.detach().double()
+    shift = -mean * scale
+    if fields.bias is not None:
+        shift = shift + fields.bias.detach().double()
+    return scale, shift
+
+
+def fold_into(producer: "nn.Module", fields: BNFields) -> "nn.Module":
+    """A copy of ``producer`` whose output equals BN(producer(x)) in eval: new weight and bias Parameters.
+
+    The source producer is untouched (copy on write, like every conversion).
+    """
+    scale, shift = bn_scale_shift(fields)
+    return _fold_scale_shift(producer, scale, shift)
+
+
+def _clone(module: "nn.Module") -> "nn.Module":
+    clone = copy.copy(module)
+    for attribute in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
+        clone.__dict__[attribute] = type(module.__dict__[attribute])(module.__dict__[attribute])
+    return clone
+
+
+def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torch.Tensor") -> "nn.Module":
+    """Fold y -> y * scale + shift (float64, per output channel) into ``producer``.
+
+    Conv/Linear weights hold output channels on dim 0; transposed convs on dim 1, per group;
+    a MixedConv2d's convs each own the next slice of its output channels (concatenated).
+    """
+    import torch
+    from torch import nn
+
+    if is_mixed_conv(producer):
+        clone, start = _clone(producer), 0
+        for name, conv in producer.named_children():
+            width = out_features(conv)
+            clone._modules[name] = _fold_scale_shift(conv, scale[start:start + width], shift[start:start + width])
+            start += width
+        return clone
+    weight = producer.weight
+    w64 = weight.detach().double()
+    if isinstance(producer, nn.modules.conv._ConvTransposeNd):
+        groups = producer.groups
+        grouped = w64.reshape(groups, weight.shape[0] // groups, *weight.shape[1:])
+        view = scale.reshape(groups, 1, weight.shape[1], *([1] * (weight.dim() - 2)))
+        folded = (grouped * view).reshape(weight.shape)
+    else:
+        folded = w64 * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    bias = producer.bias
+    b64 = bias.detach().double() if bias is not None else torch.zeros_like(shift)
+    new_bias = b64 * scale + shift
+    clone = _clone(producer)
+    clone._parameters["weight"] = nn.Parameter(folded.to(weight.dtype), requires_grad=weight.requires_grad)
+    clone._parameters["bias"] = nn.Parameter(
+        new_bias.to(device=weight.device, dtype=bias.dtype if bias is not None else weight.dtype),
+        requires_grad=bias.requires_grad if bias is not None else weight.requires_grad,
+    )
+    return clone
+
+
+def fused_replacement(fields: BNFields, *, keep_act: bool) -> "nn.Module":
+    """What takes a folded BN's place: nothing (Identity), or its own drop and act."""
+    from torch import nn
+
+    if not keep_act:
+        return nn.Identity()
+    from .runtime.folded import FoldedNormAct
+
+    return FoldedNormAct(fields.drop, fields.act)
+
+
+def example_tensor(model: "nn.Module", example: "torch.Tensor | tuple[int, ...]", seed: int = 0) -> "torch.Tensor":
+    import torch
+
+    if isinstance(example, torch.Tensor):
+        return example
+    if not isinstance(example, (tuple, list)) or not all(isinstance(s, int) and s > 0 for s in example):
+        raise UsageError(f"example_input {example!r} is neither a tensor nor an input shape", "pass e.g. (2, 3, 64, 64)")
+    reference = next(iter(model.parameters()), None)
+    dtype = reference.dtype if reference is not None and reference.is_floating_point() else torch.float32
+    device = reference.device if reference is not None else torch.device("cpu")
+    return torch.randn(tuple(example), generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)

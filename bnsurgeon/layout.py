@@ -1,0 +1,108 @@
+"""Plain aligned tables that fit a width: no box drawing, no wrapped cells.
+
+Logs and CI read piped output, where a boxed table squeezed to 80 columns is
+unreadable. A table here is columns of left- or right-aligned text separated by two
+spaces. When it is wider than the width, cells marked ``shrink`` are shortened with
+``...`` down to their minimum, then optional columns are dropped (lowest priority
+first), then any cell is shortened; a cell is never wrapped onto a second line.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from typing import Sequence
+
+ELLIPSIS = "..."
+GAP = "  "
+INDENT = "  "
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    align: str = "left"  # "left" | "right"
+    priority: int = 0  # 0: never dropped; higher numbers are dropped first
+    shrink: bool = False  # free text (paths, details): shortened before columns are dropped; names are not
+    min_width: int = 12
+    short_header: str | None = None  # used when the header is wider than the cells
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, ending in ``...`` when cut."""
+    if len(text) <= width:
+        return text
+    if width <= len(ELLIPSIS):
+        return text[:width]
+    return text[: width - len(ELLIPSIS)].rstrip() + ELLIPSIS
+
+
+def _natural_widths(headers: list[str], rows: list[list[str]]) -> list[int]:
+    return [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+
+def fit_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int,
+              *, header: bool = True) -> tuple[list[int], list[int], list[str]]:
+    """Which columns to keep, their widths, and their headers, so that a line fits ``width``."""
+    keep = list(range(len(columns)))
+    headers = [c.header for c in columns]
+    cells = [[str(v) for v in row] for row in rows]
+
+    def widths_of(indices: list[int]) -> list[int]:
+        shown_headers = [headers[i] if header else "" for i in indices]
+        return _natural_widths(shown_headers, [[row[i] for i in indices] for row in cells])
+
+    def total(ws: list[int]) -> int:
+        return len(INDENT) + sum(ws) + len(GAP) * (len(ws) - 1)
+
+    if total(widths_of(keep)) > width:  # abbreviate long headers before touching any cell
+        headers = [c.short_header or c.header for c in columns]
+
+    def shrunk(indices: list[int]) -> list[int]:
+        """Natural widths, free-text columns shortened (widest first) towards their minimum."""
+        ws = widths_of(indices)
+        while total(ws) > width:
+            floors = {k: max(columns[i].min_width, len(headers[i]) if header else 0) for k, i in enumerate(indices)}
+            candidates = [(ws[k], k) for k, i in enumerate(indices) if columns[i].shrink and ws[k] > floors[k]]
+            if not candidates:
+                break
+            _, k = max(candidates)
+            ws[k] = max(floors[k], ws[k] - (total(ws) - width))
+        return ws
+
+    widths = shrunk(keep)
+    # drop optional columns, lowest priority (highest number) first
+    while total(widths) > width:
+        optional = [(columns[i].priority, k) for k, i in enumerate(keep) if columns[i].priority > 0]
+        if not optional:
+            break
+        del keep[max(optional)[1]]
+        widths = shrunk(keep)
+    # last resort (very narrow widths): shorten whatever is widest
+    while total(widths) > width and max(widths) > len(ELLIPSIS) + 1:
+        k = widths.index(max(widths))
+        widths[k] = max(len(ELLIPSIS) + 1, widths[k] - (total(widths) - width))
+    return keep, widths, [headers[i] for i in keep]
+
+
+def format_row(cells: Sequence[str], widths: Sequence[int], aligns: Sequence[str]) -> str:
+    parts = []
+    for text, cell_width, align in zip(cells, widths, aligns):
+        text = shorten(str(text), cell_width)
+        parts.append(text.rjust(cell_width) if align == "right" else text.ljust(cell_width))
+    return (INDENT + GAP.join(parts)).rstrip()
+
+
+def table_lines(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int, *, header: bool = True) -> list[str]:
+    """The table as lines of at most ``width`` characters."""
+    keep, widths, headers = fit_table(columns, rows, width, header=header)
+    aligns = [columns[i].align for i in keep]
+    lines = [format_row(headers, widths, aligns)] if header else []
+    lines += [format_row([row[i] for i in keep], widths, aligns) for row in rows]
+    return lines
+
+
+def wrap(text: str, width: int, indent: str = "  ") -> list[str]:
+    """Prose (summaries, notes) wrapped at word boundaries, continuation lines indented."""
+    return textwrap.wrap(text, width=max(width, 20), subsequent_indent=indent, break_on_hyphens=False,
+                         break_long_words=True) or [""]

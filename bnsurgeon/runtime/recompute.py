@@ -1,0 +1,102 @@
+"""Activation checkpointing: a recomputed forward reuses the global statistics of its original.
+
+``torch.utils.checkpoint`` (reentrant or not) and everything built on it (timm's
+``set_grad_checkpointing``, Lightning, FSDP's activation checkpointing) run the forward of a
+checkpointed segment a second time while the autograd engine runs the backward. A sync layer
+that did its forward again would issue a second all_gather and update its running statistics
+a second time (torch's SyncBatchNorm does both, pytorch#96136). Here:
+
+- **Detection**: a forward is a recompute when it runs inside the autograd engine
+  (``torch._C._current_graph_task_id() != -1``), which is where both checkpoint modes
+  recompute. An ordinary forward never runs there.
+- **The original forward** of a layer whose input the engine will not keep (grad disabled, as
+  in the reentrant mode, or saved-tensor hooks active, as in the non-reentrant mode) leaves
+  its global statistics in the layer's stash, with the local (count, mean, var) row as a
+  fingerprint. A forward with grad enabled and no hooks stashes nothing: it is not
+  checkpointed. An entry leaves the stash when a recompute takes it or its own backward runs;
+  at most ``STASH_LIMIT`` wait per layer (the oldest is dropped).
+- **The recompute** computes its local row (one pass, no collective), takes the oldest stashed
+  entry with the same fingerprint (bit-equal: the recompute sees the same input) and
+  normalizes with those statistics: no collective, no running-stat update, no call count.
+  On devices the host never reads the fingerprints: the oldest entry is taken and a
+  device-side assert checks its fingerprint.
+- **Not recognised** (a recompute with no stashed entry, e.g. a user's own scheme, or more
+  than ``STASH_LIMIT`` pending calls): the recompute synchronizes again, with the same header
+  on every rank, and leaves the running statistics alone. Outputs and gradients stay exact;
+  it costs one more collective. A recompute scheme that does not run inside the autograd
+  engine is an ordinary forward: exact outputs and gradients, one more collective and
+  running-stat update, like plain BN.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+STASH_LIMIT = 4
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside the autograd engine: a checkpoint recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def may_be_recomputed() -> bool:
+    """Whether the engine will not keep this forward's inputs: grad off (reentrant checkpoint)
+    or saved-tensor hooks active (non-reentrant checkpoint, offloading)."""
+    if not torch.is_grad_enabled():
+        return True
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+@dataclass(eq=False)
+class GlobalStats:
+    """What a synchronized forward learned: enough to normalize and to run the backward."""
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    invstd: torch.Tensor
+    total: Any  # int on the host (CPU), else a (1,) tensor
+    header: torch.Tensor
+    fingerprint: Optional[torch.Tensor] = None
+
+
+class StatsStash:
+    """A layer's global statistics waiting for their recompute, oldest first."""
+
+    def __init__(self) -> None:
+        self._entries: deque[GlobalStats] = deque(maxlen=STASH_LIMIT)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def remember(self, stats: GlobalStats) -> None:
+        self._entries.append(stats)
+
+    def discard(self, stats: GlobalStats) -> None:
+        try:
+            self._entries.remove(stats)
+        except ValueError:
+            pass
+
+    def take(self, fingerprint: torch.Tensor, on_host: bool, name: str) -> Optional[GlobalStats]:
+        """The stashed statistics of the forward this recompute replays, or None."""
+        if not self._entries:
+            return None
+        if on_host:
+            for entry in self._entries:
+                if entry.fingerprint.shape == fingerprint.shape and torch.equal(entry.fingerprint, fingerprint):
+                    self._entries.remove(entry)
+                    return entry
+            return None
+        entry = self._entries.popleft()
+        torch._assert_async(
+            (entry.fingerprint == fingerprint).all(),
+            f"bnsurgeon: the recomputed forward of sync layer '{name}' (activation checkpointing) does not "
+            "replay its oldest pending forward; checkpoint segments that call one layer several times "
+            "out of order are not recognised on devices",
+        )
+        return entry

@@ -1,0 +1,95 @@
+"""The trust rules, in one place: what in a file is data, and what the user must confirm.
+
+A file is data. Code (a factory ``pkg.mod:fn``) runs only when the user names it, and a
+name read from a file is confirmed only by the user naming exactly the same string.
+Constructor arguments read from a file are plain literals, shown in the model's
+description, and used only when the file's tensors check them (timm's ``num_classes``
+and ``in_chans`` change the weights' shapes, so the strict load proves them) or when the
+user confirms each one (the same ``--model-arg key=value``, or ``--accept-recorded-args``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from .architecture import Architecture, parse_architecture
+from .errors import ConfirmationError, UsageError
+
+#: ``package.module:function``, every part a Python identifier, no relative imports
+FACTORY_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+#: timm model names, with an optional pretrained tag (``resnet50.a1_in1k``)
+TIMM_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+#: timm constructor arguments that a strict load of the file's tensors verifies
+TENSOR_CHECKED_TIMM_ARGS = frozenset({"num_classes", "in_chans"})
+PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+def is_plain_literal(value: Any, depth: int = 0) -> bool:
+    """str/int/float/bool/None, and lists/tuples/dicts (string keys) of them: data, never code."""
+    if depth > 8:
+        return False
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, PLAIN_SCALARS):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(is_plain_literal(item, depth + 1) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and is_plain_literal(item, depth + 1) for key, item in value.items())
+    return False
+
+
+def check_factory_spec(spec: str) -> None:
+    """Refuse what is not ``package.module:function`` before anything is imported."""
+    if not FACTORY_PATTERN.match(spec):
+        raise UsageError(f"{spec!r} is not a factory of the form package.module:function",
+                         "name an importable function, e.g. mypkg.models:build (no leading dots, no empty parts)")
+
+
+def describe_args(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+
+
+def _same_spec(named: Architecture, recorded: Architecture) -> bool:
+    return named.kind == recorded.kind and named.name == recorded.name
+
+
+def confirm_architecture(recorded: Architecture, origin: Any, named: str | None = None,
+                         named_args: dict[str, Any] | None = None, *,
+                         accept_recorded_args: bool = False, flag: str = "--model") -> Architecture:
+    """The architecture to build for a file that records ``recorded``, under the trust rules.
+
+    ``named``/``named_args`` are what the user typed for this file (``--model``,
+    ``--model-arg``); nothing typed for another file counts. A recorded factory runs only
+    when ``named`` is exactly its string; a different ``named`` architecture is the user's
+    own choice and gets only the user's arguments.
+    """
+    named_args = dict(named_args or {})
+    if named is not None:
+        chosen = parse_architecture(named, named_args)
+        if not _same_spec(chosen, recorded):
+            return chosen
+    elif recorded.kind == "factory":
+        raise ConfirmationError(
+            f"{origin} was made from the factory {recorded.name!r}; importing it runs code, "
+            "so bnsurgeon does not run a name read from a file",
+            f"if you trust that code, confirm it with {flag} {recorded.name}"
+            f" (Python: {flag.lstrip('-').replace('-', '_')}={recorded.name!r})",
+        )
+    unconfirmed = {
+        key: value for key, value in recorded.kwargs.items()
+        if not (recorded.kind == "timm" and key in TENSOR_CHECKED_TIMM_ARGS)
+        and not (key in named_args and named_args[key] == value)
+        and not accept_recorded_args
+    }
+    if unconfirmed:
+        typed = " ".join(f"{flag}-arg {key}={value!r}" for key, value in unconfirmed.items())
+        raise ConfirmationError(
+            f"{origin} records constructor arguments its weights cannot confirm: {describe_args(unconfirmed)}",
+            f"confirm each with {typed} (or all with --accept-recorded-args; Python: model_args=... or "
+            "accept_recorded_args=True)",
+        )
+    kwargs = {**recorded.kwargs, **named_args}
+    return Architecture(recorded.kind, recorded.name, kwargs)

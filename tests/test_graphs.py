@@ -1,0 +1,78 @@
+"""The sync layer under torch.compile(fullgraph=True) and under activation checkpointing,
+on 2 gloo ranks, against one process of plain BN on the whole batch (float64, 1e-6).
+
+timm's ``test_efficientnet`` has 13 BatchNormAct2d with in-place SiLU: the model torch's
+own SyncBatchNorm cannot compile without graph breaks, and the in-place activation after a
+graph break is what failed in backward before the sync layer became a custom op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_world
+from _graph_cases import STEPS, checkpoint_rank, compile_rank, reference
+
+pytestmark = pytest.mark.distributed
+
+MODES = ["none", "reentrant", "non-reentrant", "timm", "reentrant-unrecognised"]
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _assert_state(state: dict, expected: dict, what: str) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict:
+    return reference()
+
+
+@pytest.fixture(scope="module")
+def checkpointed() -> list[dict]:
+    return run_world(2, checkpoint_rank, MODES, timeout=300)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_training_equals_plain_bn_with_one_update_and_two_collectives_per_layer(
+        checkpointed, expected, mode):
+    """Recompute reuses the original statistics: 2 collectives per layer per step (not 3),
+    num_batches_tracked counts optimizer steps, outputs and gradients as without checkpointing.
+    An unrecognised recompute (the stash cannot serve it) synchronizes again (one more
+    collective per recompute) and is still exact, with the running statistics updated once."""
+    for rank, results in enumerate(checkpointed):
+        result = results[mode]
+        _assert_state(result["state"], expected, f"{mode} rank {rank}")
+        counters = [v for k, v in result["state"].items() if k.endswith("num_batches_tracked")]
+        assert counters and all(int(c) == STEPS for c in counters), f"{mode}: num_batches_tracked {counters}"
+        assert (result["recomputes"] > 0) == (mode != "none"), (mode, result["recomputes"])
+        fallbacks = result["recomputes"] if mode.endswith("-unrecognised") else 0
+        assert result["collectives"] == result["layers"] * 2 * STEPS + fallbacks, (mode, result["collectives"], fallbacks)
+
+
+def test_fullgraph_compile_has_no_graph_break_and_trains_like_plain_bn(expected):
+    """torch.compile(fullgraph=True) in train mode under a process group (aot_eager, as CI
+    affords): 0 graph breaks in dynamo's explanation of the whole converted timm model, and two
+    compiled SGD steps (in-place SiLU after every sync layer) equal plain BN on the whole batch,
+    with one collective per layer each way (the compiled graph recomputes no sync op)."""
+    for rank, result in enumerate(run_world(2, compile_rank, "aot_eager", timeout=400)):
+        assert result["breaks"] == 0 and result["graphs"] == 1, result["reasons"]
+        _assert_state(result["state"], expected, f"compiled rank {rank}")
+        assert result["collectives"] == result["layers"] * 2 * STEPS, result["collectives"]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_cuda_fullgraph_compile_and_checkpointing_match_plain_bn(expected, device, backend):
+    """The same on CUDA tensors (2 gloo ranks, the fused kernels; NCCL refuses two ranks on one
+    GPU): fullgraph compile with 0 breaks, and checkpointing with 2 collectives per layer per step."""
+    for rank, result in enumerate(run_world(2, compile_rank, backend, device, timeout=600)):
+        assert result["breaks"] == 0 and result["graphs"] == 1, result["reasons"]
+        _assert_state(result["state"], expected, f"compiled ({backend}) cuda rank {rank}")
+    modes = ["reentrant", "non-reentrant", "timm"]
+    for rank, results in enumerate(run_world(2, checkpoint_rank, modes, device, timeout=300)):
+        for mode in modes:
+            _assert_state(results[mode]["state"], expected, f"{mode} cuda rank {rank}")
+            assert results[mode]["collectives"] == results[mode]["layers"] * 2 * STEPS, results[mode]["collectives"]
