@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import typer
+import typer.core
 
 from . import __version__
 from .errors import BnSurgeonError
@@ -35,6 +36,23 @@ EXIT_CODES = {  # the README's table, in short
     143: "interrupted by SIGTERM (e.g. a scheduler's preemption); the message says what is on disk (nothing partial)",
 }
 
+
+
+class _NamedArgument(typer.core.TyperArgument):
+    """An argument whose metavar says what it takes: no "SOURCE <str>" type label after it."""
+
+    def display_type_rich(self, ctx):  # noqa: ANN001 - Click's signature
+        return None if self.metavar else super().display_type_rich(ctx)
+
+
+class _Command(typer.core.TyperCommand):
+    """Typer's command, with named arguments shown by their name alone."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if type(param) is typer.core.TyperArgument:
+                param.__class__ = _NamedArgument
 
 
 app = typer.Typer(
@@ -150,7 +168,7 @@ def _example_input(path: Optional[Path]):
     return load_example_input(path)
 
 
-@app.command()
+@app.command(cls=_Command)
 @handle_errors
 def inspect(
     source: str = SourceArgument,
@@ -198,7 +216,7 @@ def _parse_shape(text: Optional[str]) -> Optional[tuple]:
     return shape
 
 
-@app.command()
+@app.command(cls=_Command)
 @handle_errors
 def convert(
     source: str = SourceArgument,
@@ -265,7 +283,7 @@ def convert(
         raise
 
 
-@app.command()
+@app.command(cls=_Command)
 @handle_errors
 def verify(
     source: str = SourceArgument,
@@ -316,7 +334,7 @@ def verify(
     raise typer.Exit(0 if result.passed else 1)
 
 
-@app.command()
+@app.command(cls=_Command)
 @handle_errors
 def rules(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show each rule's classes with their module paths."),
