@@ -68,7 +68,17 @@ class CheckInput:
             result.validate()
         except UsageError as error:
             raise bad(error.message) from None
+        if total_elements(result) > MAX_ELEMENTS:  # refused before anything is allocated: a memory bomb otherwise
+            raise bad(f"{total_elements(result):,} values, at most {MAX_ELEMENTS:,}")
         return result
+
+    def recordable(self) -> bool:
+        """Whether ``from_record`` reads this back: a file must never record what it refuses on load."""
+        try:
+            CheckInput.from_record(self.to_record())
+        except CheckpointError:
+            return False
+        return True
 
     def to_record(self) -> dict[str, Any]:
         if self.kind == "dict":
@@ -215,20 +225,41 @@ def load_example_input(path: "str | Path") -> CheckInput:
     the model's dtype, so that a recorded check input reproduces exactly.
     """
     import pickle
+    import warnings
 
     import torch
 
+    from .checkpoint import UNSUPPORTED_GLOBAL, _first_line, _unsupported_global
+
     path = Path(path)
+    flag = f"--example-input {path}"
+    save_hint = "save it with torch.save(x, 'x.pt'): a tensor, a list of tensors or a dict of str -> tensor"
+    if path.is_dir():
+        raise UsageError(f"{flag} is a directory, not a file", "pass the .pt file inside it")
+    if not path.exists():
+        raise UsageError(f"{flag}: no such file", "save one with torch.save(x, 'x.pt')")
     if not path.is_file():
-        raise UsageError(f"--example-input {path}: no such file", "save one with torch.save(x, 'x.pt')")
+        raise UsageError(f"{flag} is not a regular file (a device, pipe or socket)", save_hint)
+    if path.stat().st_size == 0:
+        raise UsageError(f"{flag} is empty", save_hint)
+    with open(path, "rb") as stream:
+        head = stream.read(9)
+    if len(head) == 9 and head[8:9] == b"{":  # a safetensors header: 8-byte length, then JSON
+        raise UsageError(f"{flag} is a .safetensors file; example inputs are read from torch.save files",
+                         "python -c \"import torch; from safetensors.torch import load_file; "
+                         f"torch.save(load_file('{path}'), 'x.pt')\" and pass x.pt")
     try:
-        value = torch.load(path, map_location="meta", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on pickle protocols and sparse checks: not the user's line
+            warnings.simplefilter("ignore")
+            value = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as error:
-        raise UsageError(f"--example-input {path} is not a plain tensor file ({str(error).splitlines()[0][:120]})",
+        text = str(error)
+        why = _unsupported_global(text) + ", which would run code" if UNSUPPORTED_GLOBAL.search(text) \
+            else _first_line(text.partition("WeightsUnpickler error:")[2] or text)[:120]
+        raise UsageError(f"{flag} is not a plain tensor file ({why})",
                          "save only tensors, lists or dicts of tensors: torch.save(x, 'x.pt')") from None
     except Exception as error:  # truncated or not a torch file
-        raise UsageError(f"--example-input {path} cannot be read ({str(error).splitlines()[0][:120]})",
-                         "save it with torch.save(x, 'x.pt')") from None
+        raise UsageError(f"{flag} cannot be read ({_first_line(str(error))[:120]})", save_hint) from None
     return _structure_of(value, str(path))
 
 

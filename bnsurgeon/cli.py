@@ -68,12 +68,15 @@ app = typer.Typer(
 
 
 def _fail(message: str, hint: str, code: int) -> None:
+    from rich.text import Text
+
     from .render import console
 
     out = console()
-    out.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    # Text, never markup: messages quote paths and file metadata, where "[/]" or ":fire:" is data
+    out.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False)
     if hint:
-        out.print(f"  fix: {hint}", markup=False, highlight=False)
+        out.print(Text(f"  fix: {hint}"), highlight=False)
     raise typer.Exit(code)
 
 

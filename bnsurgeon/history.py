@@ -47,21 +47,31 @@ def history_problem(history: Any) -> str | None:
 
 
 def replay(model: "nn.Module", history: list[dict[str, Any]], recorded_classes: dict | None = None,
-           folds: list | None = None) -> "nn.Module":
+           folds: list | None = None, origin: str = "the checkpoint") -> "nn.Module":
     """Apply every recorded conversion in order, in place.
 
     A last ``plain`` step takes each BatchNorm1d/2d/3d the file records (what the check
     input showed for a dimension-less _BatchNormXd or SyncBN when it was written).
     """
     from .rules.builders import DIMS_OF_PLAIN
-    from .surgery import convert
 
     final_dims = {path: DIMS_OF_PLAIN[cls] for path, cls in (recorded_classes or {}).items()
                   if isinstance(path, str) and cls in DIMS_OF_PLAIN}
     for index, entry in enumerate(history):
         last_plain = index == len(history) - 1 and entry["target"] == "plain"
-        model = convert(model, entry["target"], frozen=entry["frozen"], allow_unhandled=entry["allow_unhandled"],
-                        include=entry.get("include", ()), exclude=entry.get("exclude", ()), inplace=True,
-                        input_dims=final_dims if last_plain else None,
-                        folds=folds if entry["target"] == "fused" else None).model
+        try:
+            model = _replay_step(model, entry, final_dims if last_plain else None, folds)
+        except UsageError as error:  # a recorded filter that names no module of this model
+            from .errors import MetadataError
+
+            raise MetadataError(f"{origin}: metadata bnsurgeon.history step {index + 1} does not fit the model "
+                                f"({error.message})") from None
     return model
+
+
+def _replay_step(model: "nn.Module", entry: dict[str, Any], input_dims, folds) -> "nn.Module":
+    from .surgery import convert
+
+    return convert(model, entry["target"], frozen=entry["frozen"], allow_unhandled=entry["allow_unhandled"],
+                   include=entry.get("include", ()), exclude=entry.get("exclude", ()), inplace=True,
+                   input_dims=input_dims, folds=folds if entry["target"] == "fused" else None).model

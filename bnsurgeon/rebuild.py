@@ -34,7 +34,8 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
 
     def build(on_meta: bool):
         base = model if model is not None else architecture.build(meta=on_meta)
-        return replay(base, history, recorded.classes, folds=recorded.folds if target == "fused" else None)
+        return replay(base, history, recorded.classes, folds=recorded.folds if target == "fused" else None,
+                      origin=str(raw.path))
 
     if meta:
         rebuilt = build(True)

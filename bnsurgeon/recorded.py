@@ -63,6 +63,8 @@ def _field(raw: RawCheckpoint, key: str, default: Any = None) -> Any:
         return json.loads(text)
     except ValueError as error:
         raise _bad(raw, key, f"is not valid JSON ({error})") from None
+    except RecursionError:  # ``[[[[...`` nested past the interpreter's limit
+        raise _bad(raw, key, "is nested too deeply to be metadata") from None
 
 
 def _string_map(raw: RawCheckpoint, key: str) -> dict[str, str]:

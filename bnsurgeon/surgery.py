@@ -155,6 +155,7 @@ def convert(
     unhandled = [e for e in entries if e.rule is None]
     if unhandled and not allow_unhandled:
         raise UnhandledModuleError(f"no rule for BatchNorm-like module(s): {_describe(unhandled)}")
+    _refuse_unmatched_filters(entries, include, exclude)
 
     report = Report(target=to, options={"frozen": frozen, "allow_unhandled": allow_unhandled, "inplace": inplace,
                                         "include": list(include), "exclude": list(exclude)})
@@ -224,12 +225,32 @@ def check_filters(include, exclude) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
     result = []
     for name, globs in (("include", include), ("exclude", exclude)):
+        if globs is not None and not isinstance(globs, (list, tuple)):  # a str would be split into one-letter globs
+            raise UsageError(f"--{name} takes a list of module-path globs, not a {type(globs).__name__}",
+                             f"pass a list: {name}=['backbone.body.layer1.*']")
         globs = tuple(globs or ())
         if len(globs) > MAX_FILTERS or not all(isinstance(g, str) and 0 < len(g) <= 200 for g in globs):
             raise UsageError(f"--{name} takes up to {MAX_FILTERS} module-path globs of 1-200 characters",
                              "write them like backbone.body.layer1.*")
         result.append(globs)
     return result[0], result[1]
+
+
+def _refuse_unmatched_filters(entries: list[PlanEntry], include, exclude) -> None:
+    """A glob that names no BN module is a typo (``--exclude layer1`` for ``layer1.*``): refused, not
+    ignored, because ignoring it converts exactly the modules the user meant to keep."""
+    from fnmatch import fnmatchcase
+
+    from .errors import UsageError
+
+    names = [path for entry in entries for path in entry.paths]
+    for flag, globs in (("--include", include), ("--exclude", exclude)):
+        for glob in globs:
+            if not any(fnmatchcase(name, glob) for name in names):
+                shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "none"
+                raise UsageError(f"{flag} {glob} matches no BatchNorm module (their paths: {shown})",
+                                 "a glob matches the whole path: write backbone.layer1.* for the modules inside "
+                                 "backbone.layer1 (bnsurgeon inspect lists the paths)")
 
 
 def filtered_out(paths: list[str], include, exclude) -> str | None:

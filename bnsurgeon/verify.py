@@ -195,24 +195,32 @@ def run_model(model: "nn.Module", x, compare_at: str | None = None):
     """``model(x)``, or the output of submodule ``compare_at`` (the forward stops there)."""
     if compare_at is None:
         return model(x)
+    from .errors import UsageError
+
     captured: list = []
+    normalized: list = []  # BN-family modules that ran before the output was captured
 
     def capture(module, args, output):
         captured.append(output)
         raise _Reached
 
-    handle = model.get_submodule(compare_at).register_forward_hook(capture)
+    handles = [module.register_forward_pre_hook(lambda m, args: normalized.append(m) if not normalized else None)
+               for module in model.modules() if is_bn_like(module)]
+    handles.append(model.get_submodule(compare_at).register_forward_hook(capture))
     try:
         model(x)
     except _Reached:
         pass
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if not captured:
-        from .errors import UsageError
-
         raise UsageError(f"--compare-at {compare_at}: the forward never reached that module",
                          "name a module the forward runs (see the model's named_modules())")
+    if not normalized:  # the compared output is computed before any BN: every check would pass vacuously
+        raise UsageError(f"--compare-at {compare_at}: no BatchNorm-family module runs before that module's output, "
+                         "so comparing there tests nothing the conversion changed",
+                         "name a module that contains or follows the BN layers (e.g. backbone)")
     return captured[0]
 
 

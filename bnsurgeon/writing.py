@@ -31,7 +31,7 @@ def _metadata(result: ConvertResult, architecture: Architecture, source: str, *,
     if used:  # loading the file asks for the same --rules again
         metadata["rules"] = used
     metadata["history"] = list(history or []) + [step(result.report.target, result.report.options)]
-    if check_input is not None:  # a CheckInput: reused by later conversions of the file
+    if check_input is not None and check_input.recordable():  # reused by later conversions of the file
         metadata["check_input"] = check_input.to_record()
     if result.report.fusion is not None:  # --to fused: which BN went into which producer, for load
         metadata["folds"] = result.report.fusion["folded"]

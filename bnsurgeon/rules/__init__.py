@@ -44,7 +44,12 @@ def _as_rules(value, origin: str) -> list[Rule]:
     from ..errors import UsageError
 
     if callable(value) and not isinstance(value, Rule):
-        value = value()
+        try:
+            value = value()
+        except Exception as error:  # the user's code: its failure is a usage error, not a crash
+            raise UsageError(f"{origin} raised {type(error).__name__}: {str(error).strip()[:200]}",
+                             "make it a Rule, a list of Rules, or a callable that takes no arguments and "
+                             "returns them") from None
     items = [value] if isinstance(value, Rule) else list(value) if isinstance(value, (list, tuple)) else [value]
     for item in items:
         if not isinstance(item, Rule):
@@ -75,13 +80,14 @@ def use_rules(specs) -> list[str]:
     from pathlib import Path
 
     from ..errors import SourceNotFoundError, UsageError
+    from ..trust import FACTORY_PATTERN
 
     for spec in specs or ():
         if spec in _named_specs:
             continue
-        module_name, _, attribute = spec.partition(":")
-        if not module_name or not attribute:
+        if not isinstance(spec, str) or not FACTORY_PATTERN.match(spec):  # relative or malformed: nothing imported
             raise UsageError(f"--rules {spec!r} is not package.module:object", "write it like my_pkg.bn_rules:RULES")
+        module_name, _, attribute = spec.partition(":")
         if str(Path.cwd()) not in sys.path:
             sys.path.insert(0, str(Path.cwd()))
         try:
@@ -92,10 +98,32 @@ def use_rules(specs) -> list[str]:
         if not hasattr(module, attribute):
             raise SourceNotFoundError(f"--rules {spec}: {module_name} has no {attribute!r}", "check the object's name")
         found = _as_rules(getattr(module, attribute), f"--rules {spec}")
+        _refuse_builtin_overrides(found, spec)
         for rule in found:
             register(rule, replace=True)
         _named_specs[spec] = [rule.name for rule in found]
     return list(_named_specs)
+
+
+def _refuse_builtin_overrides(found: list[Rule], spec: str) -> None:
+    """A --rules rule may not take a built-in rule's name or classes: that would silently change how
+    every torch/timm BN converts (a subclass is its own class: claim it, not its base)."""
+    from ..errors import UsageError
+    from ..fields import qualname
+    from .openmmlab import OPTIONAL_CLASSES
+
+    builtin = {rule.name for rule in builtin_rules()} | {name for _, name, _ in OPTIONAL_CLASSES.values()}
+    registry = default_registry()
+    hint = ("claim only your own classes (rules match the exact class), under a name of your own; to replace a "
+            "built-in rule on purpose, register it in Python: bnsurgeon.rules.register(rule, replace=True)")
+    for rule in found:
+        if rule.name in builtin:
+            raise UsageError(f"--rules {spec}: rule name {rule.name!r} is a built-in rule's", hint)
+        for cls in rule.classes:
+            taken = registry.lookup(cls)
+            if taken is not None and taken.name in builtin:
+                raise UsageError(f"--rules {spec}: rule {rule.name!r} claims {qualname(cls)}, which the built-in rule "
+                                 f"{taken.name!r} converts", hint)
 
 
 def specs_for(rule_names) -> list[str]:
