@@ -251,6 +251,10 @@ def _refuse_unmatched_filters(entries: list[PlanEntry], include, exclude) -> Non
                 raise UsageError(f"{flag} {glob} matches no BatchNorm module (their paths: {shown})",
                                  "a glob matches the whole path: write backbone.layer1.* for the modules inside "
                                  "backbone.layer1 (bnsurgeon inspect lists the paths)")
+    if (include or exclude) and entries and all(filtered_out(e.paths, include, exclude) for e in entries):
+        raise UsageError(f"the --include/--exclude globs keep all {len(entries)} BatchNorm module(s): nothing "
+                         "would be converted", "narrow the --exclude globs or widen the --include ones "
+                         "(bnsurgeon inspect with the same flags shows what they select)")
 
 
 def filtered_out(paths: list[str], include, exclude) -> str | None:

@@ -113,6 +113,15 @@ def test_a_glob_that_matches_no_bn_module_is_refused(tiny, flag):
     assert listing(tiny) == before
 
 
+@pytest.mark.parametrize("flags", [("--exclude", "*"), ("--include", "1", "--exclude", "1")])
+def test_filters_that_keep_every_bn_module_are_refused(tiny, flags):
+    """Every glob matches, yet nothing is left to convert: a file saying 'sync' with no sync layer."""
+    before = listing(tiny)
+    result = run("convert", "tiny:build", *flags, "--input-shape", "2,3,8,8", "-o", tiny / "o.safetensors")
+    one_line_failure(result, 2, "globs keep all 2 BatchNorm module(s): nothing would be converted")
+    assert listing(tiny) == before
+
+
 # ---- --compare-at --------------------------------------------------------------------------
 
 def test_compare_at_a_module_before_every_bn_is_refused_not_passed():
