@@ -99,6 +99,13 @@ class CheckInput:
                              "give every tensor the same first dimension")
         if self.kind != "list" and shapes[0][0] < 1:
             raise UsageError("the check input needs at least one sample", "give a batch of at least 1")
+        if self.kind == "list" and any(len(shape) < 1 for shape in shapes):
+            raise UsageError("each sample of a list check input is a tensor with at least one dimension",
+                             "save per-sample tensors such as images of shape (3, H, W)")
+        empty = next((shape for shape in shapes if 0 in shape), None)
+        if empty is not None:  # nothing for a model to compute on: every check would fail on the model's error
+            raise UsageError(f"a check input of shape {tuple(empty)} holds no values",
+                             "give every dimension a size of at least 1")
         return self
 
     # -- what it describes ---------------------------------------------------------------

@@ -105,6 +105,8 @@ def test_dict_example_input_is_recorded_and_reused(in_tmp):
     ("ints", "has dtype torch.int64"),
     ("str", "holds a str"),
     ("ragged", "share the batch size"),
+    ("empty_side", "holds no values"),
+    ("scalar_samples", "at least one dimension"),
 ])
 def test_example_input_is_data_only_and_validated(in_tmp, payload, message):
     import os
@@ -113,7 +115,8 @@ def test_example_input_is_data_only_and_validated(in_tmp, payload, message):
 
     path = in_tmp / "x.pt"
     value = {"code": os.getcwd.__class__, "ints": torch.arange(4), "str": "hello",
-             "ragged": {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)}}[payload]
+             "ragged": {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)},
+             "empty_side": torch.zeros(2, 3, 0, 8), "scalar_samples": [torch.tensor(1.0), torch.tensor(2.0)]}[payload]
     if payload == "code":  # a pickle that names a global: must not be imported, let alone run
         import pickle
 
