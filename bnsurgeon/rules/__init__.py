@@ -141,7 +141,7 @@ def confirm_rules(recorded, origin: str) -> None:
     missing = [spec for spec in recorded if spec not in _named_specs]
     if missing:
         raise ConfirmationError(f"{origin} was converted with rules from {', '.join(missing)}; importing them runs code",
-                         "confirm with " + " ".join(f"--rules {spec}" for spec in missing)
+                         "if you trust that code, confirm with " + " ".join(f"--rules {spec}" for spec in missing)
                          + " (or bnsurgeon.rules.use_rules([...]))")
 
 
