@@ -46,9 +46,11 @@ class CheckInput:
 
     @classmethod
     def from_record(cls, data: Any, origin: str = "the checkpoint metadata") -> "CheckInput":
-        """Rebuild from ``to_record()`` output read from an untrusted file, validating every field."""
+        """Rebuild from ``to_record()`` output read from an untrusted file, validating every field.
+
+        An empty ``origin`` gives the bare reason (the caller names the file and field)."""
         def bad(why: str) -> CheckpointError:
-            return CheckpointError(f"{origin}: recorded check input is invalid ({why})",
+            return CheckpointError(f"{origin}: recorded check input is invalid ({why})" if origin else why,
                                    "pass --input-shape or --example-input to override it")
 
         if not isinstance(data, dict) or data.get("kind") not in KINDS or not isinstance(data.get("shapes"), list):

@@ -159,7 +159,7 @@ def _check_input(raw: RawCheckpoint) -> Any:
     if value is None:
         return None
     try:
-        return CheckInput.from_record(value, f"{raw.path}")
+        return CheckInput.from_record(value, origin="")
     except MetadataError:
         raise
     except CheckpointError as error:
