@@ -57,7 +57,7 @@ class _Command(typer.core.TyperCommand):
 
 app = typer.Typer(
     name="bnsurgeon",
-    help="Exact BatchNorm surgery for PyTorch/timm models: inspect, convert to sync / plain / frozen BN.",
+    help="Exact BatchNorm surgery for PyTorch/timm models: inspect, convert to sync / plain / frozen / fused BN, verify.",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
@@ -161,6 +161,7 @@ def _use_rules(specs: Optional[List[str]]) -> None:
 IncludeOption = typer.Option(None, "--include", metavar="GLOB", help="Convert only BN modules whose path matches this glob (repeatable), e.g. 'backbone.body.layer[234].*'.")
 ExcludeOption = typer.Option(None, "--exclude", metavar="GLOB", help="Keep BN modules whose path matches this glob as they are (repeatable), e.g. 'backbone.body.layer1.*'.")
 ExampleInputOption = typer.Option(None, "--example-input", metavar="FILE", help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector; recorded in the output.")
+VerifyExampleInputOption = typer.Option(None, "--example-input", metavar="FILE", help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector (default: the input either file records).")
 
 
 def _example_input(path: Optional[Path]):
@@ -293,7 +294,7 @@ def verify(
     converted: str = typer.Argument(..., metavar="CONVERTED", show_default=False, help="The converted model, in any SOURCE form."),
     world_size: List[int] = typer.Option([2], "--world-size", "-w", metavar="N", help="Ranks for the distributed check (repeatable)."),
     input_shape: Optional[str] = InputShapeOption,
-    example_input: Optional[Path] = ExampleInputOption,
+    example_input: Optional[Path] = VerifyExampleInputOption,
     rules: Optional[List[str]] = RulesOption,
     compare_at: Optional[str] = typer.Option(None, "--compare-at", metavar="MODULE", help="Compare the output of this submodule (e.g. backbone) instead of the model's: for detectors whose head output is not comparable."),
     atol: Optional[float] = typer.Option(None, "--atol", metavar="X", help="Absolute tolerance instead of bit-identity for eval/train."),
