@@ -297,7 +297,7 @@ def verify(
     example_input: Optional[Path] = VerifyExampleInputOption,
     rules: Optional[List[str]] = RulesOption,
     compare_at: Optional[str] = typer.Option(None, "--compare-at", metavar="MODULE", help="Compare the output of this submodule (e.g. backbone) instead of the model's: for detectors whose head output is not comparable."),
-    atol: Optional[float] = typer.Option(None, "--atol", metavar="X", help="Absolute tolerance instead of bit-identity for eval/train."),
+    atol: Optional[float] = typer.Option(None, "--atol", metavar="X", help="Absolute tolerance instead of bit-identity for eval/train (a fused checkpoint: tolerance relative to the output's scale, default 1e-4)."),
     no_perturb: bool = typer.Option(False, "--no-perturb", help="Skip the run with perturbed BN statistics and affine parameters."),
     model: Optional[str] = ModelOption,
     model_arg: Optional[List[str]] = ModelArgOption,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .outputs import flatten_tensors
 
@@ -168,23 +168,37 @@ def check_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, A
 
 
 def verify_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]], input_shape, *,
-                 atol: float | None = None, perturb: bool = True, source_name: str = "", converted_name: str = ""):
-    """``bnsurgeon verify`` for a fused checkpoint: eval checks, and train checks marked not applicable."""
+                 atol: float | None = None, perturb: bool = True, source_name: str = "", converted_name: str = "",
+                 on_check: "Callable[[Any], None] | None" = None):
+    """``bnsurgeon verify`` for a fused checkpoint: eval checks, and train checks marked not applicable.
+
+    ``atol`` is the tolerance relative to the output's scale (default ``FUSED_RTOL``).
+    ``on_check`` is told each check with its own time once both eval checks have run: a
+    first check that float32 cannot decide takes its verdict from the perturbed one.
+    """
+    import time
+
     from .fusion import example_tensor
     from .verify import CheckOutcome, Verification
 
     rtol = atol if atol is not None else FUSED_RTOL
     x = example_tensor(source, tuple(input_shape))
     result = Verification(source_name, converted_name, list(input_shape))
-    outcomes = [compare(source, fused, x, "as converted", rtol, folds)]
+    runs = [("eval", lambda: compare(source, fused, x, "as converted", rtol, folds))]
     if perturb:
-        outcomes.append(compare_perturbed(source, folds, x, rtol))
-    undecided = not any(outcome.passed for outcome in outcomes)
-    for outcome, label in zip(outcomes, ("eval", "eval (perturbed, re-folded)")):
+        runs.append(("eval (perturbed, re-folded)", lambda: compare_perturbed(source, folds, x, rtol)))
+    done: list = []
+    for label, run in runs:
+        started = time.monotonic()
+        done.append((label, run(), time.monotonic() - started))
+    undecided = not any(outcome.passed for _, outcome, _ in done)
+    for label, outcome, seconds in done:
         passed = False if undecided and outcome.passed is None else outcome.passed
         detail = outcome.detail + ("; no check could judge the fold" if undecided and outcome.passed is None else "")
-        result.checks.append(CheckOutcome(label, passed, outcome.max_abs_diff, detail))
+        result.checks.append(CheckOutcome(label, passed, outcome.max_abs_diff, detail, seconds=seconds))
     result.checks.append(CheckOutcome("train", None, detail=TRAIN_NOT_APPLICABLE))
+    for check in result.checks if on_check is not None else ():
+        on_check(check)
     return result
 
 

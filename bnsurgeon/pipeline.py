@@ -301,8 +301,12 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     if fused:
         from .fused_check import verify_fused
 
+        if compare_at:
+            raise UsageError("--compare-at does not apply to a fused checkpoint: its checks compare the whole "
+                             "model's eval output (folded BN modules no longer exist)", "drop --compare-at")
         return verify_fused(left.model, right.model, recorded.folds, _fused_shape(check_input), atol=atol,
-                            perturb=perturb, source_name=left.description, converted_name=right.description)
+                            perturb=perturb, source_name=left.description, converted_name=right.description,
+                            on_check=on_check)
     with preserved_modes(left.model, right.model), torch.no_grad():
         for loaded, what in ((left, "SOURCE"), (right, "CONVERTED")):
             parameter = next(iter(loaded.model.parameters()), None)

@@ -332,6 +332,14 @@ def test_cli_convert_load_round_trip_and_verify(tmp_path, factory):
     checks = {c["name"]: c for c in json.loads(verified.stdout)["checks"]}
     assert checks["eval"]["passed"] and checks["eval (perturbed, re-folded)"]["passed"]
     assert checks["train"]["passed"] is None and "not applicable" in checks["train"]["detail"]
+    assert checks["eval"]["seconds"] > 0 and checks["eval (perturbed, re-folded)"]["seconds"] > 0
+
+    human = run("verify", factory, out, "--converted-model", factory, "--input-shape", "2,3,8,8")
+    assert human.exit_code == 0, human.output
+    lines = [line.split() for line in human.output.splitlines()]
+    assert [line[0] for line in lines if line and line[0] in ("eval", "train")] == ["eval", "eval", "train"], human.output
+    at = run("verify", factory, out, "--converted-model", factory, "--input-shape", "2,3,8,8", "--compare-at", "0")
+    assert at.exit_code == 2 and "does not apply to a fused checkpoint" in at.output
 
 
 def _rewrite(path, metadata_change=None, tensor_change=None):
