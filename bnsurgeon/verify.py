@@ -166,13 +166,15 @@ def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torc
     finally:
         for handle in handles:
             handle.remove()
-    theirs = {}
+    theirs: dict[str, list] = {}  # every call of a module, in order: a module run twice (ReLU) is matched call by call
     for path, cls, outputs in recorded["converted"]:
-        theirs.setdefault(path, (cls, outputs))
+        theirs.setdefault(path, []).append((cls, outputs))
+    calls: dict[str, int] = {}
     for path, cls, outputs in recorded["source"]:
-        if path not in theirs:
+        index = calls[path] = calls.get(path, -1) + 1
+        if index >= len(theirs.get(path, ())):
             continue
-        other_cls, other = theirs[path]
+        other_cls, other = theirs[path][index]
         same, _ = _within([o.detach() for o in outputs], [o.detach() for o in other], tol)
         if not same:
             return f"{path} ({other_cls}; in the source {cls})"

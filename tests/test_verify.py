@@ -114,3 +114,22 @@ def test_perturbation_exposes_what_fresh_bn_hides():
     assert check_eval(model, broken, (2, 3, 4, 4)).passed, "with an identity act nothing is lost"
     a, b = perturb_bn(copy.deepcopy(model)), perturb_bn(copy.deepcopy(broken))
     assert torch.equal(a[1].weight, b[1].weight) and torch.equal(a[1].running_var, b[1].running_var)
+
+
+def test_first_divergent_module_matches_a_module_called_twice_call_by_call():
+    """torchvision's BasicBlock runs one ReLU twice: each call is compared with the same call, not the first."""
+    import copy
+
+    import torch
+    from torchvision.models import resnet18
+
+    from bnsurgeon.verify import first_divergent_module
+
+    torch.manual_seed(0)
+    model = resnet18(num_classes=4).eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert first_divergent_module(model, copy.deepcopy(model), x) is None
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.layer2[0].bn2.bias.add_(1.0)
+    assert first_divergent_module(model, broken, x).startswith("layer2.0.bn2 ")
