@@ -86,6 +86,9 @@ def torch_converter_effect(module: "nn.Module") -> str:
 def _target_classes(module: "nn.Module", rule) -> dict[str, str]:
     result = {}
     for target in TARGETS:
+        if target == "fused":  # decided per module by the dataflow (its producer), not by the class alone
+            result[target] = "foldable" if target in rule.targets else "kept (the rule has no fused builder)"
+            continue
         context = BuildContext(target=target)
         try:
             built = rule.build(module, context)

@@ -45,6 +45,7 @@ def test_inspect_json_is_one_document_with_the_same_facts():
     group = data["groups"][0]
     assert group["cls"] == "timm.layers.norm_act.BatchNormAct2d" and group["count"] == 78
     assert group["targets"]["sync"] == "SyncBatchNormAct" and "drops act=SiLU" in group["torch_converter"]
+    assert group["targets"]["fused"] == "foldable"  # --to fused folds it into the conv before it
     assert data["totals"]["parameters"] == 12233232
 
 
