@@ -117,7 +117,8 @@ def render_inspection(inspection: "Inspection", out: Console, *, verbose: bool =
     if rows:
         emit(out, table_lines(INSPECT_COLUMNS, rows, out.width))
     say(out,
-        f"{inspection.bn_modules} BN-family modules in {len(inspection.groups)} classes, "
+        f"{inspection.bn_modules} BN-family modules in {len(inspection.groups)} "
+        f"{'class' if len(inspection.groups) == 1 else 'classes'}, "
         f"{inspection.unhandled} unhandled; {inspection.parameters:,} parameters.", indent="")
     if verbose:
         for group in inspection.groups:

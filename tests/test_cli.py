@@ -37,6 +37,7 @@ def test_inspect_efficientnet_lists_batchnormact_and_torch_converter_effect():
     assert result.exit_code == 0, result.output
     assert "BatchNormAct2d" in result.output and "78" in result.output
     assert "drops act=SiLU" in result.output
+    assert "78 BN-family modules in 1 class, 0 unhandled" in result.output
 
 
 def test_inspect_json_is_one_document_with_the_same_facts():
