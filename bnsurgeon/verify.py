@@ -273,10 +273,20 @@ def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, l
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         converted.eval()
-        expected = flatten_tensors(run_model(source, clone_value(x), compare_at))
+        raw = run_model(source, clone_value(x), compare_at)
+        expected = flatten_tensors(raw)
         ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
         where = None if ok else first_divergent_module(source, converted, x, tol)
-    return _vacuous(label, expected) or CheckOutcome(label, ok, diff, tol.describe(), where)
+    detail = tol.describe()
+    if not ok and not tol.exact and _is_detections(raw):
+        detail += ("; the outputs are detections: top-k and NMS can turn a rounding-level difference into "
+                   "different boxes, so compare before the head (--compare-at backbone)")
+    return _vacuous(label, expected) or CheckOutcome(label, ok, diff, detail, where)
+
+
+def _is_detections(output: Any) -> bool:
+    """A detector's result: one dict (boxes, scores, labels, ...) per image."""
+    return isinstance(output, (list, tuple)) and bool(output) and all(isinstance(item, dict) for item in output)
 
 
 def _running_stats(model: "nn.Module") -> dict[str, "torch.Tensor"]:

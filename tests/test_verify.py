@@ -133,3 +133,41 @@ def test_first_divergent_module_matches_a_module_called_twice_call_by_call():
     with torch.no_grad():
         broken.layer2[0].bn2.bias.add_(1.0)
     assert first_divergent_module(model, broken, x).startswith("layer2.0.bn2 ")
+
+
+def test_a_failing_inexact_check_on_detections_points_at_compare_at():
+    """A rounding-level difference flips a detector's top-k: the failure says where a comparison is meaningful."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from bnsurgeon.verify import Tolerance, check_eval
+
+    class Detector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+        def forward(self, images):
+            features = self.backbone(torch.stack(images)).flatten(1)
+            scores = torch.remainder(features * 1e5, 1.0)  # like top-k/NMS: a tiny change, other boxes
+            return [{"scores": row} for row in scores]
+
+    torch.manual_seed(0)
+    source = Detector().eval()
+    converted = copy.deepcopy(source)
+    with torch.no_grad():
+        converted.backbone[1].weight.mul_(1 + 1e-6)
+    outcome = check_eval(source, converted, CheckInputForTest.images(), Tolerance(rtol=1e-4))
+    assert outcome.passed is False and "--compare-at backbone" in outcome.detail
+    at = check_eval(source, converted, CheckInputForTest.images(), Tolerance(rtol=1e-4), compare_at="backbone")
+    assert at.passed
+
+
+class CheckInputForTest:
+    @staticmethod
+    def images():
+        from bnsurgeon.check_input import CheckInput
+
+        return CheckInput("list", ((3, 8, 8), (3, 8, 8)))
