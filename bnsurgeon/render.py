@@ -216,8 +216,9 @@ def _check_cells(check) -> list[str]:
 def _check_line(cells: list[str], width: int) -> str:
     from .layout import GAP, INDENT, format_row, shorten
 
-    fixed = format_row(cells[:4], CHECK_WIDTHS, [c.align for c in CHECK_COLUMNS[:4]])
-    fixed = fixed.ljust(len(INDENT) + sum(CHECK_WIDTHS) + len(GAP) * 3)
+    widths = (max(CHECK_WIDTHS[0], len(cells[0])), *CHECK_WIDTHS[1:])  # a long check name pushes, never cut
+    fixed = format_row(cells[:4], widths, [c.align for c in CHECK_COLUMNS[:4]])
+    fixed = fixed.ljust(len(INDENT) + sum(widths) + len(GAP) * 3)
     room = width - len(fixed) - len(GAP)
     detail = shorten(cells[4], room) if room >= 8 else ""
     return shorten((fixed + GAP + detail).rstrip(), width)

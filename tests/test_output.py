@@ -386,3 +386,12 @@ def test_the_static_rule_table_is_the_registry():
     rows = registry_rows(default_registry())
     assert [row for row in rows if row["name"] not in conditional | named] == BUILTIN_RULES
     assert not conditional & {row["name"] for row in BUILTIN_RULES}
+
+
+def test_a_long_check_name_is_shown_whole_where_the_line_has_room():
+    from bnsurgeon.render import _check_line
+
+    name = "train, one process vs source thawed (perturbed)"
+    line = _check_line([name, "pass", "0", "1.2s", "outputs and running statistics"], 120)
+    assert name in line and "outputs and running statistics" in line and len(line) <= 120
+    assert len(_check_line([name, "pass", "0", "1.2s", "outputs and running statistics"], 60)) <= 60
