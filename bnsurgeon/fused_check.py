@@ -73,7 +73,7 @@ def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float 
     diff, rel = relative_error(expected, actual)
     finite = all(t.isfinite().all() for t in expected)
     passed: bool | None = finite and rel <= rtol
-    detail = f"{label}: max relative error {rel:.3g} (tolerance {rtol:g} of the output scale)"
+    detail = f"{label}: max relative error {rel:.3g}"  # the tolerance is said once, by the caller
     if not finite:
         detail += "; the source's outputs are not finite"
     elif not passed and x.dtype != torch.float64 and folds is not None:
@@ -194,7 +194,8 @@ def verify_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, 
     undecided = not any(outcome.passed for _, outcome, _ in done)
     for label, outcome, seconds in done:
         passed = False if undecided and outcome.passed is None else outcome.passed
-        detail = outcome.detail + ("; no check could judge the fold" if undecided and outcome.passed is None else "")
+        detail = (f"{outcome.detail} (tolerance {rtol:g} of the output scale)"
+                  + ("; no check could judge the fold" if undecided and outcome.passed is None else ""))
         result.checks.append(CheckOutcome(label, passed, outcome.max_abs_diff, detail, seconds=seconds))
     result.checks.append(CheckOutcome("train", None, detail=TRAIN_NOT_APPLICABLE))
     for check in result.checks if on_check is not None else ():
