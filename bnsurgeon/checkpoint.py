@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .errors import CheckpointError, OutputError, SourceNotFoundError, UnsafeCheckpointError
+from .errors import CheckpointError, OutputError, SourceNotFoundError, UnsafeCheckpointError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -390,3 +390,13 @@ def expand_aliases(tensors: dict[str, "torch.Tensor"], aliases: dict[str, str]) 
         if key in tensors:
             full[alias] = tensors[key]
     return full
+
+
+def pick_weights(path: Path, candidates: dict[str, dict], weights: str | None) -> str:
+    """The name of the state dict to use: the one asked for (it must exist), else the first found."""
+    if weights is not None:
+        if weights not in candidates:
+            raise UsageError(f"{path} has no weights named {weights!r}",
+                             f"choose one of: {', '.join(repr(k or '<top level>') for k in candidates)}")
+        return weights
+    return next(iter(candidates))

@@ -303,6 +303,8 @@ def verify(
     model_arg: Optional[List[str]] = ModelArgOption,
     converted_model: Optional[str] = typer.Option(None, "--converted-model", metavar="ARCH", help="Like --model, for CONVERTED only (confirms a factory it records)."),
     converted_model_arg: Optional[List[str]] = typer.Option(None, "--converted-model-arg", metavar="KEY=VALUE", help="Like --model-arg, for CONVERTED only."),
+    weights: Optional[str] = WeightsOption,
+    converted_weights: Optional[str] = typer.Option(None, "--converted-weights", metavar="NAME", help="Like --weights, for CONVERTED only (e.g. state_dict_ema of a converted training checkpoint)."),
     trust_pickle: bool = TrustOption,
     accept_recorded_args: bool = AcceptArgsOption,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print each check's full detail after the summary."),
@@ -324,7 +326,7 @@ def verify(
     result = api.verify(source, converted, world_sizes=tuple(world_size), input_shape=_parse_shape(input_shape),
                         atol=atol, perturb=not no_perturb, model=model, model_args=parse_model_args(model_arg),
                         converted_model=converted_model, converted_model_args=parse_model_args(converted_model_arg),
-                        trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args,
+                        weights=weights, converted_weights=converted_weights, trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args,
                         on_check=None if quiet else CheckStream(out), example_input=_example_input(example_input),
                         compare_at=compare_at)
     if as_json:

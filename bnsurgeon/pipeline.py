@@ -262,14 +262,16 @@ def convert_source(
 def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), input_shape: tuple[int, ...] | None = None,
            atol: float | None = None, perturb: bool = True, model: str | None = None,
            model_args: dict[str, Any] | None = None, converted_model: str | None = None,
-           converted_model_args: dict[str, Any] | None = None, trust_pickle: bool = False,
+           converted_model_args: dict[str, Any] | None = None, weights: str | None = None,
+           converted_weights: str | None = None, trust_pickle: bool = False,
            accept_recorded_args: bool = False, on_check: "Callable[[Any], None] | None" = None,
            example_input: "CheckInput | None" = None, compare_at: str | None = None):
     """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
 
     Both arguments are loaded under the same trust rules, each confirmed only by what the
     user typed for it: ``model``/``model_args`` for SOURCE, ``converted_model``/
-    ``converted_model_args`` for CONVERTED. ``on_check`` is told each check (a
+    ``converted_model_args`` for CONVERTED; ``weights``/``converted_weights`` pick a state dict
+    of a file that holds several (a training checkpoint's EMA). ``on_check`` is told each check (a
     ``verify.CheckOutcome``) as it finishes. ``example_input`` (or the input recorded in
     either file) replaces the inferred one; ``compare_at`` names the submodule compared.
     """
@@ -282,10 +284,10 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     timeout = verify_timeout_s()
     if any(w < 2 for w in world_sizes):
         raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
-    left = load_source(source, model=model, model_args=model_args, trust_pickle=trust_pickle,
+    left = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
                        accept_recorded_args=accept_recorded_args)
-    right = load_source(converted, model=converted_model, model_args=converted_model_args, trust_pickle=trust_pickle,
-                        accept_recorded_args=accept_recorded_args, flag="--converted-model")
+    right = load_source(converted, model=converted_model, model_args=converted_model_args, weights=converted_weights,
+                        trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args, flag="--converted-model")
     refuse_non_finite(left.model, left.description)
     refuse_non_finite(right.model, right.description)
     recorded = read_recorded(right.checkpoint) if right.checkpoint is not None and right.checkpoint.is_bnsurgeon else None

@@ -19,12 +19,13 @@ if TYPE_CHECKING:
 
 
 def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architecture: Architecture | None = None,
-                            model: "nn.Module | None" = None) -> LoadedSource:
+                            model: "nn.Module | None" = None, weights: str | None = None) -> LoadedSource:
     """Build the recorded architecture, replay the recorded conversions, load the weights strictly.
 
     ``architecture`` is what the caller confirmed (``trust.confirm_architecture``); without
     it the recorded one is used only where the trust rules allow it with no confirmation.
     A file converted with ``--rules`` is rebuilt only once the user has named them again.
+    ``weights`` picks another state dict of a training checkpoint (its EMA).
     """
     recorded = read_recorded(raw)
     if model is None and architecture is None:
@@ -41,9 +42,9 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
         rebuilt = build(True)
     elif model is not None:
         rebuilt = build(False)
-        load_weights(rebuilt, state_from_checkpoint(raw, recorded), raw.path)
+        load_weights(rebuilt, state_from_checkpoint(raw, recorded, weights), raw.path)
     else:
-        rebuilt = materialize(build, state_from_checkpoint(raw, recorded), raw.path)
+        rebuilt = materialize(build, state_from_checkpoint(raw, recorded, weights), raw.path)
     check_rebuilt(raw, recorded, rebuilt)
     name_sync_layers(rebuilt)
     loaded = LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",

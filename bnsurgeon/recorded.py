@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .architecture import Architecture
-from .checkpoint import PREFIX, RawCheckpoint, expand_aliases, state_dict_candidates
+from .checkpoint import PREFIX, RawCheckpoint, expand_aliases, pick_weights, state_dict_candidates
 from .errors import CheckpointError, MetadataError
 from .fields import qualname
 from .surgery import plan
@@ -120,8 +120,11 @@ def known_classes() -> set[str]:
     return produced | {qualname(cls) for rule in default_registry() for cls in rule.classes}
 
 
-def stored_tensors(raw: RawCheckpoint) -> dict[str, "torch.Tensor"]:
+def stored_tensors(raw: RawCheckpoint, weights: str | None = None) -> dict[str, "torch.Tensor"]:
+    """The model's tensors; ``weights`` names another state dict of the file (a training checkpoint's EMA)."""
     candidates = state_dict_candidates(raw.obj)
+    if weights is not None:
+        return candidates[pick_weights(raw.path, candidates, weights)]
     return candidates.get("state_dict") or candidates.get("") or {}
 
 
@@ -230,9 +233,10 @@ def check_rebuilt(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") ->
             )
 
 
-def state_from_checkpoint(raw: RawCheckpoint, recorded: Recorded | None = None) -> dict[str, "torch.Tensor"]:
+def state_from_checkpoint(raw: RawCheckpoint, recorded: Recorded | None = None,
+                          weights: str | None = None) -> dict[str, "torch.Tensor"]:
     aliases = recorded.aliases if recorded is not None else _string_map(raw, "aliases")
-    return expand_aliases(stored_tensors(raw), aliases)
+    return expand_aliases(stored_tensors(raw, weights), aliases)
 
 
 def architecture_from_checkpoint(raw: RawCheckpoint) -> Architecture:

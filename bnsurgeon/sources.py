@@ -22,6 +22,7 @@ from .checkpoint import (
     SAFETENSORS_SUFFIXES,
     TORCH_SUFFIXES,
     RawCheckpoint,
+    pick_weights,
     read_checkpoint,
     state_dict_candidates,
     strip_common_prefix,
@@ -79,14 +80,14 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_reco
     if raw.is_bnsurgeon:
         architecture = confirm_architecture(read_recorded(raw).architecture, path, model, model_args,
                                             accept_recorded_args=accept_recorded_args, flag=flag)
-        return rebuild_from_checkpoint(raw, meta=meta, architecture=architecture)
+        return rebuild_from_checkpoint(raw, meta=meta, architecture=architecture, weights=weights)
 
     candidates = state_dict_candidates(raw.obj)
     if not candidates:
         raise CheckpointError(f"{path} holds no model weights (no tensors, nor a state dict under "
                               "state_dict/model/state_dict_ema/model_ema/ema)",
                               "pass the file that holds the model's state dict")
-    key = _pick_weights(path, candidates, weights)
+    key = pick_weights(path, candidates, weights)
     state = candidates[key]
     architecture = _architecture_for(path, raw, model, model_args, accept_recorded_args, flag)
     if meta:
@@ -108,15 +109,6 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_reco
     carried = _carried(raw, key)
     return LoadedSource(built, architecture, f"{path} ({architecture.describe()})", timm_input_shape(built), raw,
                         key or None, prefix, carried)
-
-
-def _pick_weights(path: Path, candidates: dict[str, dict], weights: str | None) -> str:
-    if weights is not None:
-        if weights not in candidates:
-            raise UsageError(f"{path} has no weights named {weights!r}",
-                             f"choose one of: {', '.join(repr(k or '<top level>') for k in candidates)}")
-        return weights
-    return next(iter(candidates))
 
 
 def _carried(raw: RawCheckpoint, key: str) -> dict[str, Any]:

@@ -241,6 +241,24 @@ def test_training_checkpoint_carries_every_entry_and_a_valid_optimizer(models):
     assert "still valid" in report["carried"]["optimizer"]
 
 
+@pytest.mark.distributed
+def test_verify_picks_the_ema_weights_of_both_training_checkpoints(models):
+    from omodels import small
+
+    source = models / "last.pth.tar"
+    training_checkpoint(source, small())
+    out = models / "last.sync.pth.tar"
+    assert invoke("convert", source, "-m", "omodels:small", "-o", out, "--input-shape", SMALL).exit_code == 0
+    both = ("verify", source, out, "-m", "omodels:small", "--converted-model", "omodels:small",
+            "--input-shape", SMALL, "--no-perturb", "--json")
+    ema = invoke(*both, "--weights", "state_dict_ema", "--converted-weights", "state_dict_ema")
+    assert ema.exit_code == 0, ema.output
+    mixed = invoke(*both, "--weights", "state_dict_ema")  # the EMA against the converted model's own weights
+    assert mixed.exit_code == 1 and json.loads(mixed.stdout)["checks"][0]["passed"] is False
+    missing = invoke(*both, "--converted-weights", "nope")
+    assert missing.exit_code == 2 and "has no weights named 'nope'" in missing.output
+
+
 def test_frozen_target_with_optimizer_state_is_refused_with_the_reason(models):
     from omodels import small
 
