@@ -7,11 +7,8 @@ is self-describing and ``bnsurgeon.load`` can rebuild the same model.
 from __future__ import annotations
 
 import ast
-import importlib
-import sys
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import RawCheckpoint
@@ -132,14 +129,12 @@ def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
 
     from torch import nn
 
-    from .trust import check_factory_spec
+    from .trust import check_factory_spec, import_named_module
 
     check_factory_spec(target)
-    module_name, _, function_name = target.partition(":")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
+    module_name = target.partition(":")[0]
     try:
-        module = importlib.import_module(module_name)
+        module, function_name = import_named_module(target)
     except ImportError as error:
         raise SourceNotFoundError(f"cannot import {module_name!r} for factory {target!r} ({error})",
                                   "run from the directory that holds the package, or install it") from None

@@ -165,11 +165,9 @@ class CheckInput:
 
     def _refuse_oversized(self) -> None:
         """Refused, not attempted: an allocation beyond physical memory can take the machine down with it."""
-        import math
         import os
 
-        shapes = [shape for _, shape in self.shapes] if self.kind == "dict" else list(self.shapes)
-        needed = sum(math.prod(shape) for shape in shapes) * 8  # drawn in float64, then cast
+        needed = total_elements(self) * 8  # drawn in float64, then cast
         try:
             physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError):

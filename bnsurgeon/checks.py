@@ -173,12 +173,12 @@ def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: "tupl
         else:
             scale = a.float().abs().max().item() if a.numel() else 1.0
             passed = passed and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5 * max(scale, 1.0))
-    if not passed or vacuous_reason(expected):
+    vacuous = vacuous_reason(expected)  # the check then proves little: said, not hidden (verify fails on it)
+    if not passed or vacuous:
         refuse_non_finite(source, "the source model")  # non-finite weights are named (exit 4), not "inconclusive"
     if not passed:
         require_finite(source, expected)
     mode = "bit-identical" if exact else "close (rtol 1e-4; frozen x*scale+shift vs batch_norm arithmetic)"
-    vacuous = vacuous_reason(expected)  # the check then proves little: said, not hidden (verify fails on it)
     note = f"inconclusive: {vacuous}; run bnsurgeon verify (--example-input, --compare-at)" if vacuous else ""
     shape = list(check_input.shape) if check_input.shape is not None else []
     return CheckResult(passed, mode, diff, shape, seed, note, check_input.describe())

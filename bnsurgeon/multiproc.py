@@ -33,12 +33,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank, world_size, port, collective_timeout, fn, args, results):
+def _run_in_group(rank, world_size, port, collective_timeout, fn, args) -> tuple[str, object]:
+    """``fn(rank, world_size, *args)`` in a gloo group made for it: ("ok", the value as torch.save bytes,
+    not shared-memory handles that die with the child) or ("error", the traceback), the group torn down."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -46,16 +46,24 @@ def _entry(rank, world_size, port, collective_timeout, fn, args, results):
         )
         value = fn(rank, world_size, *args)
         buffer = io.BytesIO()
-        torch.save(value, buffer)  # bytes, not shared-memory handles that die with the child
-        results.put((rank, "ok", buffer.getvalue()))
+        torch.save(value, buffer)
+        return "ok", buffer.getvalue()
     except BaseException as error:  # report every failure to the parent
-        results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        return "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+def _entry(rank, world_size, port, collective_timeout, fn, args, results):
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results.put((rank, *_run_in_group(rank, world_size, port, collective_timeout, fn, args)))
 
 
 def run_world(world_size: int, fn, *args, timeout: float = 180.0, collective_timeout: float = 60.0,
@@ -118,28 +126,9 @@ def _pool_entry(rank, inbox, results):
 
 
 def _run_task(task_id, rank, world_size, port, collective_timeout, fn, args, results):
-    import torch
-    import torch.distributed as dist
-
     started = time.monotonic()
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout),
-        )
-        value = fn(rank, world_size, *args)
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        results.put((task_id, rank, "ok", buffer.getvalue(), time.monotonic() - started))
-    except BaseException as error:  # report every failure to the parent
-        results.put((task_id, rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}",
-                     time.monotonic() - started))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+    status, payload = _run_in_group(rank, world_size, port, collective_timeout, fn, args)
+    results.put((task_id, rank, status, payload, time.monotonic() - started))
 
 
 class RankPool:

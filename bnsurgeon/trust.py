@@ -48,6 +48,19 @@ def check_factory_spec(spec: str) -> None:
                          "name an importable function, e.g. mypkg.models:build (no leading dots, no empty parts)")
 
 
+def import_named_module(spec: str):
+    """(module, attribute name) of a ``package.module:name`` the user named; the working directory
+    is importable too, as for ``python -m``. Raises ImportError for the caller to word."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    module_name, _, attribute = spec.partition(":")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    return importlib.import_module(module_name), attribute
+
+
 def describe_args(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
 

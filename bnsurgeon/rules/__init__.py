@@ -75,23 +75,17 @@ def use_rules(specs) -> list[str]:
     """Import and register the rules each ``pkg.mod:obj`` names (a Rule, a list, or a callable
     returning either). Naming it is what allows its code to run; checkpoints record the
     specs, and loading one asks for the same names again (see ``confirm_rules``)."""
-    import importlib
-    import sys
-    from pathlib import Path
-
     from ..errors import SourceNotFoundError, UsageError
-    from ..trust import FACTORY_PATTERN
+    from ..trust import FACTORY_PATTERN, import_named_module
 
     for spec in specs or ():
         if spec in _named_specs:
             continue
         if not isinstance(spec, str) or not FACTORY_PATTERN.match(spec):  # relative or malformed: nothing imported
             raise UsageError(f"--rules {spec!r} is not package.module:object", "write it like my_pkg.bn_rules:RULES")
-        module_name, _, attribute = spec.partition(":")
-        if str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
+        module_name = spec.partition(":")[0]
         try:
-            module = importlib.import_module(module_name)
+            module, attribute = import_named_module(spec)
         except ImportError as error:
             raise SourceNotFoundError(f"--rules {spec}: cannot import {module_name!r} ({error})",
                                       "run from the directory that holds it, or install it") from None
