@@ -92,16 +92,71 @@ def _backward(ctx, grad):
 _gather_then_copy.register_autograd(_backward, setup_context=_setup)
 
 
+@torch.library.custom_op("bnsurgeon_bench::gather_local_stats", mutates_args=())
+def _gather_local_stats(mean: torch.Tensor, var: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward collective of layer ``layer``, then (mean, var) unchanged: local statistics
+    that the normalization must wait for, as a sync layer's global ones."""
+    _LAYERS[layer].forward_gather()
+    return mean.clone(), var.clone()
+
+
+@_gather_local_stats.register_fake
+def _(mean, var, layer):
+    return torch.empty_like(mean), torch.empty_like(var)
+
+
+@torch.library.custom_op("bnsurgeon_bench::sum_stat_grads", mutates_args=())
+def _sum_stat_grads(grad_mean: torch.Tensor, grad_var: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward collective of layer ``layer``, then the statistics' gradients unchanged."""
+    _LAYERS[layer].backward_sum()
+    return grad_mean.clone(), grad_var.clone()
+
+
+@_sum_stat_grads.register_fake
+def _(grad_mean, grad_var, layer):
+    return torch.empty_like(grad_mean), torch.empty_like(grad_var)
+
+
+def _stats_backward(ctx, grad_mean, grad_var):
+    return (*_sum_stat_grads(grad_mean, grad_var, ctx.layer), None)
+
+
+_gather_local_stats.register_autograd(_stats_backward, setup_context=lambda ctx, inputs, output: setattr(
+    ctx, "layer", inputs[2]))
+
+
+def _compiled_sequenced_bn(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Plain (local) BN as inductor decomposes it (var_mean, normalize), its statistics passed
+    through the two collectives: each collective on the path a sync BN waits on it, in both
+    directions. Around ``F.batch_norm`` instead, the collectives would depend on nothing but
+    the weight, and inductor hoists them off that path (all forward gathers first, all backward
+    sums after the last convolution's backward): no synchronized BN can do that."""
+    dims = [0, *range(2, x.dim())]
+    var, mean = torch.var_mean(x, dims, correction=0)
+    mean, var = _gather_local_stats(mean, var, self._bench_layer)
+    if self.running_mean is not None:
+        count = x.numel() // x.shape[1]
+        with torch.no_grad():
+            self.running_mean.lerp_(mean, factor)
+            self.running_var.lerp_(var * (count / max(count - 1, 1)), factor)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    return (x - mean.view(shape)) * (torch.rsqrt(var + self.eps) * self.weight).view(shape) + self.bias.view(shape)
+
+
 def _sequenced_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """Plain BN whose weight passes through the layer's two collectives (custom ops, so dynamo
-    keeps them in one graph, and only (C,) copies are added to plain BN's work)."""
+    """Plain BN with a sync layer's two collectives. Eager: native BN whose weight passes through
+    them (custom ops: only (C,) copies are added to plain BN's work). Compiled: see
+    ``_compiled_sequenced_bn``."""
     import torch.nn.functional as F
 
     if self.training and self.num_batches_tracked is not None:
         self.num_batches_tracked.add_(1)
     factor = 0.0 if self.momentum is None else self.momentum
-    weight = _gather_then_copy(self.weight, self._bench_layer)
-    y = F.batch_norm(x, self.running_mean, self.running_var, weight, self.bias, self.training, factor, self.eps)
+    if self.training and torch.compiler.is_compiling():
+        y = _compiled_sequenced_bn(self, x, factor)
+    else:
+        weight = _gather_then_copy(self.weight, self._bench_layer)
+        y = F.batch_norm(x, self.running_mean, self.running_var, weight, self.bias, self.training, factor, self.eps)
     if hasattr(self, "act"):
         y = self.act(self.drop(y))
     return y

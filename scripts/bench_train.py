@@ -8,10 +8,12 @@ Each rank runs every variant on the same batch, in alternating order, and the me
 step (forward, backward, gradient all_reduce, SGD) is reported:
 
 - plain: the timm model with plain (unsynced) BN.
-- sequenced: plain BN with a sync layer's two collectives around every BN (bench_common.py:
-  a gather before normalizing, a sum over ranks in backward, each a custom op, so dynamo
-  compiles it without a graph break too): the communication any synchronized BN waits for,
-  without bnsurgeon's own work, so sync/sequenced is the part of the overhead that is ours.
+- sequenced: plain BN with a sync layer's two collectives at every BN (bench_common.py: a
+  gather before normalizing, a sum over ranks in backward): the communication any
+  synchronized BN waits for, without bnsurgeon's own work, so sync/sequenced is the part of
+  the overhead that is ours. Compiled, it is BN as inductor decomposes it with its local
+  statistics passed through the collectives (custom ops), so that they stay where a sync BN
+  must wait for them instead of being hoisted off the critical path.
 - sync: bnsurgeon's sync layers.
 - with ``--compile``, the same three under ``torch.compile(fullgraph=True)``, compiled
   before timing starts.

@@ -122,13 +122,13 @@ def precision_rank(rank: int, world_size: int, precisions: list[str]) -> dict:
     from bnsurgeon.runtime import sync_op
 
     op_calls = [0]
-    eager_forward = sync_op.sync_forward
+    eager_statistics = sync_op.global_stats
 
     def counted(*args, **kwargs):
         op_calls[0] += 1
-        return eager_forward(*args, **kwargs)
+        return eager_statistics(*args, **kwargs)
 
-    sync_op.sync_forward = counted  # counts the sync layers run through the compiled path's custom op
+    sync_op.global_stats = counted  # counts the sync layers run through the compiled path's custom op
     states = {}
     for run in precisions:
         precision, _, compiled = run.partition(" ")

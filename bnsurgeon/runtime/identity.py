@@ -100,19 +100,24 @@ class LayerIdentity:
         return LayerIdentity(self.name)
 
     def next_header(self, x: torch.Tensor, stats_dtype: torch.dtype, advance: bool = True) -> torch.Tensor:
-        """This call's forward header, on ``x``'s device in ``stats_dtype``; advances the call count
+        """This call's forward header for input ``x``, on its device in ``stats_dtype`` (see ``header_for``)."""
+        return self.header_for(x.device, x.dtype, x.shape[1], stats_dtype, advance)
+
+    def header_for(self, device: torch.device, input_dtype: torch.dtype, channels: int, stats_dtype: torch.dtype,
+                   advance: bool = True) -> torch.Tensor:
+        """This call's forward header, on ``device`` in ``stats_dtype``; advances the call count
         (``advance=False``: the last call's header, for an unrecognised recompute).
 
         The count lives in the header tensor itself and is advanced in place (no host value,
         so the same code runs on devices and under graph capture).
         """
-        key = (x.device, stats_dtype, x.dtype, x.shape[1])
+        key = (device, stats_dtype, input_dtype, channels)
         header = self._headers.get(key)
         if header is None:
             slots = [(self.id >> shift) & 0xFFFF for shift in (48, 32, 16, 0)]
-            slots += [x.shape[1] % _CALL_MODULUS, _dtype_code(x.dtype), 0, FORWARD]
+            slots += [channels % _CALL_MODULUS, _dtype_code(input_dtype), 0, FORWARD]
             with torch.inference_mode(False):  # a normal tensor, updatable in and out of inference mode
-                header = torch.tensor(slots, dtype=stats_dtype).to(x.device)
+                header = torch.tensor(slots, dtype=stats_dtype).to(device)
             self._headers[key] = header
         if advance:
             header[6:7].add_(1).remainder_(_CALL_MODULUS)

@@ -172,13 +172,13 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
     @torch.jit.unused
     def _compiled_sync(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Under ``torch.compile``: the synchronized batch norm as one custom op (sync_op.py), or None."""
+        """Under ``torch.compile``: the synchronized batch norm in traced ops around two custom ops (sync_op.py), or None."""
         group, world_size = self._sync_group()
         if world_size <= 1:
             return None
         from . import sync_op
 
-        y, mean, var, _, total, _, counted = sync_op.sync_batch_norm(
+        y, mean, var, total, counted = sync_op.sync_batch_norm(
             x, self.weight, self.bias, self.eps, not torch.is_grad_enabled(),
             "" if group is None else group.group_name, world_size, self._identity.token,
         )

@@ -17,6 +17,7 @@ raise on any host read).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -137,20 +138,34 @@ def sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, grou
     kernels = kernels_for(x)
     if x.is_cuda:
         x = x.contiguous(memory_format=_memory_format(x))
-    channels = x.shape[1]
     local_mean, local_var, centred = kernels.local_stats(x, eps)
-    count = local_mean.new_full((1,), x.numel() // max(channels, 1))
-    fingerprint = torch.cat([count, local_mean, local_var])
-    on_host = counts_on_host(x)
-    name = identity.name if identity is not None else "<anonymous>"
     replay = identity is not None and recomputing()
+    stats = global_stats(local_mean, local_var, x.shape, x.dtype, eps, group, world_size, identity, remember, replay)
+    if not replay:  # a recompute (recognised or not) leaves the running statistics alone
+        update_running_stats(running_mean, running_var, stats.mean, stats.var, stats.total, momentum)
+    return kernels.normalize(x, weight, bias, stats.mean, stats.var, stats.invstd, eps, centred), x, stats
+
+
+def global_stats(local_mean, local_var, shape, input_dtype, eps, group, world_size, identity, remember: bool,
+                 replay: bool) -> GlobalStats:
+    """The statistics of the global batch from this rank's (mean, biased var) of an input of ``shape``.
+
+    One all_gather of [header, count, mean, var]; the headers are checked and the rows merged.
+    ``replay`` (a checkpoint recompute) first looks for the original forward's statistics in
+    the stash: found, no collective; not found, synchronize again with the last call's header.
+    Shared by the eager Function and the compiled path's custom op (sync_op.py).
+    """
+    channels = shape[1]
+    count = local_mean.new_full((1,), math.prod(shape) // max(channels, 1))
+    fingerprint = torch.cat([count, local_mean, local_var])
+    on_host = counts_on_host(local_mean)
+    name = identity.name if identity is not None else "<anonymous>"
     if replay:
         stats = identity.stash.take(fingerprint, on_host, name)
         if stats is not None:  # a recognised recompute: the original forward's statistics
-            return kernels.normalize(x, weight, bias, stats.mean, stats.var, stats.invstd, eps, centred), x, stats
-        running_mean = running_var = None  # not recognised: synchronize again, update nothing
+            return stats
     if identity is not None:
-        header = identity.next_header(x, local_mean.dtype, advance=not replay)
+        header = identity.header_for(local_mean.device, input_dtype, channels, local_mean.dtype, advance=not replay)
     else:
         header = local_mean.new_zeros(HEADER)
     local = torch.cat([header, fingerprint])
@@ -166,17 +181,13 @@ def sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, grou
     if on_host:
         total = int(total.item())  # a host read is free on CPU and saves ~10 small ops
         if total == 1:
-            raise ValueError(_one_value_message(x, world_size, name))
+            raise ValueError(_one_value_message(shape, world_size, name))
     else:
-        torch._assert_async(total != 1, _one_value_message(x, world_size, name))
-    invstd = torch.rsqrt(var + eps)
-    update_running_stats(running_mean, running_var, mean, var, total, momentum)
-
-    y = kernels.normalize(x, weight, bias, mean, var, invstd, eps, centred)
-    stats = GlobalStats(mean, var, invstd, total, local[:HEADER], fingerprint)
+        torch._assert_async(total != 1, _one_value_message(shape, world_size, name))
+    stats = GlobalStats(mean, var, torch.rsqrt(var + eps), total, local[:HEADER], fingerprint)
     if identity is not None and remember and not replay:
         identity.stash.remember(stats)
-    return y, x, stats
+    return stats
 
 
 def _sum_over_ranks(header, sum_dy, sum_term, on_host: bool, group, world_size: int):
@@ -203,10 +214,10 @@ def _sum_over_ranks(header, sum_dy, sum_term, on_host: bool, group, world_size: 
     return packed.chunk(2)
 
 
-def _one_value_message(x: torch.Tensor, world_size: int, name: str) -> str:
+def _one_value_message(shape, world_size: int, name: str) -> str:
     """torch's words for a batch with one value per channel, for the global batch."""
     return (
-        f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)} on this rank "
+        f"Expected more than 1 value per channel when training, got input size {tuple(shape)} on this rank "
         f"and 1 value per channel over all {world_size} ranks of sync batch norm '{name}'"
     )
 

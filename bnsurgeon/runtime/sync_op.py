@@ -1,16 +1,26 @@
-"""The sync layer as a custom op, for ``torch.compile(fullgraph=True)``.
+"""The sync layer under ``torch.compile(fullgraph=True)``: traced math, two opaque collectives.
 
 Dynamo cannot trace the eager ``SyncBatchNormFunction`` without breaking the graph: its
 collectives are Python calls with timeouts, the CPU path reads the global count on the
-host, and the checkpoint stash is Python state. So under ``torch.compile`` the layer calls
-two ops registered with ``torch.library.custom_op`` instead (forward and backward), each
-with a fake implementation (shapes, dtypes and layout only) and the forward with autograd
-registered. Dynamo and AOTAutograd see one opaque node per layer and direction; at run time
-each node runs exactly the eager code (``sync_forward`` / ``sync_backward``): the same one
-collective each way, the same layer header and timeout, the same exactness, the same
-recompute handling. Nothing in the traced graph reads a value on the host or branches on
-data: the global count travels as a (1,) tensor between the two ops, and an empty global
-batch is handled inside the op exactly as in eager mode.
+host, and the checkpoint stash is Python state. Under ``torch.compile`` the layer runs
+``sync_batch_norm`` below instead, where only what must be opaque is:
+
+* traced (aten ops inductor fuses like its own batch norm: the statistics into one
+  reduction over the input, the normalization into the activation after it): the local
+  (mean, biased var) (``torch.var_mean``), the normalization, the running-stat update, and
+  autograd through all of them;
+* opaque, two ops registered with ``torch.library.custom_op`` (fake implementations give
+  shapes only): ``sync_statistics``, which runs the eager layer's own step (``global_stats``
+  in sync_function.py: header, ONE all_gather, header check, Chan merge, the one-value
+  check, the checkpoint stash), and ``sum_statistic_grads``, its backward's ONE sum over
+  the ranks (with the forward's header on the CPU). The merge's derivative is written out
+  in ``_statistics_backward`` in traced ops.
+
+So a compiled layer issues the same collectives as an eager one, one each way; nothing in
+the traced graph reads a value on the host or branches on data (the global count travels as
+a (1,) tensor, an empty global batch is exact through clamped weights). Gradients equal the
+eager layer's to rounding: the chain rule through var_mean and the merge is the same
+formula the eager backward evaluates in fused form.
 
 The process group travels as its name (``""`` for the default group) and the layer as the
 integer token of its ``LayerIdentity`` (identity.py): custom ops take no Python objects.
@@ -18,15 +28,16 @@ integer token of its ``LayerIdentity`` (identity.py): custom ops take no Python 
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .identity import HEADER, identity_for
-from .kernels import stats_dtype
-from .sync_function import _statistics_precision, counts_on_host, sync_backward, sync_forward, update_running_stats
+from .kernels import channel_view, stats_dtype
 from .recompute import recomputing
+from .sync_function import _statistics_precision, _sum_over_ranks, counts_on_host, global_stats, update_running_stats
 
 
 def _group(name: str):
@@ -37,46 +48,114 @@ def _group(name: str):
     return _resolve_process_group(name)
 
 
-def _like(value: Tensor, reference: Tensor) -> Tensor:
-    """``value`` in the layout the fake implementation promised (``empty_like(reference)``)."""
-    if value.stride() == reference.stride() and value.dtype == reference.dtype:
-        return value
-    return torch.empty_like(reference).copy_(value)
+def _local_count(shape) -> int:
+    return math.prod(shape) // max(shape[1], 1)
 
 
-@torch.library.custom_op("bnsurgeon::sync_batch_norm", mutates_args=())
-def sync_batch_norm(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, remember: bool, group_name: str,
-    world_size: int, layer: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(y, mean, var, invstd, total, header, counted): the synchronized normalization.
+@torch.library.custom_op("bnsurgeon::sync_statistics", mutates_args=())
+def sync_statistics(
+    local_mean: Tensor, local_var: Tensor, shape: list[int], input_dtype: torch.dtype, eps: float, remember: bool,
+    group_name: str, world_size: int, layer: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(mean, var, total, header, counted) of the global batch: the eager layer's own step.
 
-    The running statistics and ``num_batches_tracked`` are updated by the caller in traced
-    torch ops (``update_compiled_stats``): an op with autograd must not mutate its inputs.
     ``counted`` is 1, or 0 for a checkpoint recompute, which must not count a batch or move
     the running statistics. ``remember`` is decided when tracing (grad mode off: the forward
     may be a reentrant checkpoint's original), because a compiled graph runs with grad off
     whatever the caller's mode.
     """
     identity = identity_for(layer)
-    with _statistics_precision(x):
-        y, _, stats = sync_forward(x, weight, bias, None, None, eps, 0.0, _group(group_name), world_size, identity,
-                                   remember)
+    replay = recomputing()
+    stats = global_stats(local_mean, local_var, shape, input_dtype, eps, _group(group_name), world_size, identity,
+                         remember, replay)
     total = stats.total
     if not isinstance(total, Tensor):
         total = torch.tensor([float(total)], dtype=stats.mean.dtype, device=stats.mean.device)
-    counted = stats.mean.new_full((1,), 0.0 if recomputing() else 1.0)
-    return _like(y, x), stats.mean.clone(), stats.var.clone(), stats.invstd.clone(), total.clone(), \
-        stats.header.clone(), counted
+    counted = stats.mean.new_full((1,), 0.0 if replay else 1.0)
+    return stats.mean.clone(), stats.var.clone(), total.clone(), stats.header.clone(), counted
 
 
-@sync_batch_norm.register_fake
-def _(x, weight, bias, eps, remember, group_name, world_size, layer):
+@sync_statistics.register_fake
+def _(local_mean, local_var, shape, input_dtype, eps, remember, group_name, world_size, layer):
+    scalar = local_mean.new_empty((1,))
+    return torch.empty_like(local_mean), torch.empty_like(local_var), scalar, local_mean.new_empty((HEADER,)), \
+        torch.empty_like(scalar)
+
+
+@torch.library.custom_op("bnsurgeon::sum_statistic_grads", mutates_args=())
+def sum_statistic_grads(packed: Tensor, header: Tensor, group_name: str, world_size: int) -> Tensor:
+    """``packed`` summed over the ranks: ONE collective, headed on the CPU like the eager backward's."""
+    first, second = packed.chunk(2)
+    summed = _sum_over_ranks(header, first, second, counts_on_host(packed), _group(group_name), world_size)
+    return torch.cat(summed)
+
+
+@sum_statistic_grads.register_fake
+def _(packed, header, group_name, world_size):
+    return torch.empty_like(packed)
+
+
+def _setup_statistics(ctx, inputs, output) -> None:
+    local_mean, _, shape, _, _, _, group_name, world_size, _ = inputs
+    mean, _, total, header, counted = output
+    ctx.mark_non_differentiable(total, header, counted)
+    ctx.save_for_backward(local_mean, mean, total, header)
+    ctx.count, ctx.group_name, ctx.world_size = _local_count(shape), group_name, world_size
+
+
+def _statistics_backward(ctx, grad_mean, grad_var, *_):
+    """Gradient of the Chan merge for this rank's row, from the gradients summed over the ranks.
+
+    mean = sum_r w_r m_r and var = sum_r w_r (v_r + (m_r - mean)^2) with w_r = n_r / n give
+    d/dm_r = w_r (G_mean + 2 (m_r - mean) G_var) and d/dv_r = w_r G_var, where G is the
+    gradient of every rank's loss with respect to the global statistics: one sum over ranks.
+    """
+    local_mean, mean, total, header = ctx.saved_tensors
+    grad_mean = torch.zeros_like(mean) if grad_mean is None else grad_mean
+    grad_var = torch.zeros_like(mean) if grad_var is None else grad_var
+    summed = sum_statistic_grads(torch.cat([grad_mean, grad_var]), header, ctx.group_name, ctx.world_size)
+    global_grad_mean, global_grad_var = summed.chunk(2)
+    weight = ctx.count / total.clamp(min=1)
+    grad_local_var = global_grad_var * weight
+    grad_local_mean = (local_mean - mean).mul_(2 * grad_local_var).add_(global_grad_mean * weight)
+    return grad_local_mean, grad_local_var, None, None, None, None, None, None, None
+
+
+sync_statistics.register_autograd(_statistics_backward, setup_context=_setup_statistics)
+
+
+def _local_statistics(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(mean, biased var) of this rank's batch per channel, as traced ops.
+
+    An empty batch gives zeros that are still sums over ``x``, so that its backward runs and
+    this rank joins the backward collective the other ranks issue.
+    """
+    dims = [0, *range(2, x.dim())]
+    if x.numel() == 0:
+        return x.to(dtype).sum(dims), x.to(dtype).sum(dims)
+    var, mean = torch.var_mean(x.to(dtype), dims, correction=0)
+    return mean, var
+
+
+def sync_batch_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, remember: bool,
+                    group_name: str, world_size: int, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, mean, var, total, counted): the synchronized batch norm as the compiled graph runs it.
+
+    The running statistics are updated by the caller (``update_compiled_stats``).
+    """
     dtype = stats_dtype(x)
-    channels = x.shape[1]
-    stats = [x.new_empty((channels,), dtype=dtype) for _ in range(3)]
-    return (torch.empty_like(x), *stats, x.new_empty((1,), dtype=dtype), x.new_empty((HEADER,), dtype=dtype),
-            x.new_empty((1,), dtype=dtype))
+    with _statistics_precision(x):
+        local_mean, local_var = _local_statistics(x, dtype)
+        mean, var, total, _, counted = sync_statistics(local_mean, local_var, list(x.shape), x.dtype, eps, remember,
+                                                       group_name, world_size, layer)
+        scale = torch.rsqrt(var + eps)
+        if weight is not None:
+            scale = scale * weight.to(dtype)
+        ndim = x.dim()
+        y = (x.to(dtype) - channel_view(mean, ndim)) * channel_view(scale, ndim)
+        if bias is not None:
+            y = y + channel_view(bias.to(dtype), ndim)
+    return y.to(x.dtype), mean, var, total, counted
 
 
 def update_compiled_stats(running_mean, running_var, num_batches_tracked, mean, var, total, counted,
@@ -92,45 +171,4 @@ def update_compiled_stats(running_mean, running_var, num_batches_tracked, mean, 
         factor = 1.0 / num_batches_tracked.to(mean.dtype).clamp(min=1) if num_batches_tracked is not None else 0.0
     else:
         factor = momentum
-    update_running_stats(running_mean, running_var, mean, var, total * counted, factor)
-
-
-@torch.library.custom_op("bnsurgeon::sync_batch_norm_backward", mutates_args=())
-def sync_batch_norm_backward(
-    grad_output: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, var: Tensor, invstd: Tensor,
-    total: Tensor, header: Tensor, eps: float, group_name: str, world_size: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_input, grad_weight, grad_bias) with ONE sum over the ranks."""
-    count = int(total.item()) if counts_on_host(x) else total  # on the host already there
-    with _statistics_precision(grad_output):
-        grad_input, grad_weight, grad_bias = sync_backward(grad_output, x, weight, mean, var, invstd, header, count,
-                                                           eps, _group(group_name), world_size)
-    return _like(grad_input, x), grad_weight, grad_bias
-
-
-@sync_batch_norm_backward.register_fake
-def _(grad_output, x, weight, mean, var, invstd, total, header, eps, group_name, world_size):
-    dtype = weight.dtype if weight is not None else mean.dtype
-    channels = x.shape[1]
-    return torch.empty_like(x), x.new_empty((channels,), dtype=dtype), x.new_empty((channels,), dtype=dtype)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, eps, remember, group_name, world_size, layer = inputs
-    _, mean, var, invstd, total, header, counted = output
-    ctx.mark_non_differentiable(mean, var, invstd, total, header, counted)
-    ctx.save_for_backward(x, weight, mean, var, invstd, total, header)
-    ctx.eps, ctx.group_name, ctx.world_size = eps, group_name, world_size
-    ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
-
-
-def _backward(ctx, grad_y, *_):
-    x, weight, mean, var, invstd, total, header = ctx.saved_tensors
-    grad_input, grad_weight, grad_bias = sync_batch_norm_backward(
-        grad_y, x, weight, mean, var, invstd, total, header, ctx.eps, ctx.group_name, ctx.world_size
-    )
-    return grad_input, grad_weight if ctx.has_weight else None, grad_bias if ctx.has_bias else None, \
-        None, None, None, None, None
-
-
-sync_batch_norm.register_autograd(_backward, setup_context=_setup_context)
+    update_running_stats(running_mean, running_var, mean.detach(), var.detach(), total * counted, factor)
