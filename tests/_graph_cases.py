@@ -142,3 +142,16 @@ def compile_rank(rank: int, world_size: int, backend: str, device: str = "cpu") 
         "reasons": [str(reason.reason) for reason in explanation.break_reasons],
         "state": state,
     }
+
+
+def compile_checkpoint_rank(rank: int, world_size: int, backend: str) -> dict:
+    """STEPS compiled steps of the model with timm's grad checkpointing on, collectives counted."""
+    import bnsurgeon
+
+    model = bnsurgeon.convert(graph_model(), "sync").model
+    model.set_grad_checkpointing(True)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    calls = _count_gathers()
+    state = train(model, _rows(rank), step_fn=compiled)
+    return {"state": state, "collectives": calls[0], "layers": bn_layers(model),
+            "checkpointed layers": sum(bn_layers(block) for block in model.blocks)}

@@ -107,3 +107,35 @@ def test_compiled_layer_equals_the_eager_layer_for_every_input_kind():
                     rounding = 4 * torch.finfo(value.dtype).eps * max(exact.abs().max().item() if exact.numel() else 0, 1)
                     compiled_error, eager_error = _max_error(got[name], exact), _max_error(value, exact)
                     assert compiled_error <= 2 * eager_error + rounding, (what, compiled_error, eager_error, rounding)
+
+
+def test_rank_with_an_empty_batch_keeps_its_collectives_under_inductor():
+    """A rank whose batch is empty must still issue every collective, in order. Traced, its
+    statistics and gradients are zero-element tensors with no data dependency, and inductor
+    dropped its backward sum (the other rank then waited for it); the layer now runs eagerly
+    for an empty batch (a graph break) and matches the eager layer on both ranks."""
+    from _compiled_cases import compiled_vs_eager_rank
+
+    results = run_world(2, compiled_vs_eager_rank, ["empty-rank"], "inductor", timeout=400)
+    for rank, per_case in enumerate(results):
+        eager, compiled, _ = per_case["empty-rank"]
+        for step, (want, got) in enumerate(zip(eager, compiled)):
+            for name, value in want.items():
+                torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-9,
+                                           msg=lambda m: f"rank {rank}, step {step}, {name}: {m}")
+
+
+def test_compiled_and_checkpointed_training_is_exact_with_one_update_per_step(expected):
+    """torch.compile over timm's grad checkpointing: AOTAutograd recomputes the checkpointed sync
+    layers in the compiled backward. A compiled recompute synchronizes again on every rank
+    alike (its traced statistics need not match the original bit for bit, so nothing is
+    stashed): exact, running statistics updated once per step, one more collective per
+    recomputed layer and step."""
+    from _graph_cases import compile_checkpoint_rank
+
+    for rank, result in enumerate(run_world(2, compile_checkpoint_rank, "aot_eager", timeout=400)):
+        _assert_state(result["state"], expected, f"compiled checkpointed rank {rank}")
+        counters = [v for k, v in result["state"].items() if k.endswith("num_batches_tracked")]
+        assert counters and all(int(c) == STEPS for c in counters), counters
+        recomputed = result["checkpointed layers"] * STEPS
+        assert result["collectives"] == result["layers"] * 2 * STEPS + recomputed, (result["collectives"], recomputed)

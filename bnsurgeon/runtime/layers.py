@@ -172,20 +172,37 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
     @torch.jit.unused
     def _compiled_sync(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """Under ``torch.compile``: the synchronized batch norm in traced ops around two custom ops (sync_op.py), or None."""
+        """Under ``torch.compile``: traced batch norm around two collective custom ops (sync_op.py), or None."""
         group, world_size = self._sync_group()
         if world_size <= 1:
             return None
+        if x.numel() == 0:
+            return self._normalize_eagerly(x)
         from . import sync_op
 
         y, mean, var, total, counted = sync_op.sync_batch_norm(
-            x, self.weight, self.bias, self.eps, not torch.is_grad_enabled(),
-            "" if group is None else group.group_name, world_size, self._identity.token,
+            x, self.weight, self.bias, self.eps, "" if group is None else group.group_name, world_size,
+            self._identity.token,
         )
         if self.track_running_stats:
             sync_op.update_compiled_stats(self.running_mean, self.running_var, self.num_batches_tracked, mean, var,
                                           total, counted, self.momentum)
         return y
+
+    @torch.jit.unused
+    @torch.compiler.disable(reason=(
+        "bnsurgeon: a sync batch norm layer whose local batch is empty runs eagerly (traced, its collectives "
+        "would carry no data dependency and inductor would drop and reorder them); compile without "
+        "fullgraph=True, or give every rank at least one sample"))
+    def _normalize_eagerly(self, x: torch.Tensor) -> torch.Tensor:
+        """An empty batch under ``torch.compile``: the eager layer, outside the graph (a graph break).
+
+        Traced math on zero-element tensors carries no data dependency, so inductor dropped
+        and reordered the collectives of a rank whose batch is empty, and the ranks deadlocked
+        or mismatched; run eagerly, the layer issues them in program order. With
+        ``fullgraph=True`` dynamo refuses the break, quoting the reason below.
+        """
+        return self._normalize(x)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)

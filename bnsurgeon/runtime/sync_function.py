@@ -77,8 +77,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     ``identity`` (a ``LayerIdentity`` or None) names the layer in the header of every
     row this layer sends (identity.py) and holds its checkpoint stash (recompute.py).
-    ``torch.compile`` goes through the custom op in ``sync_op.py`` instead, which runs the
-    same two functions below.
+    Under ``torch.compile`` the layer runs ``sync_op.py`` instead, which shares this module's
+    ``global_stats`` and ``_sum_over_ranks`` (the collectives and checks) and traces the rest.
     """
 
     @staticmethod

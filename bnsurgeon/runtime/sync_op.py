@@ -12,13 +12,18 @@ host, and the checkpoint stash is Python state. Under ``torch.compile`` the laye
 * opaque, two ops registered with ``torch.library.custom_op`` (fake implementations give
   shapes only): ``sync_statistics``, which runs the eager layer's own step (``global_stats``
   in sync_function.py: header, ONE all_gather, header check, Chan merge, the one-value
-  check, the checkpoint stash), and ``sum_statistic_grads``, its backward's ONE sum over
-  the ranks (with the forward's header on the CPU). The merge's derivative is written out
-  in ``_statistics_backward`` in traced ops.
+  check, a checkpoint recompute's fallback), and ``sum_statistic_grads``, its backward's
+  ONE sum over the ranks (with the forward's header on the CPU). The merge's derivative is
+  written out in ``_statistics_backward`` in traced ops. Both ops are marked side-effectful,
+  so no dead-code elimination drops a collective whose result a rank does not read.
+
+An empty local batch does not come here: traced, it would leave only zero-element tensors,
+which carry no data dependency, and inductor dropped and reordered that rank's collectives.
+The layer runs eagerly for it instead (``SyncBatchNorm._normalize_eagerly``, a graph break).
 
 So a compiled layer issues the same collectives as an eager one, one each way; nothing in
 the traced graph reads a value on the host or branches on data (the global count travels as
-a (1,) tensor, an empty global batch is exact through clamped weights). Gradients equal the
+a (1,) tensor, an all-empty global batch is exact through clamped weights). Gradients equal the
 eager layer's to rounding: the chain rule through var_mean and the merge is the same
 formula the eager backward evaluates in fused form.
 
@@ -54,20 +59,22 @@ def _local_count(shape) -> int:
 
 @torch.library.custom_op("bnsurgeon::sync_statistics", mutates_args=())
 def sync_statistics(
-    local_mean: Tensor, local_var: Tensor, shape: list[int], input_dtype: torch.dtype, eps: float, remember: bool,
-    group_name: str, world_size: int, layer: int,
+    local_mean: Tensor, local_var: Tensor, shape: list[int], input_dtype: torch.dtype, eps: float, group_name: str,
+    world_size: int, layer: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(mean, var, total, header, counted) of the global batch: the eager layer's own step.
 
     ``counted`` is 1, or 0 for a checkpoint recompute, which must not count a batch or move
-    the running statistics. ``remember`` is decided when tracing (grad mode off: the forward
-    may be a reentrant checkpoint's original), because a compiled graph runs with grad off
-    whatever the caller's mode.
+    the running statistics. Nothing is stashed for a recompute: the local statistics are
+    traced, and a recompute in another compiled graph (inductor may generate the reduction
+    differently) need not reproduce them bit for bit, which could leave one rank's recompute
+    recognised and another's not. So a compiled recompute synchronizes again, on every rank
+    alike: exact, one more collective, running statistics untouched (recompute.py).
     """
     identity = identity_for(layer)
     replay = recomputing()
     stats = global_stats(local_mean, local_var, shape, input_dtype, eps, _group(group_name), world_size, identity,
-                         remember, replay)
+                         False, replay)
     total = stats.total
     if not isinstance(total, Tensor):
         total = torch.tensor([float(total)], dtype=stats.mean.dtype, device=stats.mean.device)
@@ -76,7 +83,7 @@ def sync_statistics(
 
 
 @sync_statistics.register_fake
-def _(local_mean, local_var, shape, input_dtype, eps, remember, group_name, world_size, layer):
+def _(local_mean, local_var, shape, input_dtype, eps, group_name, world_size, layer):
     scalar = local_mean.new_empty((1,))
     return torch.empty_like(local_mean), torch.empty_like(local_var), scalar, local_mean.new_empty((HEADER,)), \
         torch.empty_like(scalar)
@@ -96,7 +103,7 @@ def _(packed, header, group_name, world_size):
 
 
 def _setup_statistics(ctx, inputs, output) -> None:
-    local_mean, _, shape, _, _, _, group_name, world_size, _ = inputs
+    local_mean, _, shape, _, _, group_name, world_size, _ = inputs
     mean, _, total, header, counted = output
     ctx.mark_non_differentiable(total, header, counted)
     ctx.save_for_backward(local_mean, mean, total, header)
@@ -118,35 +125,31 @@ def _statistics_backward(ctx, grad_mean, grad_var, *_):
     weight = ctx.count / total.clamp(min=1)
     grad_local_var = global_grad_var * weight
     grad_local_mean = (local_mean - mean).mul_(2 * grad_local_var).add_(global_grad_mean * weight)
-    return grad_local_mean, grad_local_var, None, None, None, None, None, None, None
+    return grad_local_mean, grad_local_var, None, None, None, None, None, None
 
 
 sync_statistics.register_autograd(_statistics_backward, setup_context=_setup_statistics)
 
 
 def _local_statistics(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(mean, biased var) of this rank's batch per channel, as traced ops.
-
-    An empty batch gives zeros that are still sums over ``x``, so that its backward runs and
-    this rank joins the backward collective the other ranks issue.
-    """
-    dims = [0, *range(2, x.dim())]
-    if x.numel() == 0:
-        return x.to(dtype).sum(dims), x.to(dtype).sum(dims)
-    var, mean = torch.var_mean(x.to(dtype), dims, correction=0)
+    """(mean, biased var) of this rank's (non-empty) batch per channel, as traced ops."""
+    var, mean = torch.var_mean(x.to(dtype), [0, *range(2, x.dim())], correction=0)
     return mean, var
 
 
-def sync_batch_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, remember: bool,
-                    group_name: str, world_size: int, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def sync_batch_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, group_name: str,
+                    world_size: int, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, mean, var, total, counted): the synchronized batch norm as the compiled graph runs it.
 
-    The running statistics are updated by the caller (``update_compiled_stats``).
+    The running statistics are updated by the caller (``update_compiled_stats``). ``x`` is
+    not empty: an empty batch runs the eager layer (layers.py), because traced math on
+    zero-element tensors carries no data dependency and inductor then dropped and reordered
+    that rank's collectives.
     """
     dtype = stats_dtype(x)
     with _statistics_precision(x):
         local_mean, local_var = _local_statistics(x, dtype)
-        mean, var, total, _, counted = sync_statistics(local_mean, local_var, list(x.shape), x.dtype, eps, remember,
+        mean, var, total, _, counted = sync_statistics(local_mean, local_var, list(x.shape), x.dtype, eps,
                                                        group_name, world_size, layer)
         scale = torch.rsqrt(var + eps)
         if weight is not None:
@@ -172,3 +175,16 @@ def update_compiled_stats(running_mean, running_var, num_batches_tracked, mean, 
     else:
         factor = momentum
     update_running_stats(running_mean, running_var, mean.detach(), var.detach(), total * counted, factor)
+
+
+def _never_dropped() -> None:
+    """Mark both ops side-effectful: a collective must run on every rank even where nothing
+    reads its result, so no dead-code elimination (FX's or inductor's, through
+    ``torch._library.utils.is_impure``) may remove a call."""
+    from torch.fx.node import _side_effectful_functions
+
+    for op in (sync_statistics, sum_statistic_grads):
+        _side_effectful_functions.add(op._opoverload)
+
+
+_never_dropped()
