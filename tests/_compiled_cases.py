@@ -101,3 +101,29 @@ def compiled_vs_eager_rank(rank: int, world_size: int, cases: list[str], backend
             truth = _run(exact, lambda x: exact(x.double()), case, rank)
         out[case] = (*results, truth)
     return out
+
+
+def dynamic_shapes_rank(rank: int, world_size: int, backend: str = "aot_eager") -> float:
+    """Conv + sync BN compiled with ``dynamic=True`` against the eager layer over four batch and
+    image sizes (ranks differ in batch size): the largest difference in outputs, input and
+    weight gradients and running variance."""
+    import bnsurgeon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    eager = bnsurgeon.convert(model, "sync").model.double().train()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True, dynamic=True, backend=backend)
+    worst = 0.0
+    for step, batch in enumerate([3 + rank, 5, 2 + 2 * rank, 7]):
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randn(batch, 3, 6 + step, 6 + step, generator=generator, dtype=torch.float64)
+        results = []
+        for layer, call in ((eager, eager), (compiled_model, compiled)):
+            layer.zero_grad()
+            inputs = x.clone().requires_grad_(True)
+            y = call(inputs)
+            (y * y.detach().sin()).sum().backward()
+            results.append((y.detach(), inputs.grad, layer[0].weight.grad.clone(), layer[1].running_var.clone()))
+        worst = max(worst, *((a - b).abs().max().item() for a, b in zip(*results)))
+    return worst

@@ -61,8 +61,12 @@ def _local_count(shape) -> int:
 def sync_statistics(
     local_mean: Tensor, local_var: Tensor, shape: list[int], input_dtype: torch.dtype, eps: float, group_name: str,
     world_size: int, layer: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(mean, var, total, header, counted) of the global batch: the eager layer's own step.
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(mean, var, total, header, counted, share) of the global batch: the eager layer's own step.
+
+    ``share`` is this rank's count over the global count (0 if that is 0), for the backward:
+    computed here rather than traced, because under dynamic shapes the local count is a
+    symbolic size that inductor cannot divide a float tensor by.
 
     ``counted`` is 1, or 0 for a checkpoint recompute, which must not count a batch or move
     the running statistics. Nothing is stashed for a recompute: the local statistics are
@@ -79,14 +83,15 @@ def sync_statistics(
     if not isinstance(total, Tensor):
         total = torch.tensor([float(total)], dtype=stats.mean.dtype, device=stats.mean.device)
     counted = stats.mean.new_full((1,), 0.0 if replay else 1.0)
-    return stats.mean.clone(), stats.var.clone(), total.clone(), stats.header.clone(), counted
+    share = total.new_full((1,), float(_local_count(shape))).div_(total.clamp(min=1))
+    return stats.mean.clone(), stats.var.clone(), total.clone(), stats.header.clone(), counted, share
 
 
 @sync_statistics.register_fake
 def _(local_mean, local_var, shape, input_dtype, eps, group_name, world_size, layer):
     scalar = local_mean.new_empty((1,))
     return torch.empty_like(local_mean), torch.empty_like(local_var), scalar, local_mean.new_empty((HEADER,)), \
-        torch.empty_like(scalar)
+        torch.empty_like(scalar), torch.empty_like(scalar)
 
 
 @torch.library.custom_op("bnsurgeon::sum_statistic_grads", mutates_args=())
@@ -103,11 +108,11 @@ def _(packed, header, group_name, world_size):
 
 
 def _setup_statistics(ctx, inputs, output) -> None:
-    local_mean, _, shape, _, _, group_name, world_size, _ = inputs
-    mean, _, total, header, counted = output
-    ctx.mark_non_differentiable(total, header, counted)
-    ctx.save_for_backward(local_mean, mean, total, header)
-    ctx.count, ctx.group_name, ctx.world_size = _local_count(shape), group_name, world_size
+    local_mean, _, _, _, _, group_name, world_size, _ = inputs
+    mean, _, total, header, counted, share = output
+    ctx.mark_non_differentiable(total, header, counted, share)
+    ctx.save_for_backward(local_mean, mean, share, header)
+    ctx.group_name, ctx.world_size = group_name, world_size
 
 
 def _statistics_backward(ctx, grad_mean, grad_var, *_):
@@ -117,12 +122,11 @@ def _statistics_backward(ctx, grad_mean, grad_var, *_):
     d/dm_r = w_r (G_mean + 2 (m_r - mean) G_var) and d/dv_r = w_r G_var, where G is the
     gradient of every rank's loss with respect to the global statistics: one sum over ranks.
     """
-    local_mean, mean, total, header = ctx.saved_tensors
+    local_mean, mean, weight, header = ctx.saved_tensors
     grad_mean = torch.zeros_like(mean) if grad_mean is None else grad_mean
     grad_var = torch.zeros_like(mean) if grad_var is None else grad_var
     summed = sum_statistic_grads(torch.cat([grad_mean, grad_var]), header, ctx.group_name, ctx.world_size)
     global_grad_mean, global_grad_var = summed.chunk(2)
-    weight = ctx.count / total.clamp(min=1)
     grad_local_var = global_grad_var * weight
     grad_local_mean = (local_mean - mean).mul_(2 * grad_local_var).add_(global_grad_mean * weight)
     return grad_local_mean, grad_local_var, None, None, None, None, None, None
@@ -149,7 +153,7 @@ def sync_batch_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     dtype = stats_dtype(x)
     with _statistics_precision(x):
         local_mean, local_var = _local_statistics(x, dtype)
-        mean, var, total, _, counted = sync_statistics(local_mean, local_var, list(x.shape), x.dtype, eps,
+        mean, var, total, _, counted, _ = sync_statistics(local_mean, local_var, list(x.shape), x.dtype, eps,
                                                        group_name, world_size, layer)
         scale = torch.rsqrt(var + eps)
         if weight is not None:
