@@ -37,6 +37,15 @@ def _describe_group(group) -> str:
         return "a process group other than the default one"
 
 
+def _outside_compile(reason: str):
+    """``torch.compiler.disable`` with the reason dynamo quotes when it refuses the break
+    (the ``reason`` argument is newer than torch 2.4, the oldest torch supported)."""
+    try:
+        return torch.compiler.disable(reason=reason)
+    except TypeError:
+        return torch.compiler.disable
+
+
 def _norm_act_children(module: nn.Module, act_layer, act_kwargs, apply_act: bool, inplace: bool, drop_layer) -> None:
     """Build ``drop`` and ``act`` exactly as timm's BatchNormAct2d does."""
     module.drop = drop_layer() if drop_layer is not None else nn.Identity()
@@ -190,10 +199,10 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         return y
 
     @torch.jit.unused
-    @torch.compiler.disable(reason=(
+    @_outside_compile(
         "bnsurgeon: a sync batch norm layer whose local batch is empty runs eagerly (traced, its collectives "
         "would carry no data dependency and inductor would drop and reorder them); compile without "
-        "fullgraph=True, or give every rank at least one sample"))
+        "fullgraph=True, or give every rank at least one sample")
     def _normalize_eagerly(self, x: torch.Tensor) -> torch.Tensor:
         """An empty batch under ``torch.compile``: the eager layer, outside the graph (a graph break).
 

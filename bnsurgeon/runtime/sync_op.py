@@ -187,8 +187,8 @@ def _never_dropped() -> None:
     ``torch._library.utils.is_impure``) may remove a call."""
     from torch.fx.node import _side_effectful_functions
 
-    for op in (sync_statistics, sum_statistic_grads):
-        _side_effectful_functions.add(op._opoverload)
+    _side_effectful_functions.add(torch.ops.bnsurgeon.sync_statistics.default)
+    _side_effectful_functions.add(torch.ops.bnsurgeon.sum_statistic_grads.default)
 
 
 _never_dropped()
