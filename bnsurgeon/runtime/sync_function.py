@@ -78,7 +78,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
     ``identity`` (a ``LayerIdentity`` or None) names the layer in the header of every
     row this layer sends (identity.py) and holds its checkpoint stash (recompute.py).
     Under ``torch.compile`` the layer runs ``sync_op.py`` instead, which shares this module's
-    ``global_stats`` and ``_sum_over_ranks`` (the collectives and checks) and traces the rest.
+    ``global_stats`` and ``sum_over_ranks`` (the collectives and checks) and traces the rest.
     """
 
     @staticmethod
@@ -120,8 +120,8 @@ def sync_backward(grad_output, x, weight, mean, var, invstd, header, total, eps,
 
     grad_input = None
     if input_grad:
-        global_sum_dy, global_sum_term = _sum_over_ranks(header, sum_dy, sum_term, counts_on_host(x), group,
-                                                         world_size)
+        global_sum_dy, global_sum_term = sum_over_ranks(header, torch.cat([sum_dy, sum_term]), counts_on_host(x),
+                                                        group, world_size).chunk(2)
         grad_input = kernels.grad_input(grad_output, x, weight, mean, var, invstd, eps, global_sum_dy,
                                         global_sum_term, total)
     param_dtype = weight.dtype if weight is not None else sum_dy.dtype
@@ -146,6 +146,11 @@ def sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, grou
     return kernels.normalize(x, weight, bias, stats.mean, stats.var, stats.invstd, eps, centred), x, stats
 
 
+def local_count(shape) -> int:
+    """Values per channel in an input of ``shape`` on this rank."""
+    return math.prod(shape) // max(shape[1], 1)
+
+
 def global_stats(local_mean, local_var, shape, input_dtype, eps, group, world_size, identity, remember: bool,
                  replay: bool) -> GlobalStats:
     """The statistics of the global batch from this rank's (mean, biased var) of an input of ``shape``.
@@ -156,7 +161,7 @@ def global_stats(local_mean, local_var, shape, input_dtype, eps, group, world_si
     Shared by the eager Function and the compiled path's custom op (sync_op.py).
     """
     channels = shape[1]
-    count = local_mean.new_full((1,), math.prod(shape) // max(channels, 1))
+    count = local_mean.new_full((1,), local_count(shape))
     fingerprint = torch.cat([count, local_mean, local_var])
     on_host = counts_on_host(local_mean)
     name = identity.name if identity is not None else "<anonymous>"
@@ -190,28 +195,27 @@ def global_stats(local_mean, local_var, shape, input_dtype, eps, group, world_si
     return stats
 
 
-def _sum_over_ranks(header, sum_dy, sum_term, on_host: bool, group, world_size: int):
-    """Both backward sums over the ranks, in one collective.
+def sum_over_ranks(header, packed, on_host: bool, group, world_size: int):
+    """A backward's per-channel sums (``packed``, 1-D) summed over the ranks, in one collective.
 
     On the CPU the row is an all_gather that starts with the forward's header (phase 2),
     so a rank in this backward that meets a rank in some other layer's collective is named
-    (identity.py); on devices an all_reduce of the two sums.
+    (identity.py); on devices an all_reduce, in place on ``packed``. Shared by the eager
+    backward and the compiled path's ``sum_statistic_grads`` (sync_op.py).
     """
     def describe() -> str:
         return f"sync batch norm {describe_header(torch.cat(backward_header(header)))}"
 
     if on_host:
-        row = torch.cat([*backward_header(header), sum_dy, sum_term])
+        row = torch.cat([*backward_header(header), packed])
         if debug.enabled():
             debug.check_same_layer(row[:HEADER], world_size, group, describe)
         gathered = all_gather_rows(row, world_size, group, describe)
         check_headers(gathered, group, True, "")
-        packed = gathered[:, HEADER + 1:].sum(0)
-    else:
-        if debug.enabled():
-            debug.check_same_layer(torch.cat(backward_header(header)), world_size, group, describe)
-        packed = all_reduce_sum(torch.cat([sum_dy, sum_term]), world_size, group, describe)
-    return packed.chunk(2)
+        return gathered[:, HEADER + 1:].sum(0)
+    if debug.enabled():
+        debug.check_same_layer(torch.cat(backward_header(header)), world_size, group, describe)
+    return all_reduce_sum(packed, world_size, group, describe)
 
 
 def _one_value_message(shape, world_size: int, name: str) -> str:

@@ -33,7 +33,6 @@ integer token of its ``LayerIdentity`` (identity.py): custom ops take no Python 
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -42,7 +41,9 @@ from torch import Tensor
 from .identity import HEADER, identity_for
 from .kernels import channel_view, stats_dtype
 from .recompute import recomputing
-from .sync_function import _statistics_precision, _sum_over_ranks, counts_on_host, global_stats, update_running_stats
+from .sync_function import (
+    _statistics_precision, counts_on_host, global_stats, local_count, sum_over_ranks, update_running_stats,
+)
 
 
 def _group(name: str):
@@ -51,10 +52,6 @@ def _group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
-
-
-def _local_count(shape) -> int:
-    return math.prod(shape) // max(shape[1], 1)
 
 
 @torch.library.custom_op("bnsurgeon::sync_statistics", mutates_args=())
@@ -83,7 +80,7 @@ def sync_statistics(
     if not isinstance(total, Tensor):
         total = torch.tensor([float(total)], dtype=stats.mean.dtype, device=stats.mean.device)
     counted = stats.mean.new_full((1,), 0.0 if replay else 1.0)
-    share = total.new_full((1,), float(_local_count(shape))).div_(total.clamp(min=1))
+    share = total.new_full((1,), float(local_count(shape))).div_(total.clamp(min=1))
     return stats.mean.clone(), stats.var.clone(), total.clone(), stats.header.clone(), counted, share
 
 
@@ -97,9 +94,8 @@ def _(local_mean, local_var, shape, input_dtype, eps, group_name, world_size, la
 @torch.library.custom_op("bnsurgeon::sum_statistic_grads", mutates_args=())
 def sum_statistic_grads(packed: Tensor, header: Tensor, group_name: str, world_size: int) -> Tensor:
     """``packed`` summed over the ranks: ONE collective, headed on the CPU like the eager backward's."""
-    first, second = packed.chunk(2)
-    summed = _sum_over_ranks(header, first, second, counts_on_host(packed), _group(group_name), world_size)
-    return torch.cat(summed)
+    # a copy: on devices the sum is an in-place all_reduce, and a custom op may not mutate its input
+    return sum_over_ranks(header, packed.clone(), counts_on_host(packed), _group(group_name), world_size)
 
 
 @sum_statistic_grads.register_fake
