@@ -165,14 +165,11 @@ class CheckInput:
 
     def _refuse_oversized(self) -> None:
         """Refused, not attempted: an allocation beyond physical memory can take the machine down with it."""
-        import os
+        from .checkpoint import physical_memory
 
         needed = total_elements(self) * 8  # drawn in float64, then cast
-        try:
-            physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            return
-        if needed > physical:
+        physical = physical_memory()
+        if physical is not None and needed > physical:
             raise ModelCannotRunError(
                 f"the check input {self.describe()} needs {needed / 2**30:,.1f} GiB, more than this machine's "
                 f"{physical / 2**30:,.1f} GiB of memory",

@@ -50,6 +50,9 @@ def _check_readable(path: Path) -> None:
         raise SourceNotFoundError(f"no such file: {path}", "check the path (or name a timm model)")
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory, not a checkpoint file", "pass the checkpoint file inside it")
+    if not path.is_file():  # a FIFO would block the read forever, /dev/zero never ends: refused before opening
+        raise CheckpointError(f"{path} is not a regular file (a pipe, socket or device)",
+                              "save the checkpoint to a file and pass that file")
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path} is empty (0 bytes)", "the file was not written completely; use an intact copy")
 
@@ -64,6 +67,8 @@ def read_checkpoint(path: str | os.PathLike, *, trust_pickle: bool = False, mmap
     """
     path = Path(path)
     _check_readable(path)
+    if not mmap:
+        _refuse_larger_than_memory(path)
     before = file_identity(path)
     if path.suffix in SAFETENSORS_SUFFIXES or _looks_like_safetensors(path):
         raw = _read_safetensors(path, mmap)
@@ -74,6 +79,26 @@ def read_checkpoint(path: str | os.PathLike, *, trust_pickle: bool = False, mmap
 
         raise InputChangedError(f"{path} changed while bnsurgeon was reading it (size, mtime or inode differ)")
     return raw
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def _refuse_larger_than_memory(path: Path) -> None:
+    """Reading copies every tensor into memory: a file larger than RAM (or a sparse file declaring
+    that much) would end in a traceback or the OOM killer, not a message."""
+    size, physical = path.stat().st_size, physical_memory()
+    if physical is not None and size > physical:
+        raise CheckpointError(
+            f"{path} is {size / 2**30:,.1f} GiB, more than this machine's {physical / 2**30:,.1f} GiB of memory, "
+            "and its tensors are read into memory",
+            "convert it on a machine with more memory",
+        )
 
 
 def file_identity(path: Path) -> tuple[int, ...]:
@@ -103,6 +128,9 @@ def _read_safetensors(path: Path, mmap: bool) -> RawCheckpoint:
             f"{path} is not a readable .safetensors file ({error})",
             "the file is truncated or corrupt; re-download or re-export it",
         ) from None
+    except (MemoryError, RuntimeError) as error:  # mapping or copying more than this machine can hold
+        raise CheckpointError(f"{path} cannot be read into memory ({_first_line(str(error)) or 'out of memory'})",
+                              "free memory, or read it on a machine with more memory") from None
     return RawCheckpoint(path, tensors, dict(metadata))
 
 
@@ -202,7 +230,24 @@ def _unsupported_global(text: str) -> str:
 def _is_tensor_dict(value: Any) -> bool:
     import torch
 
-    return isinstance(value, dict) and bool(value) and all(isinstance(v, torch.Tensor) for v in value.values())
+    return isinstance(value, dict) and bool(value) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+
+
+def why_not_a_state_dict(obj: Any) -> str | None:
+    """For a file with tensors but no state dict: the first entry that keeps a dict from being one."""
+    import torch
+
+    candidates = [("", obj)] + [(key, obj.get(key)) for key in NESTED_KEYS if isinstance(obj, dict)]
+    for where, value in candidates:
+        if isinstance(value, dict) and count_tensors(value):
+            for key, item in value.items():
+                if not isinstance(key, str) or not isinstance(item, torch.Tensor):
+                    place = f"'{where}' " if where else ""
+                    return (f"its {place}dict holds {count_tensors(value)} tensor(s), but entry {str(key)[:80]!r} is "
+                            f"{'a ' + type(item).__name__ if isinstance(key, str) else 'keyed by a ' + type(key).__name__}"
+                            f" (a state dict maps names to tensors only)")
+    return None
 
 
 def state_dict_candidates(obj: Any) -> dict[str, dict[str, "torch.Tensor"]]:
@@ -317,22 +362,30 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
         )
     if out.suffix not in OUTPUT_SUFFIXES and not out.name.endswith(".pth.tar"):
         raise OutputError(f"cannot tell the format of output {out}", f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar")
+    written = (out, *report_paths(out))  # the reports are outputs too: each is checked like the checkpoint
     for source in inputs:
         source_path = Path(source)
-        same = source_path.resolve() == out.resolve() or (
-            source_path.exists() and out.exists() and os.path.samefile(source_path, out)
-        )
-        if same:
-            raise OutputError(f"output {out} is the input file", "write to a new path; bnsurgeon never overwrites its input")
-    if out.is_dir():
-        raise OutputError(f"output {out} is a directory", "give a file path such as OUT.safetensors")
+        for path in written:
+            same = source_path.resolve() == path.resolve() or (
+                source_path.exists() and path.exists() and os.path.samefile(source_path, path)
+            )
+            if same:
+                what = "output" if path == out else "report"
+                raise OutputError(f"{what} {path} is the input file",
+                                  "write to a new path; bnsurgeon never overwrites its input")
+    for path in written:
+        if path.is_dir():
+            raise OutputError(f"output {path} is a directory",
+                              "give a file path such as OUT.safetensors" if path == out
+                              else f"move the directory {path} away, or choose another output name")
     if not parent.is_dir():
         raise OutputError(f"output directory {parent} does not exist", f"create it first (mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"output directory {parent} is not writable", "choose a directory you can write to")
-    for path in (out, *report_paths(out)):
-        if path.exists() and not force:
-            raise OutputError(f"output {path} already exists", "pass --force to replace it (and its reports)")
+    for path in written:  # lexists: a dangling symlink is a name that exists (a hard link onto it fails at the end)
+        if os.path.lexists(path) and not force:
+            kind = "is a symlink to a missing file" if not path.exists() else "already exists"
+            raise OutputError(f"output {path} {kind}", "pass --force to replace it (and its reports)")
     return out
 
 
@@ -375,7 +428,41 @@ def checkpoint_writer(path: Path, model: "nn.Module", metadata: dict[str, Any],
     payload["bnsurgeon"]["format"] = "pt"
     if extras:
         payload.update(extras)
-    return lambda temp: torch.save(payload, temp)
+    return lambda temp: _torch_save(payload, temp)
+
+
+class _WriteErrorKeeper:
+    """A file object for torch.save that keeps the OSError of a failed write.
+
+    torch's zip writer reports a full disk as "unexpected pos N vs M"; the error it swallowed
+    (ENOSPC, EDQUOT, EIO) is what the user needs to read.
+    """
+
+    def __init__(self, handle) -> None:
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _torch_save(payload: Any, temp: Path) -> None:
+    import torch
+
+    with open(temp, "wb") as handle:
+        writer = _WriteErrorKeeper(handle)
+        try:
+            torch.save(payload, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
 
 
 def write_checkpoint(path: Path, model: "nn.Module", metadata: dict[str, Any], extras: dict[str, Any] | None = None,

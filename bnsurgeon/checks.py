@@ -128,6 +128,41 @@ def refuse_non_finite(model: "nn.Module", origin: str) -> None:
         raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {len(bad)} tensor(s): {shown}")
 
 
+def refuse_invalid_weights(model: "nn.Module", origin: str) -> None:
+    """Before converting: NaN/Inf in a parameter or a BN statistic, or a negative running variance.
+
+    An Inf variance zeroes its channel and a negative one makes NaN, so the eval check can
+    pass (or be merely inconclusive) on a model ``verify`` then refuses: named here, nothing written.
+    (Other buffers, such as attention masks, may hold -inf by design.)
+    """
+    import torch
+    from torch.nn.parameter import is_lazy
+
+    from .surgery import is_bn_like
+
+    named = {name: tensor for name, tensor in model.named_parameters() if not is_lazy(tensor)}
+    negative = []
+    for path, module in model.named_modules():
+        if is_bn_like(module):
+            for name in ("running_mean", "running_var"):
+                tensor = module._buffers.get(name)
+                if tensor is not None and not is_lazy(tensor):  # an uninitialized lazy BN is refused later, by name
+                    named[f"{path}.{name}" if path else name] = tensor
+                    if name == "running_var" and tensor.is_floating_point() and not tensor.is_meta \
+                            and bool((tensor < 0).any()):
+                        negative.append(f"{path}.{name}" if path else name)
+    bad = [name for name, tensor in named.items()
+           if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all())]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {len(bad)} tensor(s): {shown}")
+    if negative:
+        shown = ", ".join(negative[:3]) + (f" (+{len(negative) - 3} more)" if len(negative) > 3 else "")
+        raise NonFiniteWeightsError(f"{origin} holds negative running variances in {len(negative)} BatchNorm "
+                                    f"module(s): {shown} (a variance is never negative; the file is damaged)",
+                                    "nothing was written; use an intact checkpoint")
+
+
 def require_finite(model: "nn.Module", outputs: list) -> None:
     """NaN compares unequal to itself: when a check fails on non-finite outputs, say why instead of 'outputs differ'."""
     import torch

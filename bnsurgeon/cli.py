@@ -67,11 +67,22 @@ app = typer.Typer(
 )
 
 
+#: an error line quotes file metadata and paths: a 1 MB field must not become a 1 MB "line"
+MAX_ERROR_CHARS = 1000
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    return f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS:,} more characters)"
+
+
 def _fail(message: str, hint: str, code: int) -> None:
     from rich.text import Text
 
     from .render import console
 
+    message, hint = _bounded(message), _bounded(hint)
     out = console()
     # Text, never markup: messages quote paths and file metadata, where "[/]" or ":fire:" is data
     out.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False)

@@ -3,6 +3,7 @@ write) and ``verify`` (load both sides, run every check)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from .checks import (
     needs_input_dims,
     observed_input_dims,
     preserved_modes,
+    refuse_invalid_weights,
     refuse_non_finite,
     require_same_architecture,
     resolve_check_input,
@@ -115,6 +117,10 @@ def _load_for_inspection(source: str, **options: Any) -> "tuple[LoadedSource, st
     return loaded, f"built with real weights: the model cannot be built on the meta device ({reason})"
 
 
+#: verify starts one process per rank
+MAX_WORLD_SIZE = 64
+
+
 def verify_timeout_s() -> float:
     """The ranks' collective timeout: ``BNSURGEON_DIST_TIMEOUT`` if set (validated up front), else 120 s."""
     from .runtime.timeout import ENV_VAR, parse_timeout_s
@@ -192,6 +198,7 @@ def convert_source(
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
+    refuse_invalid_weights(loaded.model, loaded.description)  # the written file must be one verify accepts
     fused = to == "fused"
     # fused finds producers on it before converting; otherwise chosen after the surgery, which
     # refuses an uninitialized lazy BN before any forward (inferring the input runs one)
@@ -284,6 +291,11 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     timeout = verify_timeout_s()
     if any(w < 2 for w in world_sizes):
         raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
+    if any(w > MAX_WORLD_SIZE for w in world_sizes):  # one process each: 100000 would be a fork bomb
+        raise UsageError(f"--world-size {max(world_sizes)} is more ranks than verify starts (at most {MAX_WORLD_SIZE}; "
+                         "each is a process on this machine)", "use 2 or 3 on a CPU machine")
+    if atol is not None and not (math.isfinite(atol) and atol >= 0):  # inf would pass any difference
+        raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
     left = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
                        accept_recorded_args=accept_recorded_args)
     right = load_source(converted, model=converted_model, model_args=converted_model_args, weights=converted_weights,

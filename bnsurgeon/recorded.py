@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 #: metadata schema versions this bnsurgeon reads
 KNOWN_SCHEMAS = (1,)
 ARCHITECTURE_KINDS = ("timm", "factory", "unknown")
+MAX_NAME_CHARS = 200
 
 
 def class_map(model: "nn.Module") -> dict[str, str]:
@@ -53,6 +54,17 @@ def _bad(raw: RawCheckpoint, key: str, problem: str) -> MetadataError:
     return MetadataError(f"{raw.path}: metadata {PREFIX}{key} {problem}")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys repeat reads differently in different parsers (Python keeps the last):
+    ambiguous metadata, so refused."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"the key {key[:100]!r} appears twice")
+        result[key] = value
+    return result
+
+
 def _field(raw: RawCheckpoint, key: str, default: Any = None) -> Any:
     text = raw.metadata.get(PREFIX + key)
     if text is None:
@@ -60,7 +72,7 @@ def _field(raw: RawCheckpoint, key: str, default: Any = None) -> Any:
     if not isinstance(text, str):
         raise _bad(raw, key, f"is a {type(text).__name__}, not a JSON string")
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except ValueError as error:
         raise _bad(raw, key, f"is not valid JSON ({error})") from None
     except RecursionError:  # ``[[[[...`` nested past the interpreter's limit
@@ -102,6 +114,8 @@ def _architecture(raw: RawCheckpoint) -> Architecture:
     kind, name, kwargs = value.get("kind"), value.get("name"), value.get("kwargs") or {}
     if kind not in ARCHITECTURE_KINDS or not isinstance(name, str):
         raise _bad(raw, "architecture", f"has kind {kind!r} and name {name!r}; kind must be one of {ARCHITECTURE_KINDS}")
+    if len(name) > MAX_NAME_CHARS:  # it is quoted in messages, and typed again to confirm a factory
+        raise _bad(raw, "architecture", f"names a {kind} of {len(name):,} characters (at most {MAX_NAME_CHARS})")
     if kind == "factory" and not FACTORY_PATTERN.match(name):
         raise _bad(raw, "architecture", f"names {name!r}, not a factory of the form package.module:function")
     if kind == "timm" and not TIMM_NAME_PATTERN.match(name):

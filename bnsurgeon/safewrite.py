@@ -92,6 +92,45 @@ def _link_new(temp: Path, final: Path, mode: int) -> None:
     os.replace(temp, final)
 
 
+def _keep_previous(staged: dict, stage: Path) -> dict[Path, Path | None]:
+    """Hard links to the files ``force`` will replace, so that a failed commit can put them back.
+
+    None for a name that did not exist (a rollback removes it); a filesystem without hard
+    links gets no backup for that name (a rollback cannot restore it and says so).
+    """
+    backups: dict[Path, Path | None] = {}
+    for index, final in enumerate(staged):
+        if not os.path.lexists(final):
+            backups[final] = None
+            continue
+        backup = stage / f"previous-{index}"
+        try:
+            os.link(final, backup, follow_symlinks=False)
+            backups[final] = backup
+        except OSError:
+            pass
+    return backups
+
+
+def _roll_back(committed: list[Path], backups: dict[Path, Path | None], force: bool) -> list[Path]:
+    """Undo a partial commit; returns the names still holding this run's files."""
+    left = []
+    for final in committed:
+        if not force:
+            final.unlink(missing_ok=True)
+        elif final in backups:
+            try:
+                if backups[final] is None:
+                    final.unlink(missing_ok=True)
+                else:
+                    os.replace(backups[final], final)
+            except OSError:
+                left.append(final)
+        else:
+            left.append(final)
+    return left
+
+
 def _names(paths: list[Path]) -> str:
     return ", ".join(str(p) for p in paths)
 
@@ -107,7 +146,7 @@ def write_files(writers: dict[Path, Callable[[Path], None]], *, force: bool) -> 
     for final in finals:
         remove_stale_temps(directory, final.name)
     stage = directory / f".{finals[0].name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-    existing = [final for final in finals if final.exists()]
+    existing = [final for final in finals if os.path.lexists(final)]
     untouched = f"nothing was written; {_names(existing)} unchanged" if existing else "nothing was written"
     committed: list[Path] = []
     current = finals[0]
@@ -124,6 +163,7 @@ def write_files(writers: dict[Path, Callable[[Path], None]], *, force: bool) -> 
             os.chmod(temp, mode)
             staged[final] = (temp, mode)
         with signals_deferred():
+            backups = _keep_previous(staged, stage) if force else {}
             try:
                 for final, (temp, mode) in staged.items():
                     current = final
@@ -133,10 +173,7 @@ def write_files(writers: dict[Path, Callable[[Path], None]], *, force: bool) -> 
                         _link_new(temp, final, mode)
                     committed.append(final)
             except BaseException:
-                if not force:
-                    for final in committed:
-                        final.unlink(missing_ok=True)
-                    committed.clear()
+                committed[:] = _roll_back(committed, backups, force)
                 raise
         _fsync(directory, directory=True)
         return finals

@@ -26,6 +26,7 @@ from .checkpoint import (
     read_checkpoint,
     state_dict_candidates,
     strip_common_prefix,
+    why_not_a_state_dict,
 )
 from .errors import CheckpointError, UsageError
 from .rebuild import rebuild_from_checkpoint
@@ -84,6 +85,10 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_reco
 
     candidates = state_dict_candidates(raw.obj)
     if not candidates:
+        reason = why_not_a_state_dict(raw.obj)
+        if reason:  # tensors are there: "holds no model weights" would misstate the file
+            raise CheckpointError(f"{path} holds no state dict bnsurgeon can use: {reason}",
+                                  "save model.state_dict() alone (or under 'state_dict'), with its other entries beside it")
         raise CheckpointError(f"{path} holds no model weights (no tensors, nor a state dict under "
                               "state_dict/model/state_dict_ema/model_ema/ema)",
                               "pass the file that holds the model's state dict")

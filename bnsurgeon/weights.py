@@ -28,6 +28,7 @@ def materialize(build, state: dict[str, "torch.Tensor"], origin: Any, adapt=None
         tensors = adapt(model, state) if adapt else state
         expected = model.state_dict()
         check_fit(model, tensors, origin, expected)
+        refuse_lossy_casts(tensors, expected, origin)
         tensors = {k: v.to(expected[k].dtype) if v.dtype != expected[k].dtype else v for k, v in tensors.items()}
         shared = shared_names(model)
         model.load_state_dict(tensors, strict=True, assign=True)
@@ -85,7 +86,37 @@ def check_fit(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any 
         )
 
 
+def refuse_lossy_casts(state: dict[str, "torch.Tensor"], expected: dict[str, "torch.Tensor"], origin: Any) -> None:
+    """Loading casts each tensor to the model's dtype: allowed where every value survives the cast
+    (float16 -> float32, small ints -> float), refused where it would change the model silently
+    (complex -> real drops the imaginary part, float64 -> float32 rounds, floats -> int truncate)."""
+    import torch
+
+    changed = []
+    for key, value in state.items():
+        want = expected[key].dtype
+        if value.dtype == want or value.is_meta:
+            continue
+        if value.is_complex() and not expected[key].is_complex():
+            changed.append(f"{key} ({str(value.dtype)[6:]} -> {str(want)[6:]})")
+            continue
+        with torch.no_grad():
+            back = value.to(want).to(value.dtype)
+        same = torch.equal(back, value) or (value.is_floating_point() and torch.equal(back.isnan(), value.isnan())
+                                            and torch.equal(back.nan_to_num(0.0), value.nan_to_num(0.0)))
+        if not same:
+            changed.append(f"{key} ({str(value.dtype)[6:]} -> {str(want)[6:]})")
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" (+{len(changed) - 3} more)" if len(changed) > 3 else "")
+        raise WeightsMismatchError(
+            f"weights in {origin} would change when cast to the model's dtypes: {len(changed)} tensor(s), {shown}",
+            "save the checkpoint in the model's dtypes (e.g. state_dict converted with .float()), "
+            "or build the model in the checkpoint's dtype",
+        )
+
+
 def load_weights(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any = "checkpoint") -> None:
     """Strict copying load with a clear error when the weights do not fit."""
     check_fit(model, state, origin)
+    refuse_lossy_casts(state, model.state_dict(), origin)
     model.load_state_dict(state, strict=True)

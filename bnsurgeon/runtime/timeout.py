@@ -13,6 +13,9 @@ from datetime import timedelta
 
 ENV_VAR = "BNSURGEON_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
+#: below a second the ranks cannot even meet (the store's connect times out at "0 ms"); above a
+#: million seconds (11.6 days) the bound means nothing, and near 1e16 it overflows torch's milliseconds
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 1e6
 
 _cached: tuple[str | None, timedelta] | None = None
 
@@ -27,10 +30,11 @@ def parse_timeout_s(raw: str | None) -> float:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
+    if not math.isfinite(seconds) or not MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S:
         raise UsageError(
-            f"{ENV_VAR}={raw!r} is not a usable timeout",
-            f"set {ENV_VAR} to a positive number of seconds (default {DEFAULT_TIMEOUT_S:g}), or unset it",
+            f"{ENV_VAR}={raw[:40]!r} is not a usable timeout",
+            f"set {ENV_VAR} to a positive number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:,.0f}, "
+            "or unset it",
         )
     return seconds
 
