@@ -67,6 +67,7 @@ def check_fit(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any 
               expected: dict | None = None) -> None:
     """Raise WeightsMismatchError listing missing, unexpected and shape-mismatched keys."""
     expected = expected if expected is not None else model.state_dict()
+    refuse_non_dense(state, origin)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     mismatched = [
@@ -84,6 +85,19 @@ def check_fit(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any 
             f"weights in {origin} do not fit the architecture: " + "; ".join(parts),
             "check --model and --model-arg (e.g. num_classes=...), or --weights to pick another state dict",
         )
+
+
+def refuse_non_dense(state: dict[str, "torch.Tensor"], origin: Any) -> None:
+    """A sparse, quantized or nested tensor is not a dense weight: named here, before a forward fails on it."""
+    import torch
+
+    odd = [f"{key} ({str(value.layout)[6:] if value.layout != torch.strided else 'quantized' if value.is_quantized else 'nested'})"
+           for key, value in state.items()
+           if value.layout != torch.strided or value.is_quantized or value.is_nested]
+    if odd:
+        shown = ", ".join(odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
+        raise WeightsMismatchError(f"weights in {origin} are not dense tensors: {len(odd)} tensor(s), {shown}",
+                                   "save the state dict with dense tensors (tensor.to_dense(), or dequantize())")
 
 
 def refuse_lossy_casts(state: dict[str, "torch.Tensor"], expected: dict[str, "torch.Tensor"], origin: Any) -> None:

@@ -154,6 +154,21 @@ def test_weights_that_a_cast_would_change_are_refused(tiny, cast, code, message)
         assert not (tiny / "o.safetensors").exists()
 
 
+@pytest.mark.parametrize("layout", ["sparse", "quantized"])
+def test_weights_that_are_not_dense_tensors_are_named(tiny, layout):
+    import tiny as tiny_module
+
+    state = tiny_module.build().state_dict()
+    key = next(k for k, v in state.items() if v.dim() == 4)
+    state[key] = state[key].to_sparse() if layout == "sparse" else \
+        torch.quantize_per_tensor(state[key], 0.01, 0, torch.qint8)
+    torch.save(state, tiny / "w.pth")
+    result = run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors",
+                 "--input-shape", "2,3,8,8")
+    one_line_failure(result, 6, "are not dense tensors", key)
+    assert not (tiny / "o.safetensors").exists()
+
+
 @pytest.mark.parametrize("state, message", [
     ("extra", "entry 'epoch' is a int"),
     ("int_keys", "keyed by a int"),
