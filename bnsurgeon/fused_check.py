@@ -46,13 +46,15 @@ def relative_error(expected: list, actual: list) -> tuple[float, float]:
     return worst_abs, worst_rel
 
 
-def _eval_outputs(model: "nn.Module", x) -> list:
+def _eval_outputs(model: "nn.Module", x, what: str = "the model") -> list:
     import torch
+
+    from .checks import run_forward
 
     saved = [(m, m.training) for m in model.modules()]
     try:
         with torch.no_grad():
-            return flatten_tensors(model.eval()(x.clone()))
+            return flatten_tensors(run_forward(model.eval(), x.clone(), what))
     finally:
         for module, training in saved:
             module.training = training
@@ -69,7 +71,7 @@ def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float 
     ill-conditioned net), judged in float64 (see ``_float64_judgement``)."""
     import torch
 
-    expected, actual = _eval_outputs(source, x), _eval_outputs(fused, x)
+    expected, actual = _eval_outputs(source, x, "the source model"), _eval_outputs(fused, x, "the fused model")
     diff, rel = relative_error(expected, actual)
     finite = all(t.isfinite().all() for t in expected)
     passed: bool | None = finite and rel <= rtol
@@ -210,6 +212,10 @@ def fused_check_result(source: "nn.Module", result: Any, input_shape: tuple[int,
 
     x = example_tensor(source, input_shape, seed)
     outcomes = check_fused(source, result.model, result.report.fusion["folded"], x)
+    if outcomes[0].passed is False:  # NaN/inf from the source itself: say so (exit 9), not "outputs differ"
+        from .checks import require_finite
+
+        require_finite(source, _eval_outputs(source, x, "the source model"))
     result.report.fusion["max_rel_error"] = {"as_converted": outcomes[0].max_rel_error,
                                              "perturbed": outcomes[1].max_rel_error}
     passed = all(o.passed is not False for o in outcomes) and any(o.passed for o in outcomes)

@@ -9,7 +9,9 @@ read from the real dataflow, never from module order:
   its weight/bias) is recorded, so an in-place add, a second branch, or a returned
   feature map counts as a second consumer;
 - ``torch.fx`` (BN and conv/linear as leaves) when the model is traceable: the graph must
-  agree (the producer node has the BN as its only user, each called once).
+  agree (the producer node has the BN as its only user, each called once). Without a graph,
+  the hooks run is one path: a value read into Python (``if x.mean() > 0``) before the
+  producer ran, or while its output was alive, may have chosen it, so that BN stays.
 
 A BN is folded only where every available method agrees; everything else stays, with the
 reason. The fold itself is computed in float64 and cast back.
@@ -144,23 +146,46 @@ def _func_name(func: Any) -> str:
     return getattr(owner, "__name__", None) or getattr(func, "__name__", "") or ""
 
 
+#: tensor -> Python value conversions: the forward may branch on them, so the rest of the run is one
+#: path of several (torch.fx cannot trace such a forward; the hooks run sees only the path taken)
+_VALUE_READS = frozenset({"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__complex__",
+                          "numpy", "__array__", "__contains__", "equal", "allclose", "is_nonzero", "nonzero",
+                          "argwhere", "masked_select", "unique", "unique_consecutive"})
+
+
 @dataclass
 class _Observed:
     """What one instrumented eval run saw."""
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    output_of: dict[str, Any] = field(default_factory=dict)  # producer path -> its output tensor
-    ranks: dict[str, int] = field(default_factory=dict)
-    bn_input: dict[str, tuple] = field(default_factory=dict)  # bn path -> (args, kwargs) of its call
+    ranks: dict[str, int] = field(default_factory=dict)  # producer path -> rank of its output
+    produced_at: dict[str, int] = field(default_factory=dict)  # producer path -> id of its (first) call
+    bn_source: dict[str, str | None] = field(default_factory=dict)  # bn path -> producer whose output it read
+    bn_single_input: dict[str, bool] = field(default_factory=dict)  # bn path -> called with one positional arg
     bn_call: dict[str, int] = field(default_factory=dict)  # bn path -> id of its (first) call
-    uses: dict[str, list[tuple[str, frozenset]]] = field(default_factory=lambda: defaultdict(list))
+    bn_ancestors: dict[str, frozenset] = field(default_factory=dict)  # bn path -> ids of the calls it runs inside
+    #: producer path -> (what, call ids on the stack, id of the consuming module's call or None for an op)
+    uses: dict[str, list[tuple[str, frozenset, int | None]]] = field(default_factory=lambda: defaultdict(list))
     weight_reads: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    hooked_calls: set[int] = field(default_factory=set)  # ids of calls of modules with forward (pre-)hooks
+    first_value_read: tuple[int, str] | None = None  # (calls started before it, op) of the first value read
+    value_read_while_alive: dict[str, str] = field(default_factory=dict)  # producer path -> op read meanwhile
+    #: producers whose output something still holds once the forward has returned (stashed on a module, ...)
+    held_after: set[str] = field(default_factory=set)
 
 
 def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str]) -> _Observed:
-    """One eval forward recording who produces, who consumes and who reads what (see module doc)."""
+    """One eval forward recording who produces, who consumes and who reads what (see module doc).
+
+    Producer outputs are watched through weak references: once nothing holds an output, no
+    later code can consume it, so a value read after that cannot change where it went.
+    """
+    import weakref
+
     import torch
     from torch.overrides import TorchFunctionMode
+
+    from .checks import run_forward
 
     producers = producer_types()
     paths: dict[int, str] = {}
@@ -169,43 +194,62 @@ def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str
     seen = _Observed()
     stack: list[tuple[int, str]] = []  # (call id, path) of module calls in progress
     counter = [0]
-    watched: dict[int, tuple[str, Any]] = {}  # id(output tensor) -> (producer path, tensor)
+    watched: dict[int, tuple[str, Any]] = {}  # id(output tensor) -> (producer path, weak reference to it)
     params: dict[int, str] = {}
+    hooked = {id(m) for m in model.modules() if m._forward_hooks or m._forward_pre_hooks}  # the user's, not ours
     for path, module in model.named_modules():
         if type(module) in producers:
             for tensor in module._parameters.values():
                 if tensor is not None:
                     params[id(tensor)] = paths[id(module)]
 
+    def producer_of(tensor) -> str | None:
+        entry = watched.get(id(tensor))
+        return entry[0] if entry is not None and entry[1]() is tensor else None
+
     def use(tensors, what: str, exclude_top: bool) -> None:
         frames = stack[:-1] if exclude_top else stack
         on_stack = frozenset(call for call, _ in frames)
+        consumer = stack[-1][0] if exclude_top and stack else None
         for tensor in tensors:
-            entry = watched.get(id(tensor))
-            if entry is not None and entry[1] is tensor:
-                seen.uses[entry[0]].append((what, on_stack))
+            source = producer_of(tensor)
+            if source is not None:
+                seen.uses[source].append((what, on_stack, consumer))
 
     def pre_hook(module, args, kwargs):
         counter[0] += 1
         path = paths[id(module)]
         stack.append((counter[0], path))
         seen.calls[path] += 1
-        if id(module) in bn_paths:
-            seen.bn_input.setdefault(path, (args, kwargs))
-            seen.bn_call.setdefault(path, counter[0])
+        if id(module) in hooked:
+            seen.hooked_calls.add(counter[0])
+        if id(module) in bn_paths and path not in seen.bn_call:
+            seen.bn_call[path] = counter[0]
+            seen.bn_ancestors[path] = frozenset(call for call, _ in stack[:-1])
+            seen.bn_single_input[path] = len(args) == 1 and not kwargs
+            seen.bn_source[path] = producer_of(args[0]) if args else None
         use(_tensors_in((args, kwargs)), f"module {path}", exclude_top=True)
 
     def post_hook(module, args, kwargs, output):
-        path = stack.pop()[1] if stack else paths[id(module)]
+        call, path = stack.pop() if stack else (0, paths[id(module)])
         if type(module) in producers and isinstance(output, torch.Tensor):
-            seen.output_of[path] = output
             seen.ranks[path] = output.dim()
-            watched[id(output)] = (path, output)
+            seen.produced_at.setdefault(path, call)
+            watched[id(output)] = (path, weakref.ref(output))
+
+    def value_read(name: str) -> None:
+        if seen.first_value_read is None:
+            seen.first_value_read = (counter[0], name)
+        for source, ref in list(watched.values()):
+            if ref() is not None:
+                seen.value_read_while_alive.setdefault(source, name)
 
     class Recorder(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             name = _func_name(func)
+            if name in _VALUE_READS:
+                value_read(name)
             if name not in _METADATA:
                 tensors = _tensors_in((args, kwargs))
                 use(tensors, f"op {name}", exclude_top=False)
@@ -222,44 +266,63 @@ def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str
         handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
     try:
         with torch.no_grad(), Recorder():
-            outputs = model(example)
+            outputs = run_forward(model, example, "the source model")
     finally:
         for handle in handles:
             handle.remove()
     use(_tensors_in(outputs), "the model's output", exclude_top=False)
+    seen.held_after = {source for source, ref in watched.values() if ref() is not None}
     return seen
 
 
-def _hook_reason(seen: _Observed, bn_path: str, producer_path: str | None) -> str | None:
-    """None when the hooks run proves the BN reads exactly its producer's output, and nothing else does."""
+def _hook_reason(seen: _Observed, bn_path: str, producer_path: str | None, *, hooks_only: bool) -> str | None:
+    """None when the hooks run proves the BN reads exactly its producer's output, and nothing else does.
+
+    ``hooks_only``: no fx graph vouches for the other paths of the forward, so a value read
+    before the producer ran, or while its output was still held, leaves the BN as it is.
+    """
     if seen.calls.get(bn_path, 0) == 0:
         return "not called in eval mode on the check input (a train-only or unused path)"
     if seen.calls[bn_path] > 1:
         return f"called {seen.calls[bn_path]} times per forward (one fold cannot serve several inputs)"
-    args, kwargs = seen.bn_input[bn_path]
-    if len(args) != 1 or kwargs:
+    if not seen.bn_single_input[bn_path]:
         return "called with more than one argument"
-    source = next((p for p, t in seen.output_of.items() if t is args[0]), None)
+    source = seen.bn_source[bn_path]
     if source is None:
         return "its input is not the output of a Conv1d/2d/3d, ConvTranspose or Linear (e.g. pre-activation BN)"
     if producer_path is not None and source != producer_path:
         return f"hooks and torch.fx disagree on its producer ({source} vs {producer_path})"
     if seen.calls[source] > 1:
         return f"its producer {source} is called {seen.calls[source]} times per forward"
-    uses = seen.uses.get(source, [])
-    direct = [what for what, _ in uses if what == f"module {bn_path}"]
-    others = [what for what, on_stack in uses if what != f"module {bn_path}" and not _inside(on_stack, seen, bn_path)]
-    if len(direct) != 1 or others:
-        return f"its producer {source} feeds {len(direct) + len(others)} consumers ({', '.join(sorted(set(others)))[:120]} besides it)"
+    ancestors = seen.bn_ancestors[bn_path]
+    direct, others = 0, []
+    for what, on_stack, consumer in seen.uses.get(source, []):
+        if what == f"module {bn_path}":
+            direct += 1
+        elif seen.bn_call[bn_path] in on_stack:
+            continue  # inside the BN's own call: its own F.batch_norm
+        elif consumer in ancestors and consumer not in seen.hooked_calls:
+            continue  # a container the BN runs inside, handing the tensor on (its uses are recorded themselves)
+        else:
+            others.append(what + (" (with forward hooks)" if consumer in seen.hooked_calls else ""))
+    if direct != 1 or others:
+        return f"its producer {source} feeds {direct + len(others)} consumers ({', '.join(sorted(set(others)))[:120]} besides it)"
     reads = [op for owner, ops in seen.weight_reads.items() if owner == source or owner.startswith(source + ".") for op in ops]
     if reads:
         return f"the weights of {source} are also read outside its forward ({', '.join(sorted(set(reads)))[:80]})"
+    if source in seen.held_after:
+        return (f"the output of {source} is still held after the forward (stored on a module or elsewhere), "
+                "which would then hold the folded values")
+    if hooks_only:
+        first = seen.first_value_read
+        if first is not None and first[0] < seen.produced_at[source]:
+            return (f"the forward reads tensor values into Python ({first[1]}) before its producer {source} runs: "
+                    "a value-dependent path torch.fx could not trace, and the hooks saw only the path taken")
+        if source in seen.value_read_while_alive:
+            return (f"the forward reads tensor values into Python ({seen.value_read_while_alive[source]}) while "
+                    f"the output of {source} is still held: a value-dependent path torch.fx could not trace, and "
+                    "the hooks saw only the path taken")
     return None
-
-
-def _inside(on_stack: frozenset, seen: _Observed, bn_path: str) -> bool:
-    """Whether a use happened inside the BN's own call (its own F.batch_norm is not a second consumer)."""
-    return seen.bn_call.get(bn_path) in on_stack
 
 
 def _fx_plan(model: "nn.Module", bn_modules: dict[int, str]) -> tuple[dict[str, tuple[str | None, str | None]] | None, str]:
@@ -337,9 +400,10 @@ def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = Tr
         producer_path, reason = (None, None)
         if fx_result is not None:
             producer_path, reason = fx_result.get(path, (None, "not called in eval mode (absent from the traced graph: a train-only or unused path)"))
-        reason = reason or _hook_reason(seen, path, producer_path)
+        reason = _bn_hook_reason(module) or reason or _hook_reason(seen, path, producer_path,
+                                                                   hooks_only=fx_result is None)
         if reason is None:
-            producer_path = producer_path or next(p for p, t in seen.output_of.items() if t is seen.bn_input[path][0][0])
+            producer_path = producer_path or seen.bn_source[path]
             reason = _static_reason(module, modules[producer_path], seen.ranks.get(producer_path))
         if reason is not None:
             plan.left[path] = reason
@@ -366,8 +430,16 @@ def _static_reason(bn: "nn.Module", producer: "nn.Module", rank: int | None) -> 
         return f"its producer's output has rank {rank} (unbatched): dim 1 is not the channel dim"
     if any(module._forward_hooks or module._forward_pre_hooks for module in producer.modules()):
         return "its producer has forward hooks, which would see the folded weights or output"
+    return _bn_hook_reason(bn)
+
+
+def _bn_hook_reason(bn: "nn.Module") -> str | None:
+    """A hook on the BN would, after a fold, run on what takes its place: see the folded input
+    and lose the BN's state. The hook is the reason, whatever the dataflow says."""
     if bn._forward_pre_hooks:
         return "it has forward pre-hooks, which would see the folded input"
+    if bn._forward_hooks:
+        return "it has forward hooks, which would see the folded input and no BatchNorm state"
     return None
 
 

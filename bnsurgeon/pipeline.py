@@ -148,6 +148,17 @@ def _fused_shape(check_input: "CheckInput") -> tuple[int, ...]:
     return tuple(check_input.shape)
 
 
+def refuse_fused_source(loaded: LoadedSource, role: str) -> None:
+    """A fused checkpoint is a deployment end point: its folded BN modules no longer exist, so a
+    conversion of it could not be replayed from the original architecture on load, and it cannot
+    be the reference that a fold is re-done on."""
+    if any(step.get("target") == "fused" for step in loaded.history or ()):
+        raise UsageError(f"{role} {loaded.description} is a fused checkpoint (eval only; its folded BatchNorm "
+                         "layers no longer exist)",
+                         "convert the model it was folded from instead (the unfused checkpoint, timm name "
+                         "or factory); verify takes it as CONVERTED")
+
+
 @dataclass
 class ConvertOutcome:
     result: ConvertResult
@@ -198,6 +209,7 @@ def convert_source(
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
+    refuse_fused_source(loaded, "SOURCE")
     refuse_invalid_weights(loaded.model, loaded.description)  # the written file must be one verify accepts
     fused = to == "fused"
     # fused finds producers on it before converting; otherwise chosen after the surgery, which
@@ -300,6 +312,7 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
                        accept_recorded_args=accept_recorded_args)
     right = load_source(converted, model=converted_model, model_args=converted_model_args, weights=converted_weights,
                         trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args, flag="--converted-model")
+    refuse_fused_source(left, "SOURCE")
     refuse_non_finite(left.model, left.description)
     refuse_non_finite(right.model, right.description)
     recorded = read_recorded(right.checkpoint) if right.checkpoint is not None and right.checkpoint.is_bnsurgeon else None
