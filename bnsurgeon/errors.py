@@ -18,6 +18,9 @@ FLAG_KEYWORDS = {
 
 #: flags whose keyword argument takes the flag's value as a string
 STRING_VALUED = ("--model", "--weights", "--to", "--frozen")
+#: words that follow a flag in prose ("check --model and --model-arg"): never its value
+PROSE_WORDS = frozenset({"and", "or", "to", "with", "for", "if", "is", "in", "on", "the", "a", "an", "then",
+                         "when", "instead", "too", "also", "as", "at", "by", "of"})
 
 
 def python_hint(hint: str) -> str:
@@ -29,6 +32,8 @@ def python_hint(hint: str) -> str:
 
     def keyword(match: re.Match) -> str:
         flag, placeholder = match.group(1), match.group(2)
+        if placeholder in PROSE_WORDS:  # a word of the sentence, not the flag's value: keep it as it is
+            return _keyword_alone(flag) + f" {placeholder}"
         replacement = FLAG_KEYWORDS.get(flag)
         if replacement is None:
             return match.group(0)
@@ -41,6 +46,14 @@ def python_hint(hint: str) -> str:
         return replacement[:-1] + (f" {placeholder}" if placeholder else "")
 
     return re.sub(r"(--[a-z][a-z0-9-]*)(?: ([^\s(),;]+))?", keyword, hint)
+
+
+def _keyword_alone(flag: str) -> str:
+    """The keyword for a flag written without its value (``--model`` -> ``model``, ``--force`` -> ``force=True``)."""
+    replacement = FLAG_KEYWORDS.get(flag)
+    if replacement is None:
+        return flag
+    return replacement[:-1] if replacement.endswith("=") else replacement
 
 
 class BnSurgeonError(Exception):

@@ -181,3 +181,14 @@ def test_layers_built_directly_get_distinct_deterministic_names():
     assert first.layer_name.startswith("SyncBatchNorm#") and first.layer_name.endswith("(8)")
     model = bnsurgeon.convert(nn.Sequential(first, nn.Sequential(second)), "sync").model
     assert [model[0].layer_name, model[1][0].layer_name] == ["0", "1.0"]  # converting names them by path
+
+
+def test_python_hint_keeps_a_prose_word_after_a_flag_as_prose():
+    from bnsurgeon.errors import WeightsMismatchError
+    from bnsurgeon.weights import check_fit
+
+    with pytest.raises(WeightsMismatchError) as raised:
+        check_fit(nn.Linear(2, 2), {"weight": torch.zeros(2, 2)}, "w.pth")
+    text = str(raised.value)
+    assert "check model and model_args" in text and "weights to pick" in text, text
+    assert "'and'" not in text and "'to'" not in text, text
