@@ -358,8 +358,8 @@ def _fx_plan(model: "nn.Module", bn_modules: dict[int, str]) -> tuple[dict[str, 
             continue
         source = node.args[0] if len(node.args) == 1 and not node.kwargs else None
         if source is None or getattr(source, "op", None) != "call_module" or type(modules.get(source.target)) not in producers:
-            result[path] = (None, "its input is not the output of a Conv1d/2d/3d, ConvTranspose or Linear "
-                                  "(e.g. pre-activation BN)")
+            result[path] = (None, _not_a_producer(modules.get(source.target) if getattr(source, "op", None) == "call_module"
+                                                  else None, getattr(source, "target", None), producers))
             continue
         producer = source.target
         if calls[producer] > 1:
@@ -372,6 +372,18 @@ def _fx_plan(model: "nn.Module", bn_modules: dict[int, str]) -> tuple[dict[str, 
         else:
             result[path] = (producer, None)
     return result, ""
+
+
+def _not_a_producer(module: "nn.Module | None", target: str | None, producers: tuple) -> str:
+    """Why the module feeding a BN is not a producer: named where it is a conv/linear in disguise."""
+    from torch.nn.utils import parametrize
+
+    if module is not None and parametrize.is_parametrized(module):
+        return f"its producer {target} has parametrized weights (torch.nn.utils.parametrize), which a fold cannot change"
+    if module is not None and isinstance(module, producers):
+        return (f"its producer {target} is a {qualname(type(module))}, a subclass whose forward bnsurgeon "
+                f"does not know (folds go into Conv1d/2d/3d, ConvTranspose, Linear and known subclasses)")
+    return "its input is not the output of a Conv1d/2d/3d, ConvTranspose or Linear (e.g. pre-activation BN)"
 
 
 def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = True) -> FoldPlan:
@@ -467,7 +479,9 @@ def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
         if fold.bn in used or fold.producer in used or fold.bn == fold.producer:
             raise bad(f"{fold.bn} -> {fold.producer}: a module appears in more than one fold")
         used.update((fold.bn, fold.producer))
-        if not is_bn_like(bn) or qualname(type(bn)) != fold.bn_class:
+        if not is_bn_like(bn):
+            raise bad(f"{fold.bn}: the model has {qualname(type(bn))} there, not a BatchNorm-family module")
+        if qualname(type(bn)) != fold.bn_class:
             raise bad(f"{fold.bn}: the model has {qualname(type(bn))} there, the file says {fold.bn_class}")
         if type(producer) not in producer_types() or qualname(type(producer)) != fold.producer_class:
             raise bad(f"{fold.producer}: the model has {qualname(type(producer))} there, the file says "

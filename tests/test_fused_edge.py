@@ -253,3 +253,31 @@ def test_a_producer_output_kept_after_the_forward_is_not_folded():
     expected = model.features[0]
     eval_out(result.model, x)
     assert torch.equal(result.model.features[0], expected)
+
+
+# ------------------------------------------------------------------ reasons that name the real cause
+
+
+def test_a_parametrized_producer_is_named_as_the_reason():
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    parametrize.register_parametrization(model[0], "weight", Doubled())
+    result = fused(model, (2, 3, 8, 8))
+    assert bn_left(result.model) == ["1"]
+    assert "parametrized weights" in result.report.fusion["left"]["1"], result.report.fusion["left"]
+
+
+def test_a_fold_record_naming_a_non_bn_module_says_so():
+    from bnsurgeon.errors import CheckpointError
+    from bnsurgeon.fusion import plan_from_records
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    record = {"bn": "1", "producer": "0", "bn_class": "torch.nn.modules.activation.ReLU",
+              "producer_class": "torch.nn.modules.conv.Conv2d"}
+    with pytest.raises(CheckpointError, match="not a BatchNorm-family module"):
+        plan_from_records(model, [record])
