@@ -46,6 +46,8 @@ def classify(reason: str) -> str:
         return "no conv/linear producer"
     if "consumers" in reason:
         return "producer has several consumers"
+    if "a subclass whose forward" in reason or "parametrized weights" in reason:
+        return "producer is a conv/linear subclass that changes its weight"
     if reason.startswith("not called"):
         return "not called in eval"
     return "other"
