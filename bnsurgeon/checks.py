@@ -113,12 +113,25 @@ def run_forward(model: "nn.Module", x: Any, what: str, described: str | None = N
         ) from None
 
 
-def non_finite_tensors(model: "nn.Module") -> list[str]:
-    """Names of floating-point weights and buffers holding NaN or Inf."""
+def has_non_finite(tensor: "torch.Tensor") -> bool:
+    """NaN or Inf anywhere in a floating-point tensor (meta tensors hold no values).
+
+    A sum is non-finite whenever an element is (IEEE: NaN and Inf propagate, Inf - Inf is NaN),
+    so one reduction without a mask allocation decides the common all-finite case; only a
+    non-finite sum (possibly a finite overflow) is checked element by element.
+    """
     import torch
 
-    return [name for name, tensor in model.state_dict().items()
-            if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all())]
+    if not tensor.is_floating_point() or tensor.is_meta or tensor.numel() == 0:
+        return False
+    if bool(torch.isfinite(tensor.sum())):
+        return False
+    return not bool(torch.isfinite(tensor).all())
+
+
+def non_finite_tensors(model: "nn.Module") -> list[str]:
+    """Names of floating-point weights and buffers holding NaN or Inf."""
+    return [name for name, tensor in model.state_dict().items() if has_non_finite(tensor)]
 
 
 def refuse_non_finite(model: "nn.Module", origin: str) -> None:
@@ -135,7 +148,6 @@ def refuse_invalid_weights(model: "nn.Module", origin: str) -> None:
     pass (or be merely inconclusive) on a model ``verify`` then refuses: named here, nothing written.
     (Other buffers, such as attention masks, may hold -inf by design.)
     """
-    import torch
     from torch.nn.parameter import is_lazy
 
     from .surgery import is_bn_like
@@ -151,8 +163,7 @@ def refuse_invalid_weights(model: "nn.Module", origin: str) -> None:
                     if name == "running_var" and tensor.is_floating_point() and not tensor.is_meta \
                             and bool((tensor < 0).any()):
                         negative.append(f"{path}.{name}" if path else name)
-    bad = [name for name, tensor in named.items()
-           if tensor.is_floating_point() and not tensor.is_meta and not bool(torch.isfinite(tensor).all())]
+    bad = [name for name, tensor in named.items() if has_non_finite(tensor)]
     if bad:
         shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
         raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {len(bad)} tensor(s): {shown}")

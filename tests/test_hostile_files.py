@@ -219,3 +219,14 @@ def test_metadata_json_with_a_repeated_key_is_refused(good, tiny):
 def test_verify_options_that_cannot_work_are_usage_errors(tiny, args, env, message):
     result = run("verify", "tiny:build", "tiny:build", "--input-shape", "2,3,8,8", *args, env=env)
     one_line_failure(result, 2, message, "fix:")
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_the_finite_check_sees_one_bad_value_among_values_whose_sum_overflows(poison):
+    from bnsurgeon.checks import has_non_finite
+
+    values = torch.full((64,), 3e38)  # every value finite, their sum is inf: must not be called non-finite
+    assert not has_non_finite(values)
+    values[17] = poison
+    assert has_non_finite(values)
+    assert has_non_finite(torch.tensor([1.0, poison]).half()) and not has_non_finite(torch.zeros(0))
