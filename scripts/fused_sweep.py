@@ -170,6 +170,7 @@ def summarize(rows: list[dict]) -> dict:
     ratios = [r["time_ratio"] for r in ok if r.get("time_ratio") and r["folded"]]
     return {
         "models": len(rows),
+        "rows_carried_from_an_earlier_run": sum(1 for r in rows if r.get("carried_from")),
         "converted_and_checked": len(ok),
         "check_failed": sum(1 for r in rows if r.get("status") == "FAILED"),
         "not_converted": {s: sum(1 for r in rows if r.get("status") == s) for s in ("refused", "no input", "timeout", "error")},
@@ -222,14 +223,20 @@ def write_docs(rows: list[dict], docs: Path, command: str, note: str) -> None:
     lines += ["", "## Per model", "",
               "| model | BN before -> after | folded | producers from | max rel. error as converted (perturbed) | judged | fused/source time | left (reason x count) |",
               "|---|---|---|---|---|---|---|---|"]
+    carried = sorted({r["carried_from"] for r in rows if r.get("carried_from")})
+    if carried:
+        lines[lines.index("## Per model") + 1:lines.index("## Per model") + 1] = [
+            "", f"Rows marked * are carried over from an earlier run of the same sample ({', '.join(carried)}): the "
+            "models the later code changes could affect were re-run, these were not.", ""]
     for r in rows:
+        mark = "*" if r.get("carried_from") else ""
         if r.get("status") not in ("ok", "FAILED"):
-            lines.append(f"| {r['source']}:{r['model']} | - | - | - | - | - | - | {r.get('status')}: {r.get('reason', '')[:120]} |")
+            lines.append(f"| {r['source']}:{r['model']}{mark} | - | - | - | - | - | - | {r.get('status')}: {r.get('reason', '')[:120]} |")
             continue
         left = "; ".join(f"{reason} x{count}" for reason, count in r["left"].items())
         error = f"{r['rel_error']:.2g} ({r['rel_error_perturbed']:.2g})" + ("" if r["check_passed"] else " FAILED")
         timing = f"{r['time_ratio']:.3f} ({r['source_ms']:.1f} ms)" if r.get("time_ratio") else "not timed (fixed size)"
-        lines.append(f"| {r['source']}:{r['model']} | {r['bn_before']} -> {r['bn_after']} | {r['folded']} | "
+        lines.append(f"| {r['source']}:{r['model']}{mark} | {r['bn_before']} -> {r['bn_after']} | {r['folded']} | "
                      f"{r['method']} | {error} | {'/'.join(r.get('judged', []))} | {timing} | {left} |")
     (docs / "fused_sweep.md").write_text("\n".join(lines) + "\n")
 
