@@ -305,8 +305,10 @@ def _hook_reason(seen: _Observed, bn_path: str, producer_path: str | None, *, ho
             continue  # a container the BN runs inside, handing the tensor on (its uses are recorded themselves)
         else:
             others.append(what + (" (with forward hooks)" if consumer in seen.hooked_calls else ""))
-    if direct != 1 or others:
-        return f"its producer {source} feeds {direct + len(others)} consumers ({', '.join(sorted(set(others)))[:120]} besides it)"
+    if others:  # listed, not counted: a container and the module inside it are two uses of one hand-over
+        return f"its producer {source} feeds other consumers besides it ({', '.join(sorted(set(others)))[:120]})"
+    if direct != 1:
+        return f"its producer {source} feeds it {direct} times (several consumers)"
     reads = [op for owner, ops in seen.weight_reads.items() if owner == source or owner.startswith(source + ".") for op in ops]
     if reads:
         return f"the weights of {source} are also read outside its forward ({', '.join(sorted(set(reads)))[:80]})"

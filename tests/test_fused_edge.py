@@ -281,3 +281,22 @@ def test_a_fold_record_naming_a_non_bn_module_says_so():
               "producer_class": "torch.nn.modules.conv.Conv2d"}
     with pytest.raises(CheckpointError, match="not a BatchNorm-family module"):
         plan_from_records(model, [record])
+
+
+def test_hooks_only_second_consumer_is_listed_not_overcounted():
+    class Branching(nn.Module):  # untraceable (branches on the input's rank), conv output also fed to a container
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.side = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.Identity())
+
+        def forward(self, x):
+            if x.dim() == 4:
+                y = self.conv(x)
+                return self.bn(y) + self.side(y)
+            return x
+
+    result = fused(Branching(), (2, 3, 8, 8))
+    reason = result.report.fusion["left"]["bn"]
+    assert result.report.fusion["method"].startswith("hooks"), result.report.fusion["method"]
+    assert "feeds other consumers besides it" in reason and "side" in reason, reason
+    assert "feeds 3" not in reason, reason  # the container and the module inside it are one hand-over
