@@ -379,6 +379,11 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
                               "give a file path such as OUT.safetensors" if path == out
                               else f"move the directory {path} away, or choose another output name")
     if not parent.is_dir():
+        blocker = _not_a_directory(parent)
+        if blocker is not None:  # "does not exist" would misstate it, and mkdir -p would fail on it
+            path, what = blocker
+            where = f"output directory {parent}" + ("" if path == parent else f" cannot be created: {path}")
+            raise OutputError(f"{where} {what}", f"choose an output in a directory, or move {path} away")
         raise OutputError(f"output directory {parent} does not exist", f"create it first (mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"output directory {parent} is not writable", "choose a directory you can write to")
@@ -387,6 +392,21 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
             kind = "is a symlink to a missing file" if not path.exists() else "already exists"
             raise OutputError(f"output {path} {kind}", "pass --force to replace it (and its reports)")
     return out
+
+
+def _not_a_directory(directory: Path) -> "tuple[Path, str] | None":
+    """The first existing path on the way to ``directory`` that is not a directory, and what it is instead."""
+    for path in (directory, *directory.parents):
+        if not os.path.lexists(path):
+            continue
+        if path.is_dir():
+            return None
+        if path.is_symlink() and not path.exists():
+            return path, "is a symlink to a missing path, not a directory"
+        if path.is_file():
+            return path, "is a file, not a directory"
+        return path, "is not a directory (a pipe, socket or device)"
+    return None
 
 
 def atomic_write(path: Path, write: Callable[[Path], None], *, force: bool = True) -> None:
