@@ -330,8 +330,13 @@ def report_paths(output: Path) -> tuple[Path, Path]:
     return output.with_name(output.name + ".report.json"), output.with_name(output.name + ".report.md")
 
 
-def check_output_path(output: str | os.PathLike, inputs: list[str | os.PathLike], *, force: bool) -> Path:
-    """Refuse outputs that would lose data or cannot be written, before any work is done."""
+def check_output_path(output: str | os.PathLike, inputs: "list[str | os.PathLike | tuple[str | os.PathLike, str]]",
+                      *, force: bool) -> Path:
+    """Refuse outputs that would lose data or cannot be written, before any work is done.
+
+    ``inputs`` are every file the command reads (SOURCE, ``--example-input``): none may be an
+    output, ``force`` or not. An item ``(path, label)`` is named by its label in the message.
+    """
     out = Path(output)
     try:
         str(out).encode("utf-8")
@@ -364,6 +369,7 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
         raise OutputError(f"cannot tell the format of output {out}", f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar")
     written = (out, *report_paths(out))  # the reports are outputs too: each is checked like the checkpoint
     for source in inputs:
+        source, label = source if isinstance(source, tuple) else (source, "the input file")
         source_path = Path(source)
         for path in written:
             same = source_path.resolve() == path.resolve() or (
@@ -371,8 +377,8 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
             )
             if same:
                 what = "output" if path == out else "report"
-                raise OutputError(f"{what} {path} is the input file",
-                                  "write to a new path; bnsurgeon never overwrites its input")
+                raise OutputError(f"{what} {path} is {label}",
+                                  "write to a new path; bnsurgeon never overwrites an input, --force or not")
     for path in written:
         if path.is_dir():
             raise OutputError(f"output {path} is a directory",

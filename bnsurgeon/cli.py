@@ -247,7 +247,7 @@ def convert(
     weights: Optional[str] = WeightsOption,
     trust_pickle: bool = TrustOption,
     accept_recorded_args: bool = AcceptArgsOption,
-    force: bool = typer.Option(False, "--force", help="Replace OUTPUT and its reports if they exist (never the input)."),
+    force: bool = typer.Option(False, "--force", help="Replace OUTPUT and its reports if they exist (never an input: SOURCE or --example-input)."),
     no_check: bool = typer.Option(False, "--no-check", help="Skip the eval-equivalence check before writing."),
     input_shape: Optional[str] = InputShapeOption,
     example_input: Optional[Path] = ExampleInputOption,
@@ -279,7 +279,7 @@ def convert(
                 model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle,
                 accept_recorded_args=accept_recorded_args, force=force,
                 check=not no_check, input_shape=_parse_shape(input_shape),
-                example_input=_example_input(example_input),
+                example_input=example_input,  # a path: checked against the outputs, then read
                 include=tuple(include or ()), exclude=tuple(exclude or ()),
                 verify_world_sizes=(2,) if verify else (),
                 progress=progress, allow_no_bn=allow_no_bn,

@@ -182,7 +182,7 @@ def convert_source(
     force: bool = False,
     check: bool = True,
     input_shape: tuple[int, ...] | None = None,
-    example_input: "CheckInput | None" = None,
+    example_input: "CheckInput | str | os.PathLike | None" = None,
     include: tuple[str, ...] = (),
     exclude: tuple[str, ...] = (),
     verify_world_sizes: tuple[int, ...] = (),
@@ -194,7 +194,8 @@ def convert_source(
     ``progress`` is told the name of each phase as it starts (the CLI shows a spinner).
     A model with no BN-family module raises NothingToConvertError unless ``allow_no_bn``.
     A .pt/.pth/.pth.tar output carries a training checkpoint's other entries
-    (``training_checkpoint.carry_entries``).
+    (``training_checkpoint.carry_entries``). ``example_input`` given as a path (``--example-input``)
+    is an input like SOURCE: refused as an output, then read.
     """
     from .rules import check_target
     from .training_checkpoint import carry_entries
@@ -205,7 +206,13 @@ def convert_source(
     if verify_world_sizes and not check:
         raise UsageError("--verify needs the eval check", "drop --no-check")
     timeout = verify_timeout_s() if verify_world_sizes else None
-    out = check_output_path(output, [source], force=force) if output is not None else None
+    example_file = example_input if isinstance(example_input, (str, os.PathLike)) else None
+    inputs = [source] + ([(example_file, "the --example-input file")] if example_file is not None else [])
+    out = check_output_path(output, inputs, force=force) if output is not None else None
+    if example_file is not None:
+        from .check_input import load_example_input
+
+        example_input = load_example_input(example_file)
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
