@@ -119,11 +119,28 @@ def _read_safetensors(path: Path, mmap: bool) -> RawCheckpoint:
     try:
         with safe_open(str(path), framework="pt") as handle:  # validates the header and offsets
             metadata = handle.metadata() or {}
+            header = _safetensors_header(path)
+            for key, info in header.items():  # before any tensor is made: name what torch cannot hold
+                _torch_layout(path, key, info)
             if mmap:
                 tensors = {key: handle.get_tensor(key) for key in handle.keys()}
         if not mmap:
-            tensors = _read_safetensors_copy(path)
-    except (SafetensorError, OSError, ValueError) as error:
+            tensors = _read_safetensors_copy(path, header)
+    except SafetensorError as error:
+        # serde's "unknown variant `X`, expected one of `BOOL`, ..., `F32`, ...": the dtype enum
+        unknown = re.search(r"unknown variant `([^`]{1,40})`, expected one of [^\n]*`F32`", str(error))
+        if unknown is not None:  # a dtype newer than this safetensors: not a damaged file
+            import safetensors
+
+            raise CheckpointError(
+                f"{path} has a tensor of dtype {unknown.group(1)!r}, which safetensors {safetensors.__version__} "
+                "does not know", "save the tensors in a common dtype (F32, F16, BF16), or upgrade safetensors",
+            ) from None
+        raise CheckpointError(
+            f"{path} is not a readable .safetensors file ({error})",
+            "the file is truncated or corrupt; re-download or re-export it",
+        ) from None
+    except (OSError, ValueError) as error:
         raise CheckpointError(
             f"{path} is not a readable .safetensors file ({error})",
             "the file is truncated or corrupt; re-download or re-export it",
@@ -134,15 +151,57 @@ def _read_safetensors(path: Path, mmap: bool) -> RawCheckpoint:
     return RawCheckpoint(path, tensors, dict(metadata))
 
 
-#: safetensors dtype names -> torch dtype attribute names
+#: safetensors dtype names -> torch dtype attribute names (every dtype safetensors 0.8 knows)
 SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
     "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16", "U32": "uint32",
-    "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+    "F4": "float4_e2m1fn_x2",  # two 4-bit values per byte: the last dimension is halved, as safetensors does
 }
+#: dtypes stored packed, several values per torch element: values per element
+PACKED = {"F4": 2}
+#: what the dtypes torch has no type for are, for the message
+NO_TORCH_DTYPE = {"F6_E2M3": "6-bit float", "F6_E3M2": "6-bit float"}
 
 
-def _read_safetensors_copy(path: Path) -> dict[str, "torch.Tensor"]:
+def _torch_layout(path: Path, key: str, info: dict[str, Any]) -> "tuple[torch.dtype, list[int]]":
+    """The torch dtype and shape of a safetensors tensor entry; CheckpointError naming the dtype when
+    torch cannot hold it."""
+    import torch
+
+    name, shape = info["dtype"], list(info["shape"])
+    dtype = getattr(torch, SAFETENSORS_DTYPES.get(name, "") if isinstance(name, str) else "", None)
+    if not isinstance(dtype, torch.dtype):
+        what = f" ({NO_TORCH_DTYPE[name]})" if name in NO_TORCH_DTYPE else ""
+        raise CheckpointError(
+            f"{path}: tensor {key[:200]!r} has dtype {str(name)[:40]}{what}, which is not supported by torch "
+            f"{torch.__version__}",
+            "save that tensor in a dtype torch has (F32, F16, BF16), or use a torch that supports it",
+        )
+    packed = PACKED.get(name, 1)
+    if packed > 1:
+        if not shape or shape[-1] % packed:
+            raise CheckpointError(
+                f"{path}: tensor {key[:200]!r} has dtype {name} and shape {tuple(shape)}; torch holds {name} only "
+                f"{packed} values to an element, along a last dimension divisible by {packed}",
+                "save that tensor in a dtype torch has (F32, F16, BF16)")
+        shape[-1] //= packed
+    return dtype, shape
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    """The tensors' entries of a safetensors header (already validated by ``safe_open``)."""
+    import struct
+
+    with open(path, "rb") as stream:
+        (length,) = struct.unpack("<Q", stream.read(8))
+        header = json.loads(stream.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _read_safetensors_copy(path: Path, header: dict[str, Any]) -> dict[str, "torch.Tensor"]:
     """Every tensor read into memory of its own, one at a time (peak: the tensors, no second copy).
 
     safetensors' own readers return views of a memory map; ``safetensors.torch.load``
@@ -156,18 +215,14 @@ def _read_safetensors_copy(path: Path) -> dict[str, "torch.Tensor"]:
     tensors = {}
     with open(path, "rb") as stream:
         (length,) = struct.unpack("<Q", stream.read(8))
-        header = json.loads(stream.read(length))
-        header.pop("__metadata__", None)
         for key, info in header.items():
             start, end = info["data_offsets"]
-            dtype = getattr(torch, SAFETENSORS_DTYPES.get(info["dtype"], ""), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"tensor {key!r} has dtype {info['dtype']}, which this torch cannot hold")
+            dtype, shape = _torch_layout(path, key, info)
             data = torch.empty(end - start, dtype=torch.uint8)
             stream.seek(8 + length + start)
             if stream.readinto(memoryview(data.numpy())) != end - start:
                 raise ValueError(f"tensor {key!r} ends past the end of the file")
-            tensors[key] = data.view(dtype).reshape(info["shape"])
+            tensors[key] = data.view(dtype).reshape(shape)
     return tensors
 
 

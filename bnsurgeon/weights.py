@@ -68,6 +68,7 @@ def check_fit(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any 
     """Raise WeightsMismatchError listing missing, unexpected and shape-mismatched keys."""
     expected = expected if expected is not None else model.state_dict()
     refuse_non_dense(state, origin)
+    refuse_packed({k: v for k, v in state.items() if k in expected}, origin)  # unexpected ones are listed below
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     mismatched = [
@@ -98,6 +99,23 @@ def refuse_non_dense(state: dict[str, "torch.Tensor"], origin: Any) -> None:
         shown = ", ".join(odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
         raise WeightsMismatchError(f"weights in {origin} are not dense tensors: {len(odd)} tensor(s), {shown}",
                                    "save the state dict with dense tensors (tensor.to_dense(), or dequantize())")
+
+
+#: torch dtypes that pack several values into one element: no model weight is one, and torch casts none of them
+PACKED_DTYPES = {"float4_e2m1fn_x2": "two 4-bit floats", "bits1x8": "eight bits", "bits2x4": "four 2-bit values",
+                 "bits4x2": "two 4-bit values"}
+
+
+def refuse_packed(state: dict[str, "torch.Tensor"], origin: Any) -> None:
+    """A packed tensor (safetensors F4) has half the values' shape and no cast: named, not called a shape mismatch."""
+    odd = [f"{key} ({str(value.dtype)[6:]}, {PACKED_DTYPES[str(value.dtype)[6:]]} per element)"
+           for key, value in state.items() if str(value.dtype)[6:] in PACKED_DTYPES]
+    if odd:
+        shown = ", ".join(odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
+        raise WeightsMismatchError(
+            f"weights in {origin} are stored packed, which torch cannot cast to the model's dtypes: "
+            f"{len(odd)} tensor(s), {shown}",
+            "unpack them to the model's dtype (e.g. float32) and save the checkpoint again")
 
 
 def refuse_lossy_casts(state: dict[str, "torch.Tensor"], expected: dict[str, "torch.Tensor"], origin: Any) -> None:

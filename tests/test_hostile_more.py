@@ -63,3 +63,61 @@ def test_the_example_input_reached_by_a_symlink_or_hard_link_is_still_an_input(t
         result = run("convert", "tiny:build", "-o", tiny / output, "--example-input", "x.pt", "--force")
         one_line_failure(result, 8, "is the --example-input file")
     assert (tiny / "x.pt").read_bytes() == content and (tiny / "sym.pt").is_symlink()
+
+
+# ---- safetensors dtypes beyond the common ones --------------------------------------------------
+
+def raw_safetensors(path, state, odd_key, dtype, nbytes, shape):
+    """A .safetensors file written byte by byte: ``state`` as F32/I64, and ``odd_key`` (replacing or beside
+    a tensor of ``state``) of any dtype name, its bytes all 0x38."""
+    import struct
+
+    header, blobs, offset = {}, [], 0
+    entries = {k: v for k, v in state.items() if k != odd_key}
+    for key, value in [*entries.items(), (odd_key, None)]:
+        data = b"\x38" * nbytes if value is None else value.contiguous().numpy().tobytes()
+        name = dtype if value is None else {torch.float32: "F32", torch.int64: "I64"}[value.dtype]
+        header[key] = {"dtype": name, "shape": list(shape if value is None else value.shape),
+                       "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    return path
+
+
+@pytest.mark.parametrize("dtype, nbytes, shape, code, message", [
+    ("C64", 32, (4,), 6, "1.weight (complex64 -> float32)"),  # read, then refused as a lossy cast, as for .pt
+    ("F8_E8M0", 4, (4,), 0, None),  # exact in float32: read and cast
+    ("F8_E4M3FNUZ", 4, (4,), 0, None),
+    ("F8_E5M2FNUZ", 4, (4,), 0, None),
+    ("F4", 2, (4,), 6, "1.weight (float4_e2m1fn_x2, two 4-bit floats per element)"),
+    ("F4", 3, (2, 3), 4, "dtype F4 and shape (2, 3)"),
+    ("F6_E2M3", 3, (4,), 4, "dtype F6_E2M3 (6-bit float), which is not supported by torch"),
+    ("F6_E3M2", 3, (4,), 4, "dtype F6_E3M2 (6-bit float), which is not supported by torch"),
+    ("Q9", 4, (4,), 4, "dtype 'Q9', which safetensors"),
+])
+def test_safetensors_dtypes_are_read_or_named(tiny, dtype, nbytes, shape, code, message):
+    import tiny as tiny_module
+
+    path = raw_safetensors(tiny / "w.safetensors", tiny_module.build().state_dict(), "1.weight", dtype, nbytes, shape)
+    result = run("convert", path, "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
+    if code == 0:
+        assert result.exit_code == 0, result.output
+        return
+    one_line_failure(result, code, message)
+    assert "corrupt" not in result.output and "cannot hold" not in result.output
+    assert not (tiny / "o.safetensors").exists()
+    if code == 4:  # inspect maps the file instead of copying it: the same line
+        one_line_failure(run("inspect", path), 4, message)
+
+
+def test_an_unexpected_tensor_of_a_rare_dtype_is_listed_as_unexpected(tiny):
+    import tiny as tiny_module
+
+    for dtype, nbytes in (("C64", 32), ("F4", 2), ("F8_E8M0", 4)):
+        path = raw_safetensors(tiny / "w.safetensors", tiny_module.build().state_dict(), "extra", dtype, nbytes, (4,))
+        assert run("inspect", path).exit_code == 0
+        result = run("convert", path, "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
+        one_line_failure(result, 6, "unexpected 1: extra")
