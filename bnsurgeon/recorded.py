@@ -106,7 +106,7 @@ def _schema(raw: RawCheckpoint) -> int:
 
 
 def _architecture(raw: RawCheckpoint) -> Architecture:
-    from .trust import FACTORY_PATTERN, TIMM_NAME_PATTERN, is_plain_literal
+    from .trust import FACTORY_PATTERN, TIMM_NAME_PATTERN, is_plain_literal, size_args_problem
 
     value = _field(raw, "architecture", {})
     if not isinstance(value, dict) or set(value) - {"kind", "name", "kwargs"}:
@@ -122,6 +122,9 @@ def _architecture(raw: RawCheckpoint) -> Architecture:
         raise _bad(raw, "architecture", f"names {name!r}, not a timm model name")
     if not isinstance(kwargs, dict) or not is_plain_literal(kwargs):
         raise _bad(raw, "architecture", "has kwargs that are not plain literals (str, number, bool, None, lists, dicts)")
+    problem = size_args_problem(kwargs)
+    if problem:  # it would shape the model: refused before anything is built
+        raise MetadataError(f"{raw.path}: metadata {PREFIX}architecture kwargs.{problem}")
     return Architecture(kind, name, dict(kwargs))
 
 

@@ -31,7 +31,7 @@ from .checkpoint import (
 from .errors import CheckpointError, UsageError
 from .rebuild import rebuild_from_checkpoint
 from .recorded import architecture_from_checkpoint, read_recorded, state_from_checkpoint  # noqa: F401
-from .trust import TIMM_NAME_PATTERN, confirm_architecture, is_plain_literal
+from .trust import TIMM_NAME_PATTERN, confirm_architecture, is_plain_literal, size_arg_problem
 from .weights import check_fit, load_weights, materialize  # noqa: F401
 
 TRAINING_ARG_NAMES = ("num_classes", "in_chans", "global_pool")
@@ -141,6 +141,10 @@ def _architecture_for(path, raw: RawCheckpoint, model, model_args, accept_record
                 if not is_plain_literal(value):
                     raise CheckpointError(f"{path}: args.{name} is a {type(value).__name__}, not a plain value",
                                           f"pass {flag}-arg {name}=VALUE and {flag} {arch}")
+                problem = size_arg_problem(name, value)
+                if problem:  # it would shape the model: refused before anything is built
+                    raise CheckpointError(f"{path}: args.{name} {problem}",
+                                          f"pass {flag} {arch} and {flag}-arg {name}=VALUE")
                 recorded[name] = value
         return confirm_architecture(Architecture("timm", arch, recorded), path, None, model_args,
                                     accept_recorded_args=accept_recorded_args, flag=flag)

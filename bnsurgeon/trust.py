@@ -24,6 +24,12 @@ TIMM_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 #: timm constructor arguments that a strict load of the file's tensors verifies
 TENSOR_CHECKED_TIMM_ARGS = frozenset({"num_classes", "in_chans"})
 PLAIN_SCALARS = (str, int, float, bool, type(None))
+#: constructor arguments that size a model's tensors: read from a file, each must be a size
+SIZE_ARGS = frozenset({"num_classes", "in_chans", "num_features", "embed_dim", "num_heads", "img_size"})
+#: sizes that may be 0 (timm's num_classes=0: no classifier)
+ZERO_SIZE_ARGS = frozenset({"num_classes"})
+#: no model dimension is larger (ImageNet-21k has 21,843 classes); a larger one is an allocation bomb
+MAX_SIZE_ARG = 1 << 24
 
 
 def is_plain_literal(value: Any, depth: int = 0) -> bool:
@@ -39,6 +45,42 @@ def is_plain_literal(value: Any, depth: int = 0) -> bool:
     if isinstance(value, dict):
         return all(isinstance(key, str) and is_plain_literal(item, depth + 1) for key, item in value.items())
     return False
+
+
+def size_arg_problem(name: str, value: Any) -> str | None:
+    """Why a size-like constructor argument read from a file is not a size (None: it is one, or not size-like).
+
+    ``True`` is an int to Python and ``2.5`` or ``"10"`` reach the constructor as they are: each
+    would build a different model, raise deep inside it, or (10**13) try to allocate it.
+    ``img_size`` may also be a list of 1-3 sides.
+    """
+    if name not in SIZE_ARGS:
+        return None
+    low = 0 if name in ZERO_SIZE_ARGS else 1
+    sides = value if name == "img_size" and isinstance(value, (list, tuple)) and 1 <= len(value) <= 3 else [value]
+    if all(_is_size(side, low) for side in sides):
+        return None
+    kind = f" ({type(value).__name__})" if not isinstance(value, int) or isinstance(value, bool) else ""
+    what = "a size or a list of 1-3 sizes" if name == "img_size" else "a size"
+    return f"is {_shown(value)}{kind}, not {what} (a whole number from {low} to {MAX_SIZE_ARG:,})"
+
+
+def _is_size(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_SIZE_ARG
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def size_args_problem(kwargs: dict[str, Any]) -> str | None:
+    """The first size-like argument of ``kwargs`` that is not a size, as ``name problem``."""
+    for name, value in kwargs.items():
+        problem = size_arg_problem(name, value)
+        if problem:
+            return f"{name} {problem}"
+    return None
 
 
 def check_factory_spec(spec: str) -> None:

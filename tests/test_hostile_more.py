@@ -121,3 +121,41 @@ def test_an_unexpected_tensor_of_a_rare_dtype_is_listed_as_unexpected(tiny):
         assert run("inspect", path).exit_code == 0
         result = run("convert", path, "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
         one_line_failure(result, 6, "unexpected 1: extra")
+
+
+# ---- sizes read from a file are sizes -------------------------------------------------------------
+
+NOT_SIZES = [("num_classes", True), ("num_classes", -3), ("num_classes", 2.5), ("num_classes", "10"),
+             ("num_classes", 10 ** 13), ("in_chans", 0), ("in_chans", False), ("img_size", [224, -1])]
+
+
+@pytest.mark.parametrize("name, value", NOT_SIZES)
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_a_recorded_size_that_is_not_a_size_is_refused_naming_the_field(good, tiny, name, value, command):
+    bad = edited(good, tiny / "bad.safetensors", architecture={"kind": "factory", "name": "tiny:build",
+                                                               "kwargs": {name: value}})
+    before = listing(tiny)
+    args = ["-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8"] if command == "convert" else []
+    result = run(command, bad, "--model", "tiny:build", "--accept-recorded-args", *args)
+    one_line_failure(result, 4, f"bnsurgeon.architecture kwargs.{name} is {value!r}", "not a size")
+    assert listing(tiny) == before and not (tiny / "called.txt").exists()
+
+
+@pytest.mark.parametrize("name, value", NOT_SIZES[:6])
+def test_a_training_checkpoint_size_that_is_not_a_size_is_refused_naming_the_field(tiny, name, value):
+    import argparse
+
+    torch.save({"arch": "resnet10t", "state_dict": {"fc.weight": torch.zeros(2, 2)},
+                "args": argparse.Namespace(**{name: value})}, tiny / "last.pth.tar")
+    for command, args in (("inspect", []), ("convert", ["-o", tiny / "o.pt"])):
+        result = run(command, tiny / "last.pth.tar", *args)
+        one_line_failure(result, 4, f"args.{name} is {value!r}", "not a size", "--model resnet10t")
+    assert not (tiny / "o.pt").exists()
+
+
+def test_sizes_that_are_sizes_still_build():
+    from bnsurgeon.trust import size_arg_problem
+
+    for name, value in [("num_classes", 0), ("num_classes", 21843), ("in_chans", 1), ("img_size", [224, 224]),
+                        ("img_size", 96), ("width", 1.5), ("global_pool", "avg")]:
+        assert size_arg_problem(name, value) is None, (name, value)
