@@ -12,7 +12,7 @@ from .history import replay
 from .recorded import check_rebuilt, read_recorded, state_from_checkpoint
 from .surgery import name_sync_layers
 from .trust import confirm_architecture
-from .weights import load_weights, materialize
+from .weights import check_fit, load_weights, materialize
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,8 +38,9 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
         return replay(base, history, recorded.classes, folds=recorded.folds if target == "fused" else None,
                       origin=str(raw.path))
 
-    if meta:
+    if meta:  # nothing allocated, but the file's tensors must fit what is listed (keys and shapes)
         rebuilt = build(True)
+        check_fit(rebuilt, state_from_checkpoint(raw, recorded, weights), raw.path)
     elif model is not None:
         rebuilt = build(False)
         load_weights(rebuilt, state_from_checkpoint(raw, recorded, weights), raw.path)

@@ -95,9 +95,10 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_reco
     key = pick_weights(path, candidates, weights)
     state = candidates[key]
     architecture = _architecture_for(path, raw, model, model_args, accept_recorded_args, flag)
-    if meta:
+    if meta:  # nothing allocated, but the file's tensors must fit what is listed (keys and shapes)
         built = architecture.build(meta=True)
         state, prefix = strip_common_prefix(state, set(built.state_dict()))
+        check_fit(built, state, path)
     else:
         prefix_found: list[str] = []
 

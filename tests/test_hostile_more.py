@@ -159,3 +159,33 @@ def test_sizes_that_are_sizes_still_build():
     for name, value in [("num_classes", 0), ("num_classes", 21843), ("in_chans", 1), ("img_size", [224, 224]),
                         ("img_size", 96), ("width", 1.5), ("global_pool", "avg")]:
         assert size_arg_problem(name, value) is None, (name, value)
+
+
+# ---- inspect lists only a model the file's weights fit ------------------------------------------
+
+def test_inspect_refuses_a_recorded_model_the_weights_do_not_fit(good, tiny):
+    wider = edited(good, tiny / "wide.safetensors", architecture={"kind": "factory", "name": "tiny:build",
+                                                                  "kwargs": {"width": 6}})
+    result = run("inspect", wider, "--model", "tiny:build", "--accept-recorded-args")
+    one_line_failure(result, 6, "do not fit the architecture", "shape mismatch", "1.weight (4,) vs (6,)")
+    assert "BN-family modules" not in result.output
+
+
+def test_inspect_refuses_a_training_checkpoint_whose_weights_do_not_fit_its_arch(tiny):
+    import argparse
+
+    import tiny as tiny_module
+
+    torch.save({"arch": "resnet10t", "state_dict": tiny_module.build().state_dict(),
+                "args": argparse.Namespace(num_classes=1_000_000)}, tiny / "last.pth.tar")
+    result = run("inspect", tiny / "last.pth.tar")
+    one_line_failure(result, 6, "do not fit the architecture", "missing", "unexpected")
+    assert "parameters" not in result.output  # a 10^6-class model was listed as if the file held it
+
+
+def test_inspect_with_model_refuses_a_state_dict_that_does_not_fit(tiny):
+    import tiny as tiny_module
+
+    torch.save(tiny_module.build(width=6).state_dict(), tiny / "w.pth")
+    one_line_failure(run("inspect", tiny / "w.pth", "--model", "tiny:build"), 6, "shape mismatch", "(6, 3, 3, 3) vs (4, 3, 3, 3)")
+    assert run("inspect", tiny / "w.pth", "--model", "tiny:wide").exit_code == 0
