@@ -289,19 +289,45 @@ def _is_tensor_dict(value: Any) -> bool:
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
 
 
+def entry_name(key: Any) -> str:
+    """How an entry of a loaded dict is named in listings and reports: a string key as it is, any other
+    key (an int, a tuple: weights_only loads them) with its type, so that 5 and '5' stay apart."""
+    return key if isinstance(key, str) else f"{key!r} ({type(key).__name__} key)"
+
+
+def _a(word: str) -> str:
+    return ("an " if word[:1].lower() in "aeiou" else "a ") + word
+
+
 def why_not_a_state_dict(obj: Any) -> str | None:
-    """For a file with tensors but no state dict: the first entry that keeps a dict from being one."""
+    """For a file with tensors but no state dict: the first entry that keeps a dict from being one.
+
+    The usual containers (``state_dict``, ``model``, ...) are looked at before the top level, so that
+    a training checkpoint whose ``state_dict`` has one bad key is described by that key, not by its
+    ``state_dict`` entry being a dict.
+    """
     import torch
 
-    candidates = [("", obj)] + [(key, obj.get(key)) for key in NESTED_KEYS if isinstance(obj, dict)]
+    candidates = []
+    if isinstance(obj, dict):
+        for key in NESTED_KEYS:
+            value = obj.get(key)
+            candidates.append((key, value))
+            if isinstance(value, dict) and isinstance(value.get("state_dict"), dict):
+                candidates.append((f"{key}.state_dict", value["state_dict"]))
+    candidates.append(("", obj))
     for where, value in candidates:
-        if isinstance(value, dict) and count_tensors(value):
-            for key, item in value.items():
-                if not isinstance(key, str) or not isinstance(item, torch.Tensor):
-                    place = f"'{where}' " if where else ""
-                    return (f"its {place}dict holds {count_tensors(value)} tensor(s), but entry {str(key)[:80]!r} is "
-                            f"{'a ' + type(item).__name__ if isinstance(key, str) else 'keyed by a ' + type(key).__name__}"
-                            f" (a state dict maps names to tensors only)")
+        if not isinstance(value, dict):
+            continue
+        tensors = sum(isinstance(item, torch.Tensor) for item in value.values())
+        if not tensors:
+            continue
+        for key, item in value.items():
+            if not isinstance(key, str) or not isinstance(item, torch.Tensor):
+                place = f"'{where}' " if where else ""
+                what = f"is {_a(type(item).__name__)}" if isinstance(key, str) else f"is keyed by {_a(type(key).__name__)}"
+                return (f"its {place}dict holds {tensors} tensor(s), but entry {repr(key)[:80]} {what}"
+                        " (a state dict maps names to tensors only)")
     return None
 
 
@@ -350,7 +376,7 @@ def describe_checkpoint(raw: RawCheckpoint) -> dict[str, Any]:
 
     obj = raw.obj
     if isinstance(obj, dict) and not _is_tensor_dict(obj):
-        entries = [entry(str(k), v) for k, v in obj.items()]
+        entries = [entry(entry_name(k), v) for k, v in obj.items()]
     else:
         entries = [entry("<top level>", obj)]
     weights = {name or "<top level>": len(state) for name, state in state_dict_candidates(obj).items()}

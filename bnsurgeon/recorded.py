@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .architecture import Architecture
-from .checkpoint import PREFIX, RawCheckpoint, expand_aliases, pick_weights, state_dict_candidates
+from .checkpoint import PREFIX, RawCheckpoint, expand_aliases, pick_weights, state_dict_candidates, why_not_a_state_dict
 from .errors import CheckpointError, MetadataError
 from .fields import qualname
 from .surgery import plan
@@ -142,7 +142,13 @@ def stored_tensors(raw: RawCheckpoint, weights: str | None = None) -> dict[str, 
     candidates = state_dict_candidates(raw.obj)
     if weights is not None:
         return candidates[pick_weights(raw.path, candidates, weights)]
-    return candidates.get("state_dict") or candidates.get("") or {}
+    found = candidates.get("state_dict") or candidates.get("")
+    if found is None:
+        reason = why_not_a_state_dict(raw.obj)
+        if reason:  # tensors are there: "missing every key" would misstate the file
+            raise CheckpointError(f"{raw.path} holds no state dict bnsurgeon can use: {reason}",
+                                  "the file's state_dict was edited; convert the original again")
+    return found or {}
 
 
 def recorded_rules(raw: RawCheckpoint) -> list[str]:

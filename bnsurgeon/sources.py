@@ -22,6 +22,7 @@ from .checkpoint import (
     SAFETENSORS_SUFFIXES,
     TORCH_SUFFIXES,
     RawCheckpoint,
+    entry_name,
     pick_weights,
     read_checkpoint,
     state_dict_candidates,
@@ -121,7 +122,7 @@ def _carried(raw: RawCheckpoint, key: str) -> dict[str, Any]:
     """What the source checkpoint held besides the chosen weights (reported; not written)."""
     if not isinstance(raw.obj, dict) or key == "":
         return {}
-    return {name: type(value).__name__ for name, value in raw.obj.items() if name != key}
+    return {entry_name(name): type(value).__name__ for name, value in raw.obj.items() if name != key}
 
 
 def _architecture_for(path, raw: RawCheckpoint, model, model_args, accept_recorded_args, flag) -> Architecture:

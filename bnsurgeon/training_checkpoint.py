@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import count_tensors, state_dict_candidates, strip_common_prefix
+from .checkpoint import count_tensors, entry_name, state_dict_candidates, strip_common_prefix
 from .errors import UsageError
 from .architecture import LoadedSource
 from .weights import load_weights
@@ -105,7 +105,7 @@ def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | No
     carried = Carried()
     if not writes_extras(output):
         reason = "not written: a .safetensors output holds the model's tensors only; write .pth/.pth.tar to carry it"
-        carried.summary = {name: f"{_describe(value)}; {reason}" for name, value in others.items()}
+        carried.summary = {entry_name(name): f"{_describe(value)}; {reason}" for name, value in others.items()}
         return carried
 
     target = result.report.target
@@ -115,25 +115,25 @@ def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | No
         carried.summary[weights_entry] = f"the converted weights (the same tensors as state_dict), {len(weights)} tensors"
     candidates = state_dict_candidates(raw.obj)
     for name, value in others.items():
-        nested_keys = [key for key in candidates if key.split(".", 1)[0] == name]
+        nested_keys = [key for key in candidates if isinstance(name, str) and key.split(".", 1)[0] == name]
         if nested_keys:
             state = _converted_copy(result, candidates[nested_keys[0]], f"{raw.path} entry {nested_keys[0]!r}")
             carried.entries[name] = _nest(value, nested_keys[0], state)
-            carried.summary[name] = f"converted to {target} like the model ({len(state)} tensors)"
+            carried.summary[entry_name(name)] = f"converted to {target} like the model ({len(state)} tensors)"
         elif is_optimizer_state(value):
             if not parameters_unchanged(result):
                 raise UsageError(
-                    f"{raw.path} holds optimizer state ({name!r}) that --to {target} would invalidate: the converted "
+                    f"{raw.path} holds optimizer state ({entry_name(name)!r}) that --to {target} would invalidate: the converted "
                     f"model's parameters differ from the source's ({_parameter_change(result)}), and optimizer state "
                     "is indexed by parameter position",
                     "write a .safetensors output (weights only) and start a new optimizer, or convert to sync/plain",
                 )
             carried.entries[name] = value
-            carried.summary[name] = (f"carried ({_describe(value)}); still valid: the converted model has the "
+            carried.summary[entry_name(name)] = (f"carried ({_describe(value)}); still valid: the converted model has the "
                                      "source's parameters, same objects in the same order")
         else:
             carried.entries[name] = value
-            carried.summary[name] = f"carried ({_describe(value)})"
+            carried.summary[entry_name(name)] = f"carried ({_describe(value)})"
     return carried
 
 

@@ -170,8 +170,8 @@ def test_weights_that_are_not_dense_tensors_are_named(tiny, layout):
 
 
 @pytest.mark.parametrize("state, message", [
-    ("extra", "entry 'epoch' is a int"),
-    ("int_keys", "keyed by a int"),
+    ("extra", "entry 'epoch' is an int"),
+    ("int_keys", "entry 0 is keyed by an int"),
 ])
 def test_a_dict_that_is_almost_a_state_dict_is_described_truly(tiny, state, message):
     import tiny as tiny_module

@@ -189,3 +189,43 @@ def test_inspect_with_model_refuses_a_state_dict_that_does_not_fit(tiny):
     torch.save(tiny_module.build(width=6).state_dict(), tiny / "w.pth")
     one_line_failure(run("inspect", tiny / "w.pth", "--model", "tiny:build"), 6, "shape mismatch", "(6, 3, 3, 3) vs (4, 3, 3, 3)")
     assert run("inspect", tiny / "w.pth", "--model", "tiny:wide").exit_code == 0
+
+
+# ---- entries keyed by something other than a name ---------------------------------------------
+
+@pytest.mark.parametrize("output", ["o.pt", "o.safetensors"])
+def test_training_checkpoint_entries_keyed_by_ints_or_tuples_are_carried_and_named(tiny, output):
+    import tiny as tiny_module
+
+    torch.save({"state_dict": tiny_module.build().state_dict(), 7: "seven", "7": "the string", (1, 2): torch.ones(2)},
+               tiny / "last.pth")
+    listed = run("inspect", tiny / "last.pth")
+    assert listed.exit_code == 0 and "7 (int key)" in listed.output and "(1, 2) (tuple key)" in listed.output
+    result = run("convert", tiny / "last.pth", "--model", "tiny:build", "-o", tiny / output, "--input-shape", "2,3,8,8")
+    assert result.exit_code == 0, result.output
+    assert "free disk space" not in result.output
+    carried = json.loads((tiny / f"{output}.report.json").read_text())["carried"]
+    assert set(carried) == {"7 (int key)", "7", "(1, 2) (tuple key)"}
+    if output == "o.pt":
+        written = torch.load(tiny / output, weights_only=True)
+        assert written[7] == "seven" and written["7"] == "the string" and torch.equal(written[(1, 2)], torch.ones(2))
+    else:
+        assert all("not written" in what for what in carried.values())
+
+
+@pytest.mark.parametrize("bnsurgeon_file", [False, True])
+def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused_naming_that_key(good, tiny, bnsurgeon_file):
+    import tiny as tiny_module
+
+    if bnsurgeon_file:  # a bnsurgeon .pt whose state_dict gained an int key: not "missing every key"
+        assert run("convert", good, "--model", "tiny:build", "--to", "plain", "-o", tiny / "g.pt").exit_code == 0
+        obj = torch.load(tiny / "g.pt", weights_only=True)
+        obj["state_dict"][5] = torch.zeros(1)
+    else:
+        obj = {"state_dict": {**tiny_module.build().state_dict(), 5: torch.zeros(1)}, "epoch": 3}
+    torch.save(obj, tiny / "w.pt")
+    for command, args in (("inspect", []), ("convert", ["-o", tiny / "o.pt", "--input-shape", "2,3,8,8"])):
+        result = run(command, tiny / "w.pt", "--model", "tiny:build", *args)
+        one_line_failure(result, 4, "its 'state_dict' dict holds 15 tensor(s), but entry 5 is keyed by an int")
+        assert "missing" not in result.output and "is a OrderedDict" not in result.output
+    assert not (tiny / "o.pt").exists()
