@@ -80,9 +80,10 @@ def _bounded(text: str) -> str:
 def _fail(message: str, hint: str, code: int) -> None:
     from rich.text import Text
 
-    from .render import console
+    from .render import console, printable
 
-    message, hint = _bounded(message), _bounded(hint)
+    # escaped before it is cut: a message quotes keys, paths and metadata from a file (ESC, \r, bidi)
+    message, hint = _bounded(printable(message)), _bounded(printable(hint))
     out = console()
     # Text, never markup: messages quote paths and file metadata, where "[/]" or ":fire:" is data
     out.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False)

@@ -14,6 +14,29 @@ from dataclasses import dataclass
 from typing import Sequence
 
 ELLIPSIS = "..."
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on or hide written as an escape.
+
+    Names, keys, metadata and paths come from files: an ESC sequence in a state-dict key
+    would recolour or clear the user's terminal, ``\\r`` or ``\\n`` would forge a line, a bidi
+    override (U+202E) would show a name reversed. Everything ``str.isprintable`` refuses (C0
+    and C1 controls, DEL, bidi and zero-width format characters, line and paragraph separators,
+    spaces other than ' ', lone surrogates of undecodable file names) becomes ``\\n``,
+    ``\\x1b`` or ``\\u202e``, as Python writes them. Idempotent: its output is all printable.
+    """
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _NAMED_ESCAPES.get(ch) or _escape(ord(ch)) for ch in text)
+
+
+def _escape(code: int) -> str:
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 GAP = "  "
 INDENT = "  "
 
@@ -46,7 +69,7 @@ def fit_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: i
     """Which columns to keep, their widths, and their headers, so that a line fits ``width``."""
     keep = list(range(len(columns)))
     headers = [c.header for c in columns]
-    cells = [[str(v) for v in row] for row in rows]
+    cells = [[printable(v) for v in row] for row in rows]
 
     def widths_of(indices: list[int]) -> list[int]:
         shown_headers = [headers[i] if header else "" for i in indices]
@@ -95,6 +118,7 @@ def format_row(cells: Sequence[str], widths: Sequence[int], aligns: Sequence[str
 
 def table_lines(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int, *, header: bool = True) -> list[str]:
     """The table as lines of at most ``width`` characters."""
+    rows = [[printable(v) for v in row] for row in rows]  # escapes are measured and shortened like any text
     keep, widths, headers = fit_table(columns, rows, width, header=header)
     aligns = [columns[i].align for i in keep]
     lines = [format_row(headers, widths, aligns)] if header else []
@@ -104,5 +128,5 @@ def table_lines(columns: Sequence[Column], rows: Sequence[Sequence[str]], width:
 
 def wrap(text: str, width: int, indent: str = "  ") -> list[str]:
     """Prose (summaries, notes) wrapped at word boundaries, continuation lines indented."""
-    return textwrap.wrap(text, width=max(width, 20), subsequent_indent=indent, break_on_hyphens=False,
+    return textwrap.wrap(printable(text), width=max(width, 20), subsequent_indent=indent, break_on_hyphens=False,
                          break_long_words=True) or [""]

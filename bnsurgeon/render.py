@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from rich.console import Console
 from rich.text import Text
 
-from .layout import Column, table_lines, wrap
+from .layout import Column, printable, table_lines, wrap  # noqa: F401 (printable: every untrusted text's way out)
 from .report import collapse_paths, short
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def console() -> Console:
 def emit(out: Console, lines: Iterable[str]) -> None:
     """Print finished lines, status words coloured on a terminal, flushed (logs see each line)."""
     for line in lines:
-        text = Text(line)
+        text = Text(printable(line))  # the last guard: nothing from a file reaches the terminal raw
         for pattern, style in STYLES.items():
             text.highlight_regex(pattern, style)
         out.print(text)
@@ -67,8 +67,8 @@ def phases(out: Console, enabled: bool = True):
     if not enabled or not out.is_terminal:
         yield lambda text: None
         return
-    with out.status("starting") as status:
-        yield lambda text: status.update(f"{text} ...")
+    with out.status("starting") as status:  # Text, never markup: the phase names the SOURCE path
+        yield lambda text: status.update(Text(printable(f"{text} ...")))
 
 
 def emit_json(data: Any) -> None:
@@ -216,6 +216,7 @@ def _check_cells(check) -> list[str]:
 def _check_line(cells: list[str], width: int) -> str:
     from .layout import GAP, INDENT, format_row, shorten
 
+    cells = [printable(cell) for cell in cells]
     widths = (max(CHECK_WIDTHS[0], len(cells[0])), *CHECK_WIDTHS[1:])  # a long check name pushes, never cut
     fixed = format_row(cells[:4], widths, [c.align for c in CHECK_COLUMNS[:4]])
     fixed = fixed.ljust(len(INDENT) + sum(widths) + len(GAP) * 3)

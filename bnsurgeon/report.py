@@ -12,6 +12,8 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .layout import printable
+
 REPORT_SCHEMA_VERSION = 1
 
 
@@ -170,7 +172,8 @@ def render_markdown(report: Report) -> str:
         lines += ["### Carried from the source checkpoint", ""]
         lines += [f"- `{k}`: {v}" for k, v in report.carried.items()]
         lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
+    # names come from the model and the file: no raw control character (a newline would start a heading)
+    return "\n".join(printable(line) for line in lines).rstrip() + "\n"
 
 
 def _fusion_markdown(fusion: dict[str, Any]) -> list[str]:

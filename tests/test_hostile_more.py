@@ -229,3 +229,78 @@ def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused_naming_that_key(g
         one_line_failure(result, 4, "its 'state_dict' dict holds 15 tensor(s), but entry 5 is keyed by an int")
         assert "missing" not in result.output and "is a OrderedDict" not in result.output
     assert not (tiny / "o.pt").exists()
+
+
+# ---- text from a file never drives the terminal -------------------------------------------------
+
+HOSTILE = "x\x1b[2J\x1b[31mFAKE\rerror: forged\nline\u202eabc\x9b1m\x07"
+RAW = ("\x1b", "\r", "\u202e", "\x9b", "\x07")
+
+
+def assert_escaped(output):
+    assert not any(ch in output for ch in RAW), repr(output)
+    assert "\\x1b[2J" in output and "\\u202e" in output and "\\x9b" in output
+    assert "\nerror: forged" not in output and "\nline" not in output
+
+
+def test_entry_keys_of_a_file_are_escaped_in_the_listing(tiny):
+    import tiny as tiny_module
+
+    torch.save({"state_dict": tiny_module.build().state_dict(), HOSTILE: 3}, tiny / "last.pth")
+    result = run("inspect", tiny / "last.pth", "--model", "tiny:build")
+    assert result.exit_code == 0, result.output
+    assert_escaped(result.output)
+
+
+def test_state_dict_keys_are_escaped_in_error_lines(tiny):
+    import tiny as tiny_module
+
+    torch.save({**tiny_module.build().state_dict(), HOSTILE: torch.zeros(1)}, tiny / "w.pth")
+    for command, args in (("inspect", []), ("convert", ["-o", tiny / "o.safetensors"])):
+        result = run(command, tiny / "w.pth", "--model", "tiny:build", *args)
+        one_line_failure(result, 6, "unexpected 1: x\\x1b[2J\\x1b[31mFAKE\\rerror: forged\\nline")
+        assert_escaped(result.output)
+        assert len(result.output.strip().splitlines()) == 2  # the error line and its fix, nothing forged
+
+
+def test_metadata_strings_are_escaped_in_error_lines(good, tiny):
+    bad = edited(good, tiny / "bad.safetensors", classes={"1": HOSTILE, "4": "torch.nn.modules.batchnorm.BatchNorm2d"})
+    result = run("convert", bad, "--model", "tiny:build", "-o", tiny / "o.safetensors")
+    one_line_failure(result, 4, "bnsurgeon.classes names classes no rule claims")
+    assert_escaped(result.output)
+
+
+def test_module_names_from_a_pickled_model_are_escaped_in_listings_reports_and_markdown(tiny):
+    from torch import nn
+
+    model = nn.Sequential()
+    model.add_module("conv", nn.Conv2d(3, 4, 3))
+    model.add_module(HOSTILE, nn.BatchNorm2d(4))
+    torch.save(model, tiny / "whole.pt")
+    listed = run("inspect", tiny / "whole.pt", "--trust-pickle", "-v")
+    assert listed.exit_code == 0, listed.output
+    assert_escaped(listed.output)
+    result = run("convert", tiny / "whole.pt", "--trust-pickle", "-o", tiny / "o.pt", "--input-shape", "2,3,8,8", "-v",
+                 "--to", "frozen")
+    assert result.exit_code == 0, result.output
+    assert_escaped(result.output)
+    markdown = (tiny / "o.pt.report.md").read_text()
+    assert not any(ch in markdown for ch in RAW) and "\nline" not in markdown and "\\x1b[2J" in markdown
+    assert HOSTILE in json.loads((tiny / "o.pt.report.json").read_text())["changed"][0]["path"]  # JSON keeps the truth
+
+
+def test_a_file_name_with_control_characters_is_escaped(tiny):
+    path = tiny / "w\x1b[31mred\u202e.pth"
+    path.write_bytes(b"\x80\x02garbage that is not a pickle")
+    result = run("inspect", path)
+    one_line_failure(result, 4, "w\\x1b[31mred\\u202e.pth")
+    assert "\x1b" not in result.output and "\u202e" not in result.output
+
+
+def test_printable_escapes_what_a_terminal_acts_on_and_keeps_the_rest():
+    from bnsurgeon.render import printable
+
+    assert printable("blocks.0.bn1 ü 漢字 😀 a b") == "blocks.0.bn1 ü 漢字 😀 a b"
+    assert printable("a\x1b[2Jb\rc\nd\te\x7ff\x85g\u200bh\u2028i\u00a0j\udcff") == \
+        "a\\x1b[2Jb\\rc\\nd\\te\\x7ff\\x85g\\u200bh\\u2028i\\xa0j\\udcff"
+    assert printable(printable(HOSTILE)) == printable(HOSTILE)
