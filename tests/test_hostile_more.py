@@ -304,3 +304,14 @@ def test_printable_escapes_what_a_terminal_acts_on_and_keeps_the_rest():
     assert printable("a\x1b[2Jb\rc\nd\te\x7ff\x85g\u200bh\u2028i\u00a0j\udcff") == \
         "a\\x1b[2Jb\\rc\\nd\\te\\x7ff\\x85g\\u200bh\\u2028i\\xa0j\\udcff"
     assert printable(printable(HOSTILE)) == printable(HOSTILE)
+
+
+def test_weights_of_a_dtype_torch_cannot_cast_are_refused_not_a_traceback(tiny):
+    import tiny as tiny_module
+
+    state = tiny_module.build().state_dict()
+    state["1.running_mean"] = torch.zeros(4, dtype=torch.uint8).view(torch.bits8)
+    torch.save(state, tiny / "w.pth")
+    result = run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
+    one_line_failure(result, 6, "1.running_mean (bits8 -> float32: torch cannot cast it)")
+    assert not (tiny / "o.safetensors").exists()
