@@ -328,6 +328,10 @@ def why_not_a_state_dict(obj: Any) -> str | None:
                 what = f"is {_a(type(item).__name__)}" if isinstance(key, str) else f"is keyed by {_a(type(key).__name__)}"
                 return (f"its {place}dict holds {tensors} tensor(s), but entry {repr(key)[:80]} {what}"
                         " (a state dict maps names to tensors only)")
+    nested = count_tensors(obj)
+    if nested:  # tensors deeper down, or in a Namespace: "holds no tensors" would misstate the file
+        return (f"its top level is {_a(type(obj).__name__)} holding {nested} tensor(s), not a dict "
+                "of names to tensors (nor one under state_dict, model, ...)")
     return None
 
 
@@ -352,20 +356,56 @@ def state_dict_candidates(obj: Any) -> dict[str, dict[str, "torch.Tensor"]]:
     return found
 
 
+def _children(value: Any) -> "Any":
+    """What a loaded container holds (weights_only gives dicts, lists, tuples, sets and argparse.Namespace)."""
+    import argparse
+
+    if isinstance(value, dict):
+        return value.values()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return value
+    if isinstance(value, argparse.Namespace):
+        return vars(value).values()
+    return ()
+
+
 def count_tensors(value: Any) -> int:
-    """Tensors anywhere inside ``value`` (an optimizer state nests them in dicts of dicts)."""
+    """Tensors anywhere inside ``value`` (an optimizer state nests them in dicts of dicts).
+
+    Iterative, and each container is looked into once: a file can nest lists 100,000 deep or
+    make a list that holds itself (the unpickler builds both without recursion), which a
+    recursive walk turns into a RecursionError.
+    """
     import torch
     from torch import nn
 
-    if isinstance(value, torch.Tensor):
-        return 1
-    if isinstance(value, nn.Module):
-        return len(value.state_dict())
-    if isinstance(value, dict):
-        return sum(count_tensors(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(count_tensors(v) for v in value)
-    return 0
+    count, stack, seen = 0, [value], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            count += 1
+        elif isinstance(item, nn.Module):
+            count += len(item.state_dict())
+        elif id(item) not in seen:
+            seen.add(id(item))
+            stack.extend(_children(item))
+    return count
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deep containers nest inside ``value``, counted up to ``limit + 1`` (iterative, cycle-safe)."""
+    deepest, stack, seen = 0, [(value, 0)], set()
+    while stack:
+        item, depth = stack.pop()
+        children = _children(item)
+        if not children or id(item) in seen:
+            continue
+        seen.add(id(item))
+        deepest = max(deepest, depth + 1)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def describe_checkpoint(raw: RawCheckpoint) -> dict[str, Any]:

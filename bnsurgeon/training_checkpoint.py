@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import count_tensors, entry_name, state_dict_candidates, strip_common_prefix
-from .errors import UsageError
+from .checkpoint import count_tensors, entry_name, nesting_depth, state_dict_candidates, strip_common_prefix
+from .errors import CheckpointError, UsageError
 from .architecture import LoadedSource
 from .weights import load_weights
 from .surgery import ConvertResult, convert
@@ -54,11 +54,15 @@ def writes_extras(output: Path | None) -> bool:
 
 def is_optimizer_state(value: Any) -> bool:
     """An ``optimizer.state_dict()`` (or a list of them, as Lightning stores ``optimizer_states``)."""
-    if isinstance(value, dict):
-        return "state" in value and "param_groups" in value
-    if isinstance(value, (list, tuple)):
-        return any(is_optimizer_state(item) for item in value)
-    return False
+    def one(item: Any) -> bool:
+        return isinstance(item, dict) and "state" in item and "param_groups" in item
+
+    # not recursive: a file's list may nest 100,000 deep
+    return one(value) or (isinstance(value, (list, tuple)) and any(one(item) for item in value))
+
+
+#: a .pt output is written by pickle, which recurses once per level; no training checkpoint nests this deep
+MAX_CARRIED_NESTING = 100
 
 
 def parameter_order(model: "nn.Module") -> list[str]:
@@ -108,6 +112,12 @@ def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | No
         carried.summary = {entry_name(name): f"{_describe(value)}; {reason}" for name, value in others.items()}
         return carried
 
+    for name, value in others.items():
+        if nesting_depth(value, MAX_CARRIED_NESTING) > MAX_CARRIED_NESTING:
+            raise CheckpointError(
+                f"{raw.path} entry {entry_name(name)!r} nests containers more than {MAX_CARRIED_NESTING} levels deep, "
+                "more than a training checkpoint does and more than a .pt output can be written with",
+                "write a .safetensors output (the weights only), or save the checkpoint without that entry")
     target = result.report.target
     if weights_entry and weights_entry not in OWN_ENTRIES:
         weights = {k: v.detach() for k, v in result.model.state_dict().items()}

@@ -315,3 +315,75 @@ def test_weights_of_a_dtype_torch_cannot_cast_are_refused_not_a_traceback(tiny):
     result = run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
     one_line_failure(result, 6, "1.running_mean (bits8 -> float32: torch cannot cast it)")
     assert not (tiny / "o.safetensors").exists()
+
+
+# ---- containers nested without end, or holding themselves -----------------------------------------
+
+def save_deep(path, obj_of, depth=5000):
+    """torch.save an object holding lists nested ``depth`` deep (pickling recurses: a thread with room for it)."""
+    import sys
+    import threading
+
+    deep = current = []
+    for _ in range(depth):
+        current.append([])
+        current = current[0]
+    limit, size = sys.getrecursionlimit(), threading.stack_size(1 << 28)
+    sys.setrecursionlimit(depth * 4 + 1000)
+    try:
+        worker = threading.Thread(target=torch.save, args=(obj_of(deep), path))
+        worker.start()
+        worker.join()
+    finally:
+        sys.setrecursionlimit(limit)
+        threading.stack_size(size)
+    assert path.exists()
+
+
+def test_deeply_nested_entries_are_listed_and_refused_for_a_pt_output_without_a_traceback(tiny):
+    import tiny as tiny_module
+
+    save_deep(tiny / "deep.pt", lambda deep: {"state_dict": tiny_module.build().state_dict(), "deep": deep})
+    listed = run("inspect", tiny / "deep.pt", "--model", "tiny:build")
+    assert listed.exit_code == 0 and "Traceback" not in listed.output, listed.output
+    result = run("convert", tiny / "deep.pt", "--model", "tiny:build", "-o", tiny / "o.pt", "--input-shape", "2,3,8,8")
+    one_line_failure(result, 4, "entry 'deep' nests containers more than 100 levels deep", ".safetensors output")
+    assert not (tiny / "o.pt").exists()
+    result = run("convert", tiny / "deep.pt", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape",
+                 "2,3,8,8")
+    assert result.exit_code == 0 and "deep (list; not written" in " ".join(result.output.split()), result.output
+
+
+def test_a_file_that_is_only_deep_lists_is_described_not_a_traceback(tiny):
+    save_deep(tiny / "deep.pt", lambda deep: deep)
+    for command in ("inspect", "convert"):
+        args = ["-o", tiny / "o.pt"] if command == "convert" else []
+        one_line_failure(run(command, tiny / "deep.pt", "--model", "tiny:build", *args), 4, "holds no model weights")
+
+
+def test_a_list_that_holds_itself_is_counted_and_carried(tiny):
+    import tiny as tiny_module
+
+    loop = [torch.ones(1)]
+    loop.append(loop)
+    torch.save({"state_dict": tiny_module.build().state_dict(), "loop": loop}, tiny / "loop.pt")
+    listed = run("inspect", tiny / "loop.pt", "--model", "tiny:build")
+    assert listed.exit_code == 0, listed.output
+    assert run("convert", tiny / "loop.pt", "--model", "tiny:build", "-o", tiny / "o.pt",
+               "--input-shape", "2,3,8,8").exit_code == 0
+    written = torch.load(tiny / "o.pt", weights_only=True)["loop"]
+    assert written[1] is written
+
+
+@pytest.mark.parametrize("make, held", [
+    ("namespace", "its top level is a Namespace holding 1 tensor(s)"),
+    ("deeper", "its top level is a dict holding 1 tensor(s)"),
+])
+def test_tensors_that_are_not_a_state_dict_are_not_called_no_tensors(tiny, make, held):
+    import argparse
+
+    obj = argparse.Namespace(epoch=1, w=torch.zeros(2)) if make == "namespace" else {"weights": {"a": {"b": torch.zeros(1)}}}
+    torch.save(obj, tiny / "w.pt")
+    result = run("convert", tiny / "w.pt", "--model", "tiny:build", "-o", tiny / "o.pt")
+    one_line_failure(result, 4, "holds no state dict bnsurgeon can use", held)
+    assert "no tensors" not in result.output
