@@ -26,6 +26,8 @@ from .interrupts import signals_deferred
 TEMP_MARK = ".bnsurgeon-tmp-"
 #: errnos meaning "this filesystem has no hard links": fall back to an exclusive create
 NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
+#: how a full disk reads inside another library's error (safetensors wraps the OS error in its own)
+DISK_FULL = re.compile(r"no space left|quota|StorageFull|QuotaExceeded|file too large|FileTooLarge", re.IGNORECASE)
 #: the longest suffix bnsurgeon adds to an output's name (temp directory, report names)
 NAME_OVERHEAD = len(TEMP_MARK) + 1 + 10 + 1 + 8 + len(".report.json")
 
@@ -190,8 +192,11 @@ def write_files(writers: dict[Path, Callable[[Path], None]], *, force: bool) -> 
         raise
     except Exception as error:  # e.g. safetensors' SafetensorError wrapping an I/O error
         text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        full = DISK_FULL.search(str(error)) is not None
         raise OutputError(f"could not write {current}: {text}; {untouched}",
-                          "free disk space or choose another directory") from None
+                          "free disk space or choose another directory" if full
+                          else "not a disk problem bnsurgeon knows of: run again with BNSURGEON_DEBUG=1 for the "
+                               "traceback, and report it") from None
     except Interrupted as interrupt:
         interrupt.state = (f"{_names(committed)} written completely" if len(committed) == len(finals)
                            else untouched)

@@ -387,3 +387,23 @@ def test_tensors_that_are_not_a_state_dict_are_not_called_no_tensors(tiny, make,
     result = run("convert", tiny / "w.pt", "--model", "tiny:build", "-o", tiny / "o.pt")
     one_line_failure(result, 4, "holds no state dict bnsurgeon can use", held)
     assert "no tensors" not in result.output
+
+
+# ---- a failed write says what failed -------------------------------------------------------------
+
+@pytest.mark.parametrize("error, disk", [
+    ("IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })", True),
+    ("unexpected: the writer broke", False),
+])
+def test_a_write_that_fails_inside_a_library_names_disk_space_only_when_it_is_disk_space(tiny, monkeypatch, error, disk):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def broken(*args, **kwargs):
+        raise SafetensorError(error)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    result = run("convert", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
+    one_line_failure(result, 8, "could not write", "nothing was written")
+    assert ("free disk space" in result.output) == disk
+    assert not [p for p in tiny.iterdir() if p.name.startswith("o.safetensors") or ".bnsurgeon-tmp-" in p.name]
