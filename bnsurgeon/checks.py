@@ -141,6 +141,10 @@ def refuse_non_finite(model: "nn.Module", origin: str) -> None:
         raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {len(bad)} tensor(s): {shown}")
 
 
+#: no training sees more batches; a count near 2^63 overflows at the next step (and 1/count is momentum=None's factor)
+MAX_BATCHES_TRACKED = 1 << 53
+
+
 def refuse_invalid_weights(model: "nn.Module", origin: str) -> None:
     """Before converting: NaN/Inf in a parameter or a BN statistic, or a negative running variance.
 
@@ -153,9 +157,13 @@ def refuse_invalid_weights(model: "nn.Module", origin: str) -> None:
     from .surgery import is_bn_like
 
     named = {name: tensor for name, tensor in model.named_parameters() if not is_lazy(tensor)}
-    negative = []
+    negative, counters = [], []
     for path, module in model.named_modules():
         if is_bn_like(module):
+            counter = module._buffers.get("num_batches_tracked")
+            if counter is not None and not counter.is_meta and counter.numel() == 1 and not counter.is_floating_point() \
+                    and not 0 <= int(counter) <= MAX_BATCHES_TRACKED:  # 1/count (momentum=None) or an overflow
+                counters.append(f"{path}.num_batches_tracked={int(counter)}" if path else f"num_batches_tracked={int(counter)}")
             for name in ("running_mean", "running_var"):
                 tensor = module._buffers.get(name)
                 if tensor is not None and not is_lazy(tensor):  # an uninitialized lazy BN is refused later, by name
@@ -167,6 +175,11 @@ def refuse_invalid_weights(model: "nn.Module", origin: str) -> None:
     if bad:
         shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
         raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {len(bad)} tensor(s): {shown}")
+    if counters:
+        shown = ", ".join(counters[:3]) + (f" (+{len(counters) - 3} more)" if len(counters) > 3 else "")
+        raise NonFiniteWeightsError(f"{origin} holds an impossible batch count in {len(counters)} BatchNorm module(s): "
+                                    f"{shown} (a count of batches is from 0 to 2^53; the file is damaged)",
+                                    "nothing was written; use an intact checkpoint")
     if negative:
         shown = ", ".join(negative[:3]) + (f" (+{len(negative) - 3} more)" if len(negative) > 3 else "")
         raise NonFiniteWeightsError(f"{origin} holds negative running variances in {len(negative)} BatchNorm "

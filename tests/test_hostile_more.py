@@ -407,3 +407,19 @@ def test_a_write_that_fails_inside_a_library_names_disk_space_only_when_it_is_di
     one_line_failure(result, 8, "could not write", "nothing was written")
     assert ("free disk space" in result.output) == disk
     assert not [p for p in tiny.iterdir() if p.name.startswith("o.safetensors") or ".bnsurgeon-tmp-" in p.name]
+
+
+@pytest.mark.parametrize("count", [-5, 2 ** 63 - 1])
+def test_an_impossible_batch_count_is_refused_naming_it(tiny, count):
+    import tiny as tiny_module
+
+    state = tiny_module.build().state_dict()
+    state["1.num_batches_tracked"] = torch.tensor(count)
+    torch.save(state, tiny / "w.pth")
+    result = run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
+    one_line_failure(result, 4, f"impossible batch count in 1 BatchNorm module(s): 1.num_batches_tracked={count}")
+    assert not (tiny / "o.safetensors").exists()
+    state["1.num_batches_tracked"] = torch.tensor(12345)  # an ordinary count: accepted
+    torch.save(state, tiny / "w.pth")
+    assert run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors",
+               "--input-shape", "2,3,8,8").exit_code == 0
