@@ -47,6 +47,11 @@ class RawCheckpoint:
 
 def _check_readable(path: Path) -> None:
     if not path.exists():
+        if path.is_symlink():  # "no such file" would misstate a name that is there
+            target = os.readlink(path)
+            raise SourceNotFoundError(
+                f"{path} is a symlink to {target}, which " + ("leads back to itself" if _loops(path) else "does not exist"),
+                "fix the link, or pass the checkpoint file itself")
         raise SourceNotFoundError(f"no such file: {path}", "check the path (or name a timm model)")
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory, not a checkpoint file", "pass the checkpoint file inside it")
@@ -493,7 +498,7 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
         source, label = source if isinstance(source, tuple) else (source, "the input file")
         source_path = Path(source)
         for path in written:
-            same = source_path.resolve() == path.resolve() or (
+            same = _resolved(source_path) == _resolved(path) or (
                 source_path.exists() and path.exists() and os.path.samefile(source_path, path)
             )
             if same:
@@ -516,9 +521,28 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
         raise OutputError(f"output directory {parent} is not writable", "choose a directory you can write to")
     for path in written:  # lexists: a dangling symlink is a name that exists (a hard link onto it fails at the end)
         if os.path.lexists(path) and not force:
-            kind = "is a symlink to a missing file" if not path.exists() else "already exists"
+            kind = "already exists" if path.exists() else (
+                "is a symlink that leads back to itself" if _loops(path) else "is a symlink to a missing file")
             raise OutputError(f"output {path} {kind}", "pass --force to replace it (and its reports)")
     return out
+
+
+def _loops(path: Path) -> bool:
+    import errno
+
+    try:
+        os.stat(path)
+    except OSError as error:
+        return error.errno == errno.ELOOP
+    return False
+
+
+def _resolved(path: Path) -> Path:
+    """``path.resolve()``, or the absolute path where a symlink loops (resolve raises RuntimeError on it)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):
+        return Path(os.path.abspath(path))
 
 
 def _not_a_directory(directory: Path) -> "tuple[Path, str] | None":

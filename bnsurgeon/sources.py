@@ -40,7 +40,7 @@ TRAINING_ARG_NAMES = ("num_classes", "in_chans", "global_pool")
 
 def looks_like_file(source: str) -> bool:
     path = Path(source)
-    return path.exists() or path.suffix in SAFETENSORS_SUFFIXES + TORCH_SUFFIXES or "/" in source
+    return path.exists() or path.is_symlink() or path.suffix in SAFETENSORS_SUFFIXES + TORCH_SUFFIXES or "/" in source
 
 
 def load_source(

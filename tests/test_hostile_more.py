@@ -423,3 +423,25 @@ def test_an_impossible_batch_count_is_refused_naming_it(tiny, count):
     torch.save(state, tiny / "w.pth")
     assert run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors",
                "--input-shape", "2,3,8,8").exit_code == 0
+
+
+@pytest.mark.parametrize("name, target, message", [
+    ("dangling.pt", "missing.pt", "dangling.pt is a symlink to missing.pt, which does not exist"),
+    ("loop", "loop", "loop is a symlink to loop, which leads back to itself"),  # no suffix: still a file, not a timm name
+])
+def test_a_source_that_is_a_broken_symlink_is_named_as_one(tiny, name, target, message):
+    (tiny / name).symlink_to(target)
+    for args in (["inspect", name], ["convert", name, "--model", "tiny:build", "-o", "o.pt"], ["verify", "tiny:build", name]):
+        result = run(*args)
+        one_line_failure(result, 3, message)
+        assert "no such file" not in result.output and "unknown timm model" not in result.output
+    assert not (tiny / "o.pt").exists()
+
+
+def test_an_output_that_is_a_symlink_loop_is_named_and_force_replaces_the_link(tiny):
+    (tiny / "o.pt").symlink_to("o.pt")
+    result = run("convert", "tiny:build", "-o", "o.pt", "--input-shape", "2,3,8,8")
+    one_line_failure(result, 8, "output o.pt is a symlink that leads back to itself", "--force")
+    assert (tiny / "o.pt").is_symlink()
+    assert run("convert", "tiny:build", "-o", "o.pt", "--input-shape", "2,3,8,8", "--force").exit_code == 0
+    assert (tiny / "o.pt").is_file() and not (tiny / "o.pt").is_symlink()
