@@ -76,16 +76,28 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-def render_checkpoint(contents: dict, out: Console) -> None:
+#: entries of a checkpoint (and carried entries) listed without -v; a file may hold 200,000 (--json has them all)
+MAX_LISTED_ENTRIES = 40
+
+
+def render_checkpoint(contents: dict, out: Console, *, verbose: bool = False) -> None:
     say(out, f"{contents['path']} ({contents['format']}):")
     weights = contents["model_weights"]
     rows = []
-    for entry in contents["entries"]:
+    entries = contents["entries"]
+    shown = entries
+    if not verbose and len(entries) > MAX_LISTED_ENTRIES:  # entries holding tensors first, in the file's order
+        keep = {id(e) for e in [e for e in entries if e["tensors"]][:MAX_LISTED_ENTRIES]}
+        keep |= {id(e) for e in [e for e in entries if not e["tensors"]][:MAX_LISTED_ENTRIES - len(keep)]}
+        shown = [e for e in entries if id(e) in keep]
+    for entry in shown:
         looks = "yes" if entry["key"] in weights or (entry["key"] == "<top level>" and weights) else ""
         rows.append([entry["key"], entry["type"], str(entry["tensors"]), looks])
     columns = [Column("entry", shrink=True, min_width=16), Column("type", shrink=True), Column("tensors", "right"),
                Column("model weights?", short_header="weights?")]
     emit(out, table_lines(columns, rows, out.width))
+    if len(rows) < len(entries):
+        say(out, f"... and {len(entries) - len(rows):,} more entries (-v lists them all)")
     if contents["bnsurgeon"]:
         say(out, "a bnsurgeon checkpoint (self-describing)")
 
@@ -104,7 +116,7 @@ INSPECT_COLUMNS = [
 
 def render_inspection(inspection: "Inspection", out: Console, *, verbose: bool = False) -> None:
     if inspection.checkpoint is not None:
-        render_checkpoint(inspection.checkpoint, out)
+        render_checkpoint(inspection.checkpoint, out, verbose=verbose)
     if not inspection.groups and inspection.checkpoint is not None:
         for note in inspection.notes:
             say(out, f"note: {note}")
@@ -179,8 +191,11 @@ def render_report(report: "Report", out: Console, *, verbose: bool = False) -> N
     if report.fusion is not None:
         say(out, fusion_summary(report.fusion), indent="")
     if report.carried:
-        say(out, "carried from the source checkpoint: "
-                 + "; ".join(f"{name} ({what})" for name, what in report.carried.items()), indent="  ")
+        carried = list(report.carried.items())
+        shown = carried if verbose else carried[:MAX_LISTED_ENTRIES]
+        say(out, "carried from the source checkpoint: " + "; ".join(f"{name} ({what})" for name, what in shown)
+                 + (f"; ... and {len(carried) - len(shown):,} more (-v lists them all)" if len(shown) < len(carried)
+                    else ""), indent="  ")
     for note in sorted({n for change in report.changed for n in change.notes}):
         say(out, f"note: {note}", indent="")
 

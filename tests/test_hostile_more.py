@@ -445,3 +445,22 @@ def test_an_output_that_is_a_symlink_loop_is_named_and_force_replaces_the_link(t
     assert (tiny / "o.pt").is_symlink()
     assert run("convert", "tiny:build", "-o", "o.pt", "--input-shape", "2,3,8,8", "--force").exit_code == 0
     assert (tiny / "o.pt").is_file() and not (tiny / "o.pt").is_symlink()
+
+
+# ---- a file with thousands of entries does not flood the terminal ----------------------------------
+
+def test_a_checkpoint_with_many_entries_lists_a_bounded_number_unless_verbose(tiny):
+    import tiny as tiny_module
+
+    obj = {f"k{i}": i for i in range(500)}
+    obj["state_dict"] = tiny_module.build().state_dict()  # last in the file, but it holds the tensors: listed
+    torch.save(obj, tiny / "many.pt")
+    short = run("inspect", tiny / "many.pt", "--model", "tiny:build")
+    assert short.exit_code == 0, short.output
+    rows = [line for line in short.output.splitlines() if line.startswith("  k")]
+    assert len(rows) == 39 and "state_dict" in short.output and "... and 461 more entries (-v lists them all)" in short.output
+    everything = run("inspect", tiny / "many.pt", "--model", "tiny:build", "-v", "--json")
+    assert len([line for line in everything.output.splitlines() if line.startswith("  k")]) == 500
+    converted = run("convert", tiny / "many.pt", "--model", "tiny:build", "-o", tiny / "o.pt", "--input-shape", "2,3,8,8")
+    assert converted.exit_code == 0 and "... and 460 more (-v lists them all)" in " ".join(converted.output.split())
+    assert len(json.loads((tiny / "o.pt.report.json").read_text())["carried"]) == 500
