@@ -111,11 +111,25 @@ def collapse_paths(paths: list[str]) -> list[tuple[str, int]]:
     return sorted(groups.items(), key=lambda item: (-item[1], item[0]))
 
 
+def code(text: Any, *, cell: bool = False) -> str:
+    """``text`` as one Markdown code span, whatever it holds: a fence longer than any run of backticks in it,
+    and in a table cell its pipes escaped (a module name with "`" or "|" must not end the span or the cell)."""
+    text = str(text)
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{_cell(text) if cell else text}{pad}{fence}"
+
+
+def _cell(text: Any) -> str:
+    """Plain text in a Markdown table cell: its pipes escaped."""
+    return str(text).replace("|", "\\|")
+
+
 def render_markdown(report: Report) -> str:
     totals = report.totals
-    lines = [f"## bnsurgeon: convert to `{report.target}`", ""]
+    lines = [f"## bnsurgeon: convert to {code(report.target)}", ""]
     if report.source:
-        lines.append(f"Source: `{report.source}`" + (f" -> `{report.output}`" if report.output else ""))
+        lines.append(f"Source: {code(report.source)}" + (f" -> {code(report.output)}" if report.output else ""))
         lines.append("")
     summary = (
         f"**{totals['changed']} modules converted**, {totals['kept']} kept as they were, "
@@ -147,7 +161,7 @@ def render_markdown(report: Report) -> str:
             children_by_pattern[pattern_of(change.path)].update(change.children)
         for pattern, count in collapse_paths([c.path for c in changes]):
             children = sorted(children_by_pattern[pattern]) or ["-"]
-            lines.append(f"| `{pattern}` | {count} | {', '.join(children)} |")
+            lines.append(f"| {code(pattern, cell=True)} | {count} | {_cell(', '.join(children))} |")
         notes = sorted({n for change in changes for n in change.notes})
         lines += [""] + [f"> {note}" for note in notes] + ([""] if notes else [])
     for title, items in (("Kept as they were", report.kept), ("Unhandled (left untouched)", report.unhandled)):
@@ -158,19 +172,19 @@ def render_markdown(report: Report) -> str:
         for item in items:
             grouped[(item.cls, item.reason)].append(item.path)
         for (cls, reason), paths in sorted(grouped.items()):
-            patterns = ", ".join(f"`{p}`" + (f" x{n}" if n > 1 else "") for p, n in collapse_paths(paths)[:4])
-            lines.append(f"| {short(cls)} | {patterns} | {reason} |")
+            patterns = ", ".join(code(p, cell=True) + (f" x{n}" if n > 1 else "") for p, n in collapse_paths(paths)[:4])
+            lines.append(f"| {_cell(short(cls))} | {patterns} | {_cell(reason)} |")
         lines.append("")
     if report.fusion is not None:
         lines += _fusion_markdown(report.fusion)
     if report.keys_added or report.keys_removed:
         lines += ["### State-dict keys", ""]
-        lines += [f"- added: `{k}`" for k in report.keys_added[:20]]
-        lines += [f"- removed: `{k}`" for k in report.keys_removed[:20]]
+        lines += [f"- added: {code(k)}" for k in report.keys_added[:20]]
+        lines += [f"- removed: {code(k)}" for k in report.keys_removed[:20]]
         lines.append("")
     if report.carried:
         lines += ["### Carried from the source checkpoint", ""]
-        lines += [f"- `{k}`: {v}" for k, v in report.carried.items()]
+        lines += [f"- {code(k)}: {v}" for k, v in report.carried.items()]
         lines.append("")
     # names come from the model and the file: no raw control character (a newline would start a heading)
     return "\n".join(printable(line) for line in lines).rstrip() + "\n"
@@ -183,6 +197,7 @@ def _fusion_markdown(fusion: dict[str, Any]) -> list[str]:
     for name, value in (fusion.get("max_rel_error") or {}).items():
         lines.append(f"Max error relative to the output scale, {name.replace('_', ' ')}: {value:.3g}.")
     lines += ["", "| BN | folded into |", "|---|---|"]
-    lines += [f"| `{f['bn']}` ({short(f['bn_class'])}) | `{f['producer']}` ({short(f['producer_class'])}) |"
+    lines += [f"| {code(f['bn'], cell=True)} ({_cell(short(f['bn_class']))}) | {code(f['producer'], cell=True)} "
+              f"({_cell(short(f['producer_class']))}) |"
               for f in fusion["folded"]]
     return lines + [""]

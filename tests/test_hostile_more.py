@@ -464,3 +464,21 @@ def test_a_checkpoint_with_many_entries_lists_a_bounded_number_unless_verbose(ti
     converted = run("convert", tiny / "many.pt", "--model", "tiny:build", "-o", tiny / "o.pt", "--input-shape", "2,3,8,8")
     assert converted.exit_code == 0 and "... and 460 more (-v lists them all)" in " ".join(converted.output.split())
     assert len(json.loads((tiny / "o.pt.report.json").read_text())["carried"]) == 500
+
+
+def test_markdown_report_cells_hold_any_module_name():
+    import re
+
+    from bnsurgeon.report import ModuleChange, ModuleKept, Report
+
+    name = "bn|x`y\n## Injected heading"
+    report = Report(target="sync", changed=[ModuleChange(name, [], "torch.nn.BatchNorm2d", "bnsurgeon.SyncBatchNorm",
+                                                         "torch-batchnorm", ["act|drop"])],
+                    kept=[ModuleKept("kept|one", [], "torch.nn.BatchNorm2d", "torch-batchnorm", "--exclude k|*")],
+                    carried={"we`ird": "carried (int)"})
+    markdown = report.to_markdown()
+    assert "\n## Injected" not in markdown
+    rows = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
+    for row in rows[1:2] + rows[3:]:  # the data rows: 3 columns, so 4 unescaped pipes
+        assert len(re.findall(r"(?<!\\)\|", row)) == 4, row
+    assert "``we`ird``" in markdown and "``bn\\|x`y\\n## Injected heading``" in markdown
