@@ -259,6 +259,12 @@ def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckp
         ) from None
     metadata = {}
     if isinstance(obj, dict) and isinstance(obj.get("bnsurgeon"), dict):
+        odd = next((key for key in obj["bnsurgeon"] if not isinstance(key, str)), None)
+        if odd is not None:  # metadata fields are named; PREFIX + 5 would be a TypeError traceback
+            from .errors import MetadataError
+
+            raise MetadataError(f"{path}: metadata 'bnsurgeon' has an entry keyed by {_a(type(odd).__name__)}, "
+                                f"{repr(odd)[:80]} (its fields are named by strings)")
         metadata = {PREFIX + k: v for k, v in obj["bnsurgeon"].items()}
     return RawCheckpoint(path, obj, metadata)
 

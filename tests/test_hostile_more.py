@@ -482,3 +482,13 @@ def test_markdown_report_cells_hold_any_module_name():
     for row in rows[1:2] + rows[3:]:  # the data rows: 3 columns, so 4 unescaped pipes
         assert len(re.findall(r"(?<!\\)\|", row)) == 4, row
     assert "``we`ird``" in markdown and "``bn\\|x`y\\n## Injected heading``" in markdown
+
+
+def test_bnsurgeon_metadata_of_a_pt_keyed_by_an_int_is_refused_not_a_traceback(good, tiny):
+    assert run("convert", good, "--model", "tiny:build", "--to", "plain", "-o", tiny / "g.pt").exit_code == 0
+    obj = torch.load(tiny / "g.pt", weights_only=True)
+    obj["bnsurgeon"][5] = "x"
+    torch.save(obj, tiny / "bad.pt")
+    for command, args in (("inspect", []), ("convert", ["-o", tiny / "o.pt"])):
+        one_line_failure(run(command, tiny / "bad.pt", "--model", "tiny:build", *args), 4,
+                         "metadata 'bnsurgeon' has an entry keyed by an int, 5")
