@@ -492,3 +492,17 @@ def test_bnsurgeon_metadata_of_a_pt_keyed_by_an_int_is_refused_not_a_traceback(g
     for command, args in (("inspect", []), ("convert", ["-o", tiny / "o.pt"])):
         one_line_failure(run(command, tiny / "bad.pt", "--model", "tiny:build", *args), 4,
                          "metadata 'bnsurgeon' has an entry keyed by an int, 5")
+
+
+def test_the_progress_line_on_a_terminal_shows_a_source_path_as_text_not_markup():
+    import io
+
+    from rich.console import Console
+
+    from bnsurgeon.render import phases
+
+    stream = io.StringIO()
+    out = Console(file=stream, force_terminal=True, width=100)
+    with phases(out) as progress:
+        progress("loading ckpt[/]x\x1b[2J[bold]y.pt")  # Rich markup would raise on '[/]' and eat '[bold]'
+    assert "\x1b[2J" not in stream.getvalue()
