@@ -521,7 +521,9 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
         if blocker is not None:  # "does not exist" would misstate it, and mkdir -p would fail on it
             path, what = blocker
             where = f"output directory {parent}" + ("" if path == parent else f" cannot be created: {path}")
-            raise OutputError(f"{where} {what}", f"choose an output in a directory, or move {path} away")
+            movable = not what.startswith("is not a directory")  # never advise moving a device such as /dev/null
+            raise OutputError(f"{where} {what}", "choose an output in a directory" + (f", or move {path} away"
+                                                                                     if movable else ""))
         raise OutputError(f"output directory {parent} does not exist", f"create it first (mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"output directory {parent} is not writable", "choose a directory you can write to")

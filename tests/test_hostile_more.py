@@ -506,3 +506,9 @@ def test_the_progress_line_on_a_terminal_shows_a_source_path_as_text_not_markup(
     with phases(out) as progress:
         progress("loading ckpt[/]x\x1b[2J[bold]y.pt")  # Rich markup would raise on '[/]' and eat '[bold]'
     assert "\x1b[2J" not in stream.getvalue()
+
+
+def test_an_output_directory_that_is_a_device_is_named_without_advice_to_move_it(tiny):
+    result = run("convert", "tiny:build", "-o", "/dev/null/o.pt", "--input-shape", "2,3,8,8")
+    one_line_failure(result, 8, "output directory /dev/null is not a directory (a pipe, socket or device)")
+    assert "move /dev/null" not in result.output
