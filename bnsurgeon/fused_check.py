@@ -32,7 +32,10 @@ class FusedComparison:
 
 
 def relative_error(expected: list, actual: list) -> tuple[float, float]:
-    """(max |diff|, max over outputs of max |diff| / max |expected|); inf when shapes differ."""
+    """(max |diff|, max over outputs of max |diff| / max |expected|); inf when shapes differ, and
+    where either side holds NaN (a NaN difference would otherwise vanish in ``max(0, nan)``)."""
+    import math
+
     if len(expected) != len(actual) or not expected or any(a.shape != b.shape for a, b in zip(expected, actual)):
         return float("inf"), float("inf")
     worst_abs = worst_rel = 0.0
@@ -40,6 +43,8 @@ def relative_error(expected: list, actual: list) -> tuple[float, float]:
         if not a.numel():
             continue
         diff = (a.double() - b.double()).abs().max().item()
+        if math.isnan(diff):
+            return float("inf"), float("inf")
         scale = a.double().abs().max().item()
         worst_abs = max(worst_abs, diff)
         worst_rel = max(worst_rel, diff / scale if scale > 0 else diff)
@@ -74,10 +79,14 @@ def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float 
     expected, actual = _eval_outputs(source, x, "the source model"), _eval_outputs(fused, x, "the fused model")
     diff, rel = relative_error(expected, actual)
     finite = all(t.isfinite().all() for t in expected)
-    passed: bool | None = finite and rel <= rtol
+    fused_finite = all(t.isfinite().all() for t in actual)
+    passed: bool | None = finite and fused_finite and rel <= rtol
     detail = f"{label}: max relative error {rel:.3g}"  # the tolerance is said once, by the caller
     if not finite:
         detail += "; the source's outputs are not finite"
+    elif not fused_finite:
+        bad = sum(int((~t.isfinite()).sum()) for t in actual)
+        detail += f"; the fused model's outputs hold {bad} NaN/inf value(s) where the source's are finite"
     elif not passed and x.dtype != torch.float64 and folds is not None:
         passed, note = _float64_judgement(source, fused, folds, x, expected)
         detail += "; " + note

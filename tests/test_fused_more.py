@@ -1,0 +1,95 @@
+"""`--to fused`, second review: a check that passed NaN outputs, a float64 judgement that passed far-off
+float32 outputs, folds that overflow or underflow in the model's own dtype, compiled models whose copy ran
+the source, and further attacks. Small hand-built models, seeded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import bnsurgeon
+from bnsurgeon.cli import app
+from bnsurgeon.fused_check import check_fused, compare, verify_fused
+from bnsurgeon.surgery import is_bn_like
+from bnsurgeon.verify import perturb_bn
+
+
+def fused(model: nn.Module, example, **kwargs):
+    return bnsurgeon.convert(model, "fused", example_input=example, **kwargs)
+
+
+def bn_left(model: nn.Module) -> list[str]:
+    return [path for path, module in model.named_modules() if is_bn_like(module)]
+
+
+def run(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+FACTORY = (
+    "import torch, torch.nn as nn\n"
+    "def build():\n"
+    "    torch.manual_seed(0)\n"
+    "    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),\n"
+    "                         nn.Linear(8 * 6 * 6, 5), nn.BatchNorm1d(5))\n"
+)
+
+
+@pytest.fixture
+def factory(tmp_path, monkeypatch):
+    (tmp_path / "fuse_more_model.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "fuse_more_model:build"
+
+
+def _rewrite(path, tensor_change):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as handle:
+        metadata, tensors = handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
+    tensor_change(tensors)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+# ------------------------------------------------------------------ 1. NaN in the fused outputs
+
+
+def test_nan_in_the_fused_outputs_fails_the_check_and_says_so():
+    """max(0.0, nan) is 0.0: a fused model with NaN outputs measured 'max relative error 0' and passed."""
+    torch.manual_seed(0)
+    model = perturb_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    x = torch.randn(2, 3, 8, 8)
+    result = fused(model, x)
+    folds = result.report.fusion["folded"]
+    with torch.no_grad():
+        result.model[0].bias[1] = float("nan")  # one channel: most outputs stay right
+    outcome = compare(model, result.model, x, "as converted", folds=folds)
+    assert outcome.passed is False and outcome.max_rel_error == float("inf")
+    assert "fused model's outputs hold 72 NaN/inf" in outcome.detail, outcome.detail
+    with torch.no_grad():
+        result.model[0].bias[1] = float("inf")
+    outcome = compare(model, result.model, x, "as converted", folds=folds)
+    assert outcome.passed is False and "NaN/inf" in outcome.detail, outcome.detail
+
+
+def test_verify_fails_a_tampered_fused_file_whose_outputs_are_nan(tmp_path, factory):
+    """Finite weights (so load accepts them) that overflow to +inf and -inf, summed to NaN."""
+    out = tmp_path / "m.fused.safetensors"
+    assert run("convert", factory, "--to", "fused", "--input-shape", "2,3,8,8", "-o", out).exit_code == 0
+
+    def huge(tensors):
+        weight = torch.full_like(tensors["4.weight"], 3e38)
+        weight[:, 1::2] = -3e38
+        tensors["4.weight"] = weight
+
+    _rewrite(out, huge)
+    result = run("verify", factory, out, "--converted-model", factory, "--input-shape", "2,3,8,8", "--json")
+    assert result.exit_code == 1, result.output
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["eval"]["passed"] is False and "NaN/inf" in checks["eval"]["detail"], checks["eval"]
