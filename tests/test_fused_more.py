@@ -93,3 +93,40 @@ def test_verify_fails_a_tampered_fused_file_whose_outputs_are_nan(tmp_path, fact
     assert result.exit_code == 1, result.output
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
     assert checks["eval"]["passed"] is False and "NaN/inf" in checks["eval"]["detail"], checks["eval"]
+
+
+# ------------------------------------------------------------------ 2. the float64 judgement and the low-precision model
+
+
+def fp16_underflowing_fold() -> nn.Module:
+    """An fp16 net whose BN scale (2**-23) is fine in the source (conv outputs ~1e3, BN outputs ~1e-4,
+    normal fp16) but whose folded weights (2**-23 * w) are fp16 subnormals: ~0.3 rounds up to 0.5, ~1 stays.
+    Not a whole channel lost (each keeps nonzero weights): a partial underflow the fold itself allows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1, bias=False), nn.Conv2d(4, 4, 3, bias=False), nn.BatchNorm2d(4),
+                          nn.Conv2d(4, 2, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(1e3)
+        magnitude = torch.where(torch.rand_like(model[1].weight) < 0.5, 1.0, 0.3)
+        model[1].weight.copy_(magnitude * torch.randn_like(magnitude).sign())
+        model[2].weight.fill_(2.0 ** -23)
+        model[2].bias.zero_()
+        model[3].bias.zero_()
+    return model.half().eval()
+
+
+def test_float64_judgement_does_not_pass_a_fused_fp16_model_far_from_the_source():
+    """The float64 re-fold is exact and the fp16 weights are it rounded, so the fold 'passed' at 13% error."""
+    from bnsurgeon.fused_check import fused_check_result
+
+    model = fp16_underflowing_fold()
+    x = torch.randn(2, 3, 8, 8).half()
+    result = fused(model, x)
+    assert [f["bn"] for f in result.report.fusion["folded"]] == ["2"]
+    folded = result.model[1].weight
+    assert bool((folded != 0).flatten(1).any(1).all())  # every channel keeps weights: not the dtype reason
+    as_converted = check_fused(model, result.model, result.report.fusion["folded"], x)[0]
+    assert as_converted.max_rel_error > 0.05
+    assert as_converted.passed is False, as_converted.detail
+    assert "in float64 the fold errs" in as_converted.detail and "more than 10x the source's own" in as_converted.detail
+    assert fused_check_result(model, result, (2, 3, 8, 8)).passed is False
