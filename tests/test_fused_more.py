@@ -130,3 +130,57 @@ def test_float64_judgement_does_not_pass_a_fused_fp16_model_far_from_the_source(
     assert as_converted.passed is False, as_converted.detail
     assert "in float64 the fold errs" in as_converted.detail and "more than 10x the source's own" in as_converted.detail
     assert fused_check_result(model, result, (2, 3, 8, 8)).passed is False
+
+
+# ------------------------------------------------------------------ 3. folds the model's own dtype cannot hold
+
+
+def _fp16_conv_bn(conv: nn.Module, channel: int, gamma: float, var: float) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(conv, nn.BatchNorm2d(conv.out_channels), nn.ReLU())
+    with torch.no_grad():
+        model[1].weight[channel] = gamma
+        model[1].running_var[channel] = var
+    return model.half().eval()
+
+
+def test_a_fold_that_overflows_float16_is_left_with_the_dtype_reason():
+    """gamma/sqrt(var+eps) = 1e4/sqrt(1e-5) = 3.2e6: the source's BN outputs fit float16 (small inputs),
+    the folded weights (~0.1 * 3.2e6) do not: the fold wrote inf weights."""
+    model = _fp16_conv_bn(nn.Conv2d(3, 4, 3, bias=False), channel=1, gamma=1e4, var=0.0)
+    x = (torch.randn(2, 3, 8, 8) * 1e-4).half()
+    with torch.no_grad():
+        assert bool(model(x).isfinite().all())
+    result = fused(model, x)
+    assert bn_left(result.model) == ["1"]
+    reason = result.report.fusion["left"]["1"]
+    assert "overflows float16" in reason and "folded weights" in reason, reason
+    assert all(bool(p.isfinite().all()) for p in result.model.parameters())
+    assert [o.passed for o in check_fused(model, result.model, result.report.fusion["folded"], x)] == [True, True]
+
+
+@pytest.mark.parametrize("conv", [
+    lambda: nn.Conv2d(3, 4, 3),
+    lambda: nn.ConvTranspose2d(4, 4, 3, groups=2),  # weight (in, out/groups, k, k): channel 2 is group 1, row 0
+], ids=["conv2d", "conv-transpose2d-groups"])
+def test_a_fold_that_zeroes_a_channel_in_float16_is_left_with_the_dtype_reason(conv):
+    """gamma = 2**-23: the source's BN scales channel 2 to small but normal float16 values; folded into the
+    weights (~0.1 * 2**-23, below float16's smallest subnormal / 2) the whole channel became zeros."""
+    from bnsurgeon.fused_check import fused_check_result
+
+    module = conv()
+    model = _fp16_conv_bn(module, channel=2, gamma=2.0 ** -23, var=1.0)
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.2, 0.2)
+    shape = (2, module.in_channels, 8, 8)
+    result = fused(model, shape)
+    assert bn_left(result.model) == ["1"]
+    reason = result.report.fusion["left"]["1"]
+    assert "underflows float16: 1 output channel(s) (2)" in reason, reason
+    assert fused_check_result(model, result, shape).passed is True
+
+
+def test_a_float32_fold_of_the_same_model_folds():
+    model = _fp16_conv_bn(nn.Conv2d(3, 4, 3), channel=2, gamma=2.0 ** -23, var=1.0).float()
+    result = fused(model, (2, 3, 8, 8))
+    assert bn_left(result.model) == [] and result.report.fusion["left"] == {}
