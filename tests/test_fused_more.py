@@ -184,3 +184,59 @@ def test_a_float32_fold_of_the_same_model_folds():
     model = _fp16_conv_bn(nn.Conv2d(3, 4, 3), channel=2, gamma=2.0 ** -23, var=1.0).float()
     result = fused(model, (2, 3, 8, 8))
     assert bn_left(result.model) == [] and result.report.fusion["left"] == {}
+
+
+# ------------------------------------------------------------------ 4. torch.compile'd models
+
+
+def _compiled(where: str) -> tuple[nn.Module, nn.Module]:
+    """(the model to convert, the inner module torch.compile wrapped); backend 'eager': no code generation."""
+    torch.manual_seed(0)
+    inner = perturb_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())).eval()
+    wrapped = torch.compile(inner, backend="eager")
+    return (wrapped if where == "model" else nn.Sequential(wrapped, nn.Flatten())), inner
+
+
+@pytest.mark.parametrize("to", ["fused", "sync", "plain", "frozen"])
+@pytest.mark.parametrize("where", ["model", "submodule"])
+def test_a_copy_of_a_compiled_model_is_refused_with_the_fix(where, to):
+    """The copy kept the compiled wrapper, whose forward is bound to the source's module: the
+    'converted' model ran the source's conv and BN (a fused copy was the source, unfolded)."""
+    from bnsurgeon.errors import UsageError
+
+    model, inner = _compiled(where)
+    with pytest.raises(UsageError, match=r"copy of a torch.compile'd model or submodule \((<root>|0)\)") as raised:
+        bnsurgeon.convert(model, to, example_input=(2, 3, 8, 8))
+    assert "_orig_mod" in raised.value.hint and "inplace=True" in raised.value.hint
+    assert isinstance(inner[1], nn.BatchNorm2d)  # nothing changed
+
+
+@pytest.mark.parametrize("where", ["model", "submodule"])
+def test_a_compiled_model_converted_in_place_runs_the_folded_modules(where):
+    model, inner = _compiled(where)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        expected = model(x).clone()  # compiled and run once before the conversion
+    result = fused(model, x, inplace=True)
+    assert result.model is model and bn_left(model) == []
+    ran = []
+    inner[0].register_forward_pre_hook(lambda *args: ran.append("folded conv"))
+    with torch.no_grad():
+        actual = model(x)
+    assert ran == ["folded conv"]
+    assert not torch.equal(actual, expected)  # the folded arithmetic ran, not the source's graph ...
+    assert torch.allclose(actual, expected, rtol=1e-5, atol=1e-5)  # ... and computes the same
+
+
+def test_cli_a_factory_returning_a_compiled_model_exits_2(tmp_path, monkeypatch):
+    (tmp_path / "compiled_model.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def build():\n"
+        "    return torch.compile(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend='eager')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for to in ("fused", "sync"):
+        result = run("convert", "compiled_model:build", "--to", to, "--input-shape", "2,3,8,8", "-o", tmp_path / "o.safetensors")
+        assert result.exit_code == 2, result.output
+        assert "torch.compile'd" in result.output and "Traceback" not in result.output
+        assert not list(tmp_path.glob("o.safetensors*"))
