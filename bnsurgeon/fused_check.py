@@ -129,6 +129,10 @@ def _float64_judgement(source, fused, folds, x, expected, actual) -> tuple[bool 
             f"float64 run); in float64 the fold errs {fold_rel:.2g}")
     if not same_weights:
         return False, note + f"; the folded weights are NOT the float64 fold rounded to {low}"
+    changed = unfolded_changes(source, fused, folds)
+    if changed:  # float64 proves the folds only: everything else must be the source's own tensors
+        shown = ", ".join(changed[:4]) + (f" (+{len(changed) - 4} more)" if len(changed) > 4 else "")
+        return False, note + f"; tensors outside the folds are NOT the source's: {shown}"
     drift = "" if fused_rel <= DRIFT_FACTOR * source_rel else (
         f"; but the fused {low} model is {fused_rel:.2g} from the float64 run, more than {DRIFT_FACTOR:g}x the "
         f"source's own {source_rel:.2g} (its folded weights lose precision in {low}, e.g. underflow)")
@@ -154,6 +158,23 @@ def _nudged(source64: "nn.Module", folds: list[dict[str, Any]]) -> "nn.Module":
             else:
                 bn.running_var.mul_(1 + 2e-15)
     return nudged
+
+
+def unfolded_changes(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]]) -> list[str]:
+    """State-dict entries of ``fused`` outside the folded producers that are not, bit for bit, the source's."""
+    import torch
+
+    producers = tuple(f["producer"] for f in folds)
+    theirs = source.state_dict()
+    changed = []
+    for name, tensor in fused.state_dict().items():
+        if any(name.startswith(p + ".") for p in producers):
+            continue
+        original = theirs.get(name)
+        if original is None or original.shape != tensor.shape or original.dtype != tensor.dtype \
+                or not torch.equal(original, tensor):
+            changed.append(name)
+    return changed
 
 
 def params_rounded_from(low: "nn.Module", high: "nn.Module") -> bool:

@@ -240,3 +240,37 @@ def test_cli_a_factory_returning_a_compiled_model_exits_2(tmp_path, monkeypatch)
         assert result.exit_code == 2, result.output
         assert "torch.compile'd" in result.output and "Traceback" not in result.output
         assert not list(tmp_path.glob("o.safetensors*"))
+
+
+# ------------------------------------------------------------------ the float64 judgement proves the folds only
+
+
+class CancellingHead(nn.Module):
+    """conv -> BN -> sin(1e4 x) -> Linear: float32 rounding reaches ~1e-3 of the output, so the float64
+    judgement decides; the head is no producer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.head(torch.sin(1e4 * self.bn(self.conv(x))))
+
+
+def test_float64_judgement_fails_a_changed_tensor_outside_the_folds():
+    """It checked the folded producers' weights against the float64 fold and nothing else: a head weight
+    changed by 0.2% (a tampered file, verified against its source) hid under the net's float32 drift."""
+    import copy
+
+    torch.manual_seed(0)
+    model = perturb_bn(CancellingHead())
+    x = torch.randn(2, 3, 8, 6)
+    result = fused(model, x)
+    folds = result.report.fusion["folded"]
+    assert [o.passed for o in check_fused(model, result.model, folds, x)] == [True, True]
+    result.model.head = copy.deepcopy(result.model.head)  # the fused copy shares the source's head
+    with torch.no_grad():
+        result.model.head.weight.mul_(1.002)
+    outcome = compare(model, result.model, x, "as converted", folds=folds)
+    assert outcome.passed is False, outcome.detail
+    assert "tensors outside the folds are NOT the source's: head.weight" in outcome.detail
