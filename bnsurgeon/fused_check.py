@@ -32,7 +32,10 @@ class FusedComparison:
 
 
 def relative_error(expected: list, actual: list) -> tuple[float, float]:
-    """(max |diff|, max over outputs of max |diff| / max |expected|); inf when shapes differ."""
+    """(max |diff|, max over outputs of max |diff| / max |expected|); inf when shapes differ, and
+    where either side holds NaN (a NaN difference would otherwise vanish in ``max(0, nan)``)."""
+    import math
+
     if len(expected) != len(actual) or not expected or any(a.shape != b.shape for a, b in zip(expected, actual)):
         return float("inf"), float("inf")
     worst_abs = worst_rel = 0.0
@@ -40,6 +43,8 @@ def relative_error(expected: list, actual: list) -> tuple[float, float]:
         if not a.numel():
             continue
         diff = (a.double() - b.double()).abs().max().item()
+        if math.isnan(diff):
+            return float("inf"), float("inf")
         scale = a.double().abs().max().item()
         worst_abs = max(worst_abs, diff)
         worst_rel = max(worst_rel, diff / scale if scale > 0 else diff)
@@ -63,6 +68,9 @@ def _eval_outputs(model: "nn.Module", x, what: str = "the model") -> list:
 #: the fold re-done on a float64 copy must match the float64 source this closely (exact arithmetic
 #: up to float64 rounding, amplified by the net); a wrong fold errs by O(1) of the output scale
 FLOAT64_RTOL = 1e-9
+#: where float64 judges, the fused model's own outputs may drift from the float64 run at most this many
+#: times as far as the source's do (float32/float16 rounding of the folded weights, amplified alike)
+DRIFT_FACTOR = 10.0
 
 
 def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float = FUSED_RTOL,
@@ -74,17 +82,21 @@ def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float 
     expected, actual = _eval_outputs(source, x, "the source model"), _eval_outputs(fused, x, "the fused model")
     diff, rel = relative_error(expected, actual)
     finite = all(t.isfinite().all() for t in expected)
-    passed: bool | None = finite and rel <= rtol
+    fused_finite = all(t.isfinite().all() for t in actual)
+    passed: bool | None = finite and fused_finite and rel <= rtol
     detail = f"{label}: max relative error {rel:.3g}"  # the tolerance is said once, by the caller
     if not finite:
         detail += "; the source's outputs are not finite"
+    elif not fused_finite:
+        bad = sum(int((~t.isfinite()).sum()) for t in actual)
+        detail += f"; the fused model's outputs hold {bad} NaN/inf value(s) where the source's are finite"
     elif not passed and x.dtype != torch.float64 and folds is not None:
-        passed, note = _float64_judgement(source, fused, folds, x, expected)
+        passed, note = _float64_judgement(source, fused, folds, x, expected, actual)
         detail += "; " + note
     return FusedComparison(passed, diff, rel, detail)
 
 
-def _float64_judgement(source, fused, folds, x, expected) -> tuple[bool | None, str]:
+def _float64_judgement(source, fused, folds, x, expected, actual) -> tuple[bool | None, str]:
     """Deep nets at random init (exploding activations, saturated SE gates) amplify float32
     rounding past any tolerance: the float32 source then differs as much from its own float64
     run. The fold is then proven in float64: the same folds re-done on a float64 copy of the
@@ -92,9 +104,14 @@ def _float64_judgement(source, fused, folds, x, expected) -> tuple[bool | None, 
     float64 fold rounded to float32. "Match" is FLOAT64_RTOL, or, for an ill-conditioned net,
     10x its float64 noise floor: what nudging every folded BN's scale by 1e-15 (about 10x the
     fold's own float64 rounding) does to the output. Where that floor reaches the check's own
-    tolerance / 10, float64 cannot judge a fold either (the model is chaotic at this state): None."""
+    tolerance / 10, float64 cannot judge a fold either (the model is chaotic at this state): None.
+
+    An exact float64 fold does not make the float32 (or float16) model right: rounding the folded
+    weights can lose them (a scale that underflows float16). To pass, the fused model's own
+    outputs must also be within DRIFT_FACTOR x the source's drift from the float64 run."""
     from .surgery import convert
 
+    low = str(x.dtype).replace("torch.", "")
     try:
         source64 = copy.deepcopy(source).double()
         x64 = x.double()
@@ -104,20 +121,28 @@ def _float64_judgement(source, fused, folds, x, expected) -> tuple[bool | None, 
     except Exception as error:  # a model that cannot run in float64
         return False, f"no float64 reference ({type(error).__name__})"
     _, source_rel = relative_error(reference, [t.double() for t in expected])
+    _, fused_rel = relative_error(reference, [t.double() for t in actual])
     same_weights = all(
         params_rounded_from(fused.get_submodule(f["producer"]), refolded.get_submodule(f["producer"])) for f in folds
     )
-    note = (f"float32 rounding amplified by the net (the float32 source is {source_rel:.2g} from its own "
+    note = (f"{low} rounding amplified by the net (the {low} source is {source_rel:.2g} from its own "
             f"float64 run); in float64 the fold errs {fold_rel:.2g}")
     if not same_weights:
-        return False, note + "; the folded weights are NOT the float64 fold rounded to float32"
+        return False, note + f"; the folded weights are NOT the float64 fold rounded to {low}"
+    changed = unfolded_changes(source, fused, folds)
+    if changed:  # float64 proves the folds only: everything else must be the source's own tensors
+        shown = ", ".join(changed[:4]) + (f" (+{len(changed) - 4} more)" if len(changed) > 4 else "")
+        return False, note + f"; tensors outside the folds are NOT the source's: {shown}"
+    drift = "" if fused_rel <= DRIFT_FACTOR * source_rel else (
+        f"; but the fused {low} model is {fused_rel:.2g} from the float64 run, more than {DRIFT_FACTOR:g}x the "
+        f"source's own {source_rel:.2g} (its folded weights lose precision in {low}, e.g. underflow)")
     if fold_rel <= FLOAT64_RTOL:
-        return True, note + f" (tolerance {FLOAT64_RTOL:g})"
+        return not drift, note + f" (tolerance {FLOAT64_RTOL:g})" + drift
     _, floor = relative_error(reference, _eval_outputs(_nudged(source64, folds), x64))
     if 10 * floor >= FUSED_RTOL:
         return None, note + (f"; undecidable: the source is chaotic at this state (nudging its folded BN scales "
                              f"by 1e-15 moves its float64 output by {floor:.2g})")
-    return fold_rel <= 10 * floor, note + f" (tolerance 10x its float64 noise floor {floor:.2g})"
+    return fold_rel <= 10 * floor and not drift, note + f" (tolerance 10x its float64 noise floor {floor:.2g})" + drift
 
 
 def _nudged(source64: "nn.Module", folds: list[dict[str, Any]]) -> "nn.Module":
@@ -133,6 +158,23 @@ def _nudged(source64: "nn.Module", folds: list[dict[str, Any]]) -> "nn.Module":
             else:
                 bn.running_var.mul_(1 + 2e-15)
     return nudged
+
+
+def unfolded_changes(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]]) -> list[str]:
+    """State-dict entries of ``fused`` outside the folded producers that are not, bit for bit, the source's."""
+    import torch
+
+    producers = tuple(f["producer"] for f in folds)
+    theirs = source.state_dict()
+    changed = []
+    for name, tensor in fused.state_dict().items():
+        if any(name.startswith(p + ".") for p in producers):
+            continue
+        original = theirs.get(name)
+        if original is None or original.shape != tensor.shape or original.dtype != tensor.dtype \
+                or not torch.equal(original, tensor):
+            changed.append(name)
+    return changed
 
 
 def params_rounded_from(low: "nn.Module", high: "nn.Module") -> bool:

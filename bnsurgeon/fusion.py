@@ -513,10 +513,17 @@ def bn_scale_shift(fields: BNFields) -> tuple["torch.Tensor", "torch.Tensor"]:
     return scale, shift
 
 
+class Unfoldable(ValueError):
+    """The fold is exact in float64 but cannot be held in the producer's dtype (the reason is the message);
+    the BN stays. Internal: caught by the fused builder, never shown as an error."""
+
+
 def fold_into(producer: "nn.Module", fields: BNFields) -> "nn.Module":
     """A copy of ``producer`` whose output equals BN(producer(x)) in eval: new weight and bias Parameters.
 
-    The source producer is untouched (copy on write, like every conversion).
+    The source producer is untouched (copy on write, like every conversion). Raises Unfoldable
+    where the folded weights or bias overflow the producer's dtype, or round a whole output
+    channel's weights to zero that are not zero in float64 (see ``_dtype_reason``).
     """
     scale, shift = bn_scale_shift(fields)
     return _fold_scale_shift(producer, scale, shift)
@@ -557,13 +564,57 @@ def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torc
     bias = producer.bias
     b64 = bias.detach().double() if bias is not None else torch.zeros_like(shift)
     new_bias = b64 * scale + shift
+    cast_weight = folded.to(weight.dtype)
+    cast_bias = new_bias.to(device=weight.device, dtype=bias.dtype if bias is not None else weight.dtype)
+    reason = _dtype_reason(folded, cast_weight, new_bias, cast_bias,
+                           channel_dim=1 if isinstance(producer, nn.modules.conv._ConvTransposeNd) else 0,
+                           groups=getattr(producer, "groups", 1))
+    if reason is not None:
+        raise Unfoldable(reason)
     clone = _clone(producer)
-    clone._parameters["weight"] = nn.Parameter(folded.to(weight.dtype), requires_grad=weight.requires_grad)
+    clone._parameters["weight"] = nn.Parameter(cast_weight, requires_grad=weight.requires_grad)
     clone._parameters["bias"] = nn.Parameter(
-        new_bias.to(device=weight.device, dtype=bias.dtype if bias is not None else weight.dtype),
-        requires_grad=bias.requires_grad if bias is not None else weight.requires_grad,
+        cast_bias, requires_grad=bias.requires_grad if bias is not None else weight.requires_grad,
     )
     return clone
+
+
+def _dtype_reason(weight64: "torch.Tensor", weight: "torch.Tensor", bias64: "torch.Tensor", bias: "torch.Tensor",
+                  *, channel_dim: int = 0, groups: int = 1) -> str | None:
+    """Why the float64 fold cannot be held in the producer's dtype, or None.
+
+    Overflow: a folded weight or bias that is finite in float64 becomes inf (float16's max is
+    65504). Underflow: an output channel whose float64 folded weights are not all zero rounds to
+    all-zero weights (its input is then lost; float16's smallest subnormal is 6e-8). A channel
+    that only loses some of its weights is not caught here: the pre-write check measures it.
+    """
+    import torch
+
+    if weight.is_meta:  # a model built on the meta device to load a file into: no values to judge
+        return None
+    name = str(weight.dtype).replace("torch.", "")
+    for what, high, low in (("weights", weight64, weight), ("bias", bias64, bias)):
+        over = high.isfinite() & ~low.isfinite()
+        if bool(over.any()):
+            largest = high[over].abs().max().item()
+            return (f"the fold overflows {name}: folded {what} reach {largest:.3g}, beyond {name}'s max "
+                    f"{torch.finfo(low.dtype).max:.3g} (a BN scale gamma/sqrt(var+eps) too large for {name}; "
+                    "convert a float32 copy to fold it)")
+    if channel_dim == 1:  # transposed conv: (in, out/groups, ...) per group -> (out, ...)
+        shape = weight.shape
+        def per_channel(t):
+            return t.reshape(groups, shape[0] // groups, shape[1], -1).transpose(1, 2).reshape(groups * shape[1], -1)
+    else:
+        def per_channel(t):
+            return t.reshape(t.shape[0], -1)
+    lost = (per_channel(weight64) != 0).any(1) & ~(per_channel(weight) != 0).any(1)
+    if bool(lost.any()):
+        channels = lost.nonzero().flatten().tolist()
+        shown = ", ".join(map(str, channels[:6])) + (", ..." if len(channels) > 6 else "")
+        return (f"the fold underflows {name}: {len(channels)} output channel(s) ({shown}) would have all-zero "
+                f"weights in {name} (a BN scale gamma/sqrt(var+eps) too small for {name}; convert a float32 copy "
+                "to fold it)")
+    return None
 
 
 def fused_replacement(fields: BNFields, *, keep_act: bool) -> "nn.Module":

@@ -148,6 +148,7 @@ def convert(
     check_target(to, frozen)
     include, exclude = check_filters(include, exclude)
     _refuse_ddp_copy(model, inplace)
+    _refuse_compiled_copy(model, inplace)
     entries = plan(model, registry)
     lazy = [e for e in entries if is_uninitialized_lazy(e.module)]
     if lazy:
@@ -284,6 +285,34 @@ def _refuse_ddp_copy(model: "nn.Module", inplace: bool) -> None:
             f"cannot convert a copy of a DistributedDataParallel-wrapped model ({', '.join(wrapped)})",
             "convert the inner model and wrap it again (bnsurgeon.convert(ddp.module, ...)), "
             "or convert it in place with inplace=True",
+        )
+
+
+def compiled_modules(model: "nn.Module") -> list[str]:
+    """Paths of the ``torch.compile`` wrappers (OptimizedModule) in ``model``, itself included."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:  # nothing was ever compiled in this process
+        return []
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return [path or "<root>" for path, module in model.named_modules() if isinstance(module, OptimizedModule)]
+
+
+def _refuse_compiled_copy(model: "nn.Module", inplace: bool) -> None:
+    """A torch.compile wrapper's forward is bound to the module it compiled: a copy of the wrapper
+    (with the converted modules under its ``_orig_mod``) would still run the source's modules."""
+    if inplace:
+        return
+    compiled = compiled_modules(model)
+    if compiled:
+        from .errors import UsageError
+
+        raise UsageError(
+            f"cannot convert a copy of a torch.compile'd model or submodule ({', '.join(compiled)[:200]}): its "
+            "compiled forward is bound to the original module and would keep running the source",
+            "convert the module it compiled (compiled._orig_mod; a factory should return the model uncompiled) "
+            "and compile the result again, or convert it in place with inplace=True",
         )
 
 

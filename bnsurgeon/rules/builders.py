@@ -107,12 +107,15 @@ def to_plain_act(module: nn.Module, context: BuildContext) -> nn.Module:
 
 
 def _fold(module: nn.Module, context: BuildContext, *, keep_act: bool) -> nn.Module:
-    from ..fusion import fold_into, fused_replacement
+    from ..fusion import Unfoldable, fold_into, fused_replacement
 
     if context.producer is None:
         return context.keep(module, context.fold_reason or "no Conv/Linear producer found")
     fields = read_fields(module)
-    context.replaces[id(context.producer)] = fold_into(context.producer, fields)
+    try:
+        context.replaces[id(context.producer)] = fold_into(context.producer, fields)
+    except Unfoldable as problem:  # exact in float64, not in the producer's dtype: the BN stays, with why
+        return context.keep(module, str(problem))
     return fused_replacement(fields, keep_act=keep_act)
 
 
