@@ -74,9 +74,10 @@ DRIFT_FACTOR = 10.0
 
 
 def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float = FUSED_RTOL,
-            folds: list[dict[str, Any]] | None = None) -> FusedComparison:
+            folds: list[dict[str, Any]] | None = None, *, judge_drift: bool = True) -> FusedComparison:
     """Within ``rtol`` of the output scale; failing that (float32 rounding amplified by a deep,
-    ill-conditioned net), judged in float64 (see ``_float64_judgement``)."""
+    ill-conditioned net), judged in float64 (see ``_float64_judgement``; ``judge_drift`` False
+    for a state that is not the model's own, where the drift is reported, not judged)."""
     import torch
 
     expected, actual = _eval_outputs(source, x, "the source model"), _eval_outputs(fused, x, "the fused model")
@@ -91,12 +92,12 @@ def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float 
         bad = sum(int((~t.isfinite()).sum()) for t in actual)
         detail += f"; the fused model's outputs hold {bad} NaN/inf value(s) where the source's are finite"
     elif not passed and x.dtype != torch.float64 and folds is not None:
-        passed, note = _float64_judgement(source, fused, folds, x, expected, actual)
+        passed, note = _float64_judgement(source, fused, folds, x, expected, actual, judge_drift=judge_drift)
         detail += "; " + note
     return FusedComparison(passed, diff, rel, detail)
 
 
-def _float64_judgement(source, fused, folds, x, expected, actual) -> tuple[bool | None, str]:
+def _float64_judgement(source, fused, folds, x, expected, actual, *, judge_drift: bool = True) -> tuple[bool | None, str]:
     """Deep nets at random init (exploding activations, saturated SE gates) amplify float32
     rounding past any tolerance: the float32 source then differs as much from its own float64
     run. The fold is then proven in float64: the same folds re-done on a float64 copy of the
@@ -108,7 +109,11 @@ def _float64_judgement(source, fused, folds, x, expected, actual) -> tuple[bool 
 
     An exact float64 fold does not make the float32 (or float16) model right: rounding the folded
     weights can lose them (a scale that underflows float16). To pass, the fused model's own
-    outputs must also be within DRIFT_FACTOR x the source's drift from the float64 run."""
+    outputs must also be within DRIFT_FACTOR x the source's drift from the float64 run. That is
+    judged on the model's own state only: a perturbed state (random means far from the
+    activations, then ``W*s*x + (beta - mean*s)`` cancels in float32 where ``(conv(x) - mean)*s``
+    does not) measures how folding fares at a state no user has, not this conversion, and is
+    reported without failing."""
     from .surgery import convert
 
     low = str(x.dtype).replace("torch.", "")
@@ -136,6 +141,10 @@ def _float64_judgement(source, fused, folds, x, expected, actual) -> tuple[bool 
     drift = "" if fused_rel <= DRIFT_FACTOR * source_rel else (
         f"; but the fused {low} model is {fused_rel:.2g} from the float64 run, more than {DRIFT_FACTOR:g}x the "
         f"source's own {source_rel:.2g} (its folded weights lose precision in {low}, e.g. underflow)")
+    if drift and not judge_drift:
+        note += (f"; at this state the fused {low} model is {fused_rel:.2g} from the float64 run (the source "
+                 f"{source_rel:.2g}): folding costs {low} precision here, not judged (not the model's own state)")
+        drift = ""
     if fold_rel <= FLOAT64_RTOL:
         return not drift, note + f" (tolerance {FLOAT64_RTOL:g})" + drift
     _, floor = relative_error(reference, _eval_outputs(_nudged(source64, folds), x64))
@@ -202,7 +211,7 @@ def compare_perturbed(source: "nn.Module", folds: list[dict[str, Any]], x, rtol:
         strength /= 10
     fused = convert(perturbed, "fused", folds=folds, allow_unhandled=True).model
     label = "perturbed BN state" + ("" if strength == 1.0 else f" (strength {strength:g}: 1.0 overflows the source)")
-    return compare(perturbed, fused, x, label, rtol, folds)
+    return compare(perturbed, fused, x, label, rtol, folds, judge_drift=False)
 
 
 def check_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]], x,

@@ -132,6 +132,24 @@ def test_float64_judgement_does_not_pass_a_fused_fp16_model_far_from_the_source(
     assert fused_check_result(model, result, (2, 3, 8, 8)).passed is False
 
 
+def test_the_drift_rule_judges_the_models_own_state_not_the_perturbed_one(monkeypatch):
+    """The perturbed check re-folds a state no user has (random means far from the activations make
+    ``W*s*x + (beta - mean*s)`` cancel in float32): there the drift is reported, not failed. Before, a
+    random-init efficientnetv2_rw_m whose float64 fold was exact failed ``convert --to fused`` on it."""
+    import bnsurgeon.verify
+
+    model = fp16_underflowing_fold()
+    x = torch.randn(2, 3, 8, 8).half()
+    result = fused(model, x)
+    folds = result.report.fusion["folded"]
+    monkeypatch.setattr(bnsurgeon.verify, "perturb_bn", lambda module, **kwargs: module)  # "perturbed" = as is
+    as_converted, perturbed = check_fused(model, result.model, folds, x)
+    assert as_converted.passed is False and "more than 10x the source's own" in as_converted.detail
+    assert perturbed.max_rel_error > 0.05
+    assert perturbed.passed is True, perturbed.detail
+    assert "folding costs float16 precision here, not judged" in perturbed.detail, perturbed.detail
+
+
 # ------------------------------------------------------------------ 3. folds the model's own dtype cannot hold
 
 
