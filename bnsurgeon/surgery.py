@@ -312,7 +312,7 @@ def _refuse_compiled_copy(model: "nn.Module", inplace: bool) -> None:
             f"cannot convert a copy of a torch.compile'd model or submodule ({', '.join(compiled)[:200]}): its "
             "compiled forward is bound to the original module and would keep running the source",
             "convert the module it compiled (compiled._orig_mod; a factory should return the model uncompiled) "
-            "and compile the result again, or convert it in place with inplace=True",
+            "and compile the result again, or, from Python, convert it in place with inplace=True",
         )
 
 

@@ -130,8 +130,7 @@ def confirm_architecture(recorded: Architecture, origin: Any, named: str | None 
         raise ConfirmationError(
             f"{origin} was made from the factory {recorded.name!r}; importing it runs code, "
             "so bnsurgeon does not run a name read from a file",
-            f"if you trust that code, confirm it with {flag} {recorded.name}"
-            f" (Python: {flag.lstrip('-').replace('-', '_')}={recorded.name!r})",
+            f"if you trust that code, confirm it with {flag} {recorded.name}",
         )
     unconfirmed = {
         key: value for key, value in recorded.kwargs.items()

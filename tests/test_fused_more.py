@@ -257,6 +257,7 @@ def test_cli_a_factory_returning_a_compiled_model_exits_2(tmp_path, monkeypatch)
         result = run("convert", "compiled_model:build", "--to", to, "--input-shape", "2,3,8,8", "-o", tmp_path / "o.safetensors")
         assert result.exit_code == 2, result.output
         assert "torch.compile'd" in result.output and "Traceback" not in result.output
+        assert "from Python, convert it in place" in result.output  # the CLI has no in-place conversion
         assert not list(tmp_path.glob("o.safetensors*"))
 
 

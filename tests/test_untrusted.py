@@ -131,6 +131,18 @@ def test_verify_never_imports_a_factory_named_by_the_converted_file(good, tiny):
         one_line_failure(result, 10, "factory 'os:system'", "confirm it with --converted-model os:system")
 
 
+def test_a_python_caller_is_told_the_keyword_to_confirm_a_factory_once(good, tiny):
+    """str() of the error rewrites the hint's flags as keywords; the hint also carried its own
+    '(Python: model=...)', so a Python caller read the keyword twice."""
+    from bnsurgeon.errors import ConfirmationError
+
+    with pytest.raises(ConfirmationError) as caught:
+        bnsurgeon.load(good)
+    message = str(caught.value)
+    assert "model='tiny:build'" in message and message.count("tiny:build") == 2, message  # the file's, the fix's
+    assert "--model" not in message and "Python:" not in message, message
+
+
 def test_verify_confirmation_for_source_does_not_extend_to_converted(good, tiny):
     result = run("verify", good, good, "--model", "tiny:build", "--input-shape", "2,3,8,8")
     one_line_failure(result, 10, "--converted-model tiny:build")
