@@ -51,6 +51,11 @@ class Column:
     short_header: str | None = None  # used when the header is wider than the cells
 
 
+def counted(number: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``: a count with its noun in the right number."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def shorten(text: str, width: int) -> str:
     """``text`` cut to ``width`` characters, ending in ``...`` when cut."""
     if len(text) <= width:

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .layout import printable
+from .layout import counted, printable
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -132,7 +132,7 @@ def render_markdown(report: Report) -> str:
         lines.append(f"Source: {code(report.source)}" + (f" -> {code(report.output)}" if report.output else ""))
         lines.append("")
     summary = (
-        f"**{totals['changed']} modules converted**, {totals['kept']} kept as they were, "
+        f"**{counted(totals['changed'], 'module')} converted**, {totals['kept']} kept as they were, "
         f"{totals['unhandled']} unhandled; state-dict keys added: {totals['keys_added']}, "
         f"removed: {totals['keys_removed']}."
     )

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checkpoint import count_tensors, entry_name, nesting_depth, state_dict_candidates, strip_common_prefix
 from .errors import CheckpointError, UsageError
+from .layout import counted
 from .architecture import LoadedSource
 from .weights import load_weights
 from .surgery import ConvertResult, convert
@@ -79,7 +80,7 @@ def parameters_unchanged(result: ConvertResult) -> bool:
 
 def _describe(value: Any) -> str:
     tensors = count_tensors(value)
-    return type(value).__name__ + (f", {tensors} tensors" if tensors else "")
+    return type(value).__name__ + (f", {counted(tensors, 'tensor')}" if tensors else "")
 
 
 def _converted_copy(result: ConvertResult, state: dict, origin: str) -> dict:
@@ -122,14 +123,14 @@ def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | No
     if weights_entry and weights_entry not in OWN_ENTRIES:
         weights = {k: v.detach() for k, v in result.model.state_dict().items()}
         carried.entries[weights_entry] = _nest(raw.obj[weights_entry], weights_key, weights)
-        carried.summary[weights_entry] = f"the converted weights (the same tensors as state_dict), {len(weights)} tensors"
+        carried.summary[weights_entry] = f"the converted weights (the same tensors as state_dict), {counted(len(weights), 'tensor')}"
     candidates = state_dict_candidates(raw.obj)
     for name, value in others.items():
         nested_keys = [key for key in candidates if isinstance(name, str) and key.split(".", 1)[0] == name]
         if nested_keys:
             state = _converted_copy(result, candidates[nested_keys[0]], f"{raw.path} entry {nested_keys[0]!r}")
             carried.entries[name] = _nest(value, nested_keys[0], state)
-            carried.summary[entry_name(name)] = f"converted to {target} like the model ({len(state)} tensors)"
+            carried.summary[entry_name(name)] = f"converted to {target} like the model ({counted(len(state), 'tensor')})"
         elif is_optimizer_state(value):
             if not parameters_unchanged(result):
                 raise UsageError(

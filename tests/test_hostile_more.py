@@ -512,3 +512,20 @@ def test_an_output_directory_that_is_a_device_is_named_without_advice_to_move_it
     result = run("convert", "tiny:build", "-o", "/dev/null/o.pt", "--input-shape", "2,3,8,8")
     one_line_failure(result, 8, "output directory /dev/null is not a directory (a pipe, socket or device)")
     assert "move /dev/null" not in result.output
+
+
+def test_counts_of_one_are_singular():
+    """'1 tensors' in a carried entry's summary and '1 modules converted' in the Markdown report."""
+    import torch
+
+    import bnsurgeon
+    from torch import nn
+
+    from bnsurgeon.layout import counted
+    from bnsurgeon.report import render_markdown
+    from bnsurgeon.training_checkpoint import _describe
+
+    assert [counted(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
+    assert _describe({"only": torch.zeros(1)}) == "dict, 1 tensor"
+    result = bnsurgeon.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), "sync")
+    assert "**1 module converted**" in render_markdown(result.report)
