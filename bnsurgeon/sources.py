@@ -31,7 +31,7 @@ from .checkpoint import (
 )
 from .errors import CheckpointError, UsageError
 from .rebuild import rebuild_from_checkpoint
-from .recorded import architecture_from_checkpoint, read_recorded, state_from_checkpoint  # noqa: F401
+from .recorded import MAX_NAME_CHARS, architecture_from_checkpoint, read_recorded, state_from_checkpoint  # noqa: F401
 from .trust import TIMM_NAME_PATTERN, confirm_architecture, is_plain_literal, size_arg_problem
 from .weights import check_fit, load_weights, materialize  # noqa: F401
 
@@ -132,6 +132,9 @@ def _architecture_for(path, raw: RawCheckpoint, model, model_args, accept_record
     obj = raw.obj if isinstance(raw.obj, dict) else {}
     arch = obj.get("arch")
     if isinstance(arch, str):
+        if len(arch) > MAX_NAME_CHARS:  # quoted in every message about it, and matched against timm's registry
+            raise CheckpointError(f"{path} names an architecture of {len(arch):,} characters (at most "
+                                  f"{MAX_NAME_CHARS}), which is not a timm model name", "pass --model ARCH")
         if not TIMM_NAME_PATTERN.match(arch):
             raise CheckpointError(f"{path} names the architecture {arch!r}, which is not a timm model name",
                                   "pass --model ARCH")

@@ -153,6 +153,17 @@ def test_a_training_checkpoint_size_that_is_not_a_size_is_refused_naming_the_fie
     assert not (tiny / "o.pt").exists()
 
 
+def test_a_training_checkpoint_naming_a_huge_architecture_is_refused_without_quoting_it(tiny):
+    """A 1 MB ``arch`` was matched and quoted whole (exit 3 after 7 s, the name in the message);
+    recorded architectures were already capped at 200 characters."""
+    torch.save({"arch": "resnet" * 200_000, "state_dict": {"fc.weight": torch.zeros(2, 2)}}, tiny / "last.pth.tar")
+    for command, args in (("inspect", []), ("convert", ["-o", tiny / "o.pt"])):
+        result = run(command, tiny / "last.pth.tar", *args)
+        one_line_failure(result, 4, "architecture of 1,200,000 characters (at most 200)", "--model ARCH")
+        assert len(result.output) < 2000
+    assert not (tiny / "o.pt").exists()
+
+
 def test_sizes_that_are_sizes_still_build():
     from bnsurgeon.trust import size_arg_problem
 
