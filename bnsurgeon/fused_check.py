@@ -110,10 +110,11 @@ def _float64_judgement(source, fused, folds, x, expected, actual, *, judge_drift
     An exact float64 fold does not make the float32 (or float16) model right: rounding the folded
     weights can lose them (a scale that underflows float16). To pass, the fused model's own
     outputs must also be within DRIFT_FACTOR x the source's drift from the float64 run. That is
-    judged on the model's own state only: a perturbed state (random means far from the
-    activations, then ``W*s*x + (beta - mean*s)`` cancels in float32 where ``(conv(x) - mean)*s``
-    does not) measures how folding fares at a state no user has, not this conversion, and is
-    reported without failing."""
+    judged on the model's own state only: a perturbed state is random and can be ill-conditioned
+    beyond what one float32 run of the source shows (random-init efficientnetv2_rw_m, perturbed: an
+    error of 1.5e-4 entering blocks.5.17 leaves it 1e-2 off even in float64, while the float32
+    source's own rounding happened to stay at 6e-6), so there the drift is reported, not failed;
+    the fold itself is still proven there."""
     from .surgery import convert
 
     low = str(x.dtype).replace("torch.", "")
@@ -143,7 +144,7 @@ def _float64_judgement(source, fused, folds, x, expected, actual, *, judge_drift
         f"source's own {source_rel:.2g} (its folded weights lose precision in {low}, e.g. underflow)")
     if drift and not judge_drift:
         note += (f"; at this state the fused {low} model is {fused_rel:.2g} from the float64 run (the source "
-                 f"{source_rel:.2g}): folding costs {low} precision here, not judged (not the model's own state)")
+                 f"{source_rel:.2g}): {low} rounding amplified by a random state, reported, not judged")
         drift = ""
     if fold_rel <= FLOAT64_RTOL:
         return not drift, note + f" (tolerance {FLOAT64_RTOL:g})" + drift

@@ -228,8 +228,13 @@ def write_docs(rows: list[dict], docs: Path, command: str, note: str) -> None:
         lines[lines.index("## Per model") + 1:lines.index("## Per model") + 1] = [
             "", f"Rows marked * are carried over from an earlier run of the same sample ({', '.join(carried)}): the "
             "models the later code changes could affect were re-run, these were not.", ""]
+    remeasured = sorted({r["remeasured"] for r in rows if r.get("remeasured")})
+    if remeasured:
+        lines[lines.index("## Per model") + 1:lines.index("## Per model") + 1] = [
+            "", f"Rows marked + were re-measured later ({', '.join(remeasured)}) with `--models NAME`, after a change to "
+            "the check that could change their verdict; the other rows are from the run named above.", ""]
     for r in rows:
-        mark = "*" if r.get("carried_from") else ""
+        mark = "*" if r.get("carried_from") else "+" if r.get("remeasured") else ""
         if r.get("status") not in ("ok", "FAILED"):
             lines.append(f"| {r['source']}:{r['model']}{mark} | - | - | - | - | - | - | {r.get('status')}: {r.get('reason', '')[:120]} |")
             continue
