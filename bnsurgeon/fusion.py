@@ -409,13 +409,14 @@ def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = Tr
     plan = FoldPlan(method="torch.fx graph + hooks on the check input" if fx_result is not None
                     else f"hooks on the check input (not traceable by torch.fx: {fx_error})")
     modules = dict(model.named_modules())
+    global_hooks = _global_hook_reason()
     for module_id, path in bn_modules.items():
         module = modules[path] if path != "<root>" else model
         producer_path, reason = (None, None)
         if fx_result is not None:
             producer_path, reason = fx_result.get(path, (None, "not called in eval mode (absent from the traced graph: a train-only or unused path)"))
-        reason = _bn_hook_reason(module) or reason or _hook_reason(seen, path, producer_path,
-                                                                   hooks_only=fx_result is None)
+        reason = global_hooks or _bn_hook_reason(module) or reason or _hook_reason(seen, path, producer_path,
+                                                                                   hooks_only=fx_result is None)
         if reason is None:
             producer_path = producer_path or seen.bn_source[path]
             reason = _static_reason(module, modules[producer_path], seen.ranks.get(producer_path))
@@ -445,6 +446,17 @@ def _static_reason(bn: "nn.Module", producer: "nn.Module", rank: int | None) -> 
     if any(module._forward_hooks or module._forward_pre_hooks for module in producer.modules()):
         return "its producer has forward hooks, which would see the folded weights or output"
     return _bn_hook_reason(bn)
+
+
+def _global_hook_reason() -> str | None:
+    """Global module hooks (``register_module_forward_hook``/``_pre_hook``) run on every module's call,
+    so, like a hook on one BN or producer, they would see folded outputs and BNs that are gone."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks:
+        return ("global module forward hooks are registered (torch.nn.modules.module.register_module_forward_hook "
+                "or _pre_hook), which would see the folded outputs and no BatchNorm; remove them to fold")
+    return None
 
 
 def _bn_hook_reason(bn: "nn.Module") -> str | None:

@@ -150,6 +150,24 @@ def test_the_drift_rule_judges_the_models_own_state_not_the_perturbed_one(monkey
     assert "float16 rounding amplified by a random state, reported, not judged" in perturbed.detail, perturbed.detail
 
 
+def test_global_module_forward_hooks_leave_every_bn_with_the_reason():
+    """A hook on one BN or producer leaves that pair; a global module hook runs on every module, so it
+    would see every folded output: nothing folds while one is registered, and folds again once removed."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    torch.manual_seed(0)
+    model = perturb_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())).eval()
+    for register in (register_module_forward_hook, register_module_forward_pre_hook):
+        handle = register(lambda *args: None)
+        try:
+            result = fused(model, (2, 3, 8, 8))
+        finally:
+            handle.remove()
+        assert bn_left(result.model) == ["1"]
+        assert "global module forward hooks are registered" in result.report.fusion["left"]["1"]
+    assert bn_left(fused(model, (2, 3, 8, 8)).model) == []
+
+
 # ------------------------------------------------------------------ 3. folds the model's own dtype cannot hold
 
 
