@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checkpoint import RawCheckpoint
 from .errors import FactoryRaisedError, SourceNotFoundError, UsageError
+from .layout import describe_kwargs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,7 +35,7 @@ class Architecture:
         return cls(kind=data.get("kind", "unknown"), name=data.get("name", ""), kwargs=dict(data.get("kwargs") or {}))
 
     def describe(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        args = describe_kwargs(self.kwargs)
         prefix = "timm:" if self.kind == "timm" else ""
         return f"{prefix}{self.name}" + (f"({args})" if args else "")
 
@@ -93,13 +94,9 @@ def _create_timm(name: str, kwargs: dict[str, Any]) -> "nn.Module":
     except TypeError as error:
         raise UsageError(f"timm model {name!r} does not accept these arguments: {error}", "check --model-arg") from None
     except Exception as error:  # timm validates kwargs with asserts, KeyErrors, ValueErrors...
-        raise UsageError(f"timm model {name!r} cannot be built with {_describe_kwargs(kwargs) or 'no arguments'}: "
+        raise UsageError(f"timm model {name!r} cannot be built with {describe_kwargs(kwargs) or 'no arguments'}: "
                          f"{type(error).__name__}: {_first_line(error)}",
                          "check the --model-arg values against the model's constructor") from None
-
-
-def _describe_kwargs(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
 
 
 def _first_line(error: BaseException) -> str:
@@ -144,7 +141,7 @@ def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
     try:
         inspect.signature(factory).bind(**kwargs)
     except TypeError as error:
-        raise UsageError(f"factory {target!r} cannot be called with {_describe_kwargs(kwargs) or 'no arguments'} ({error})",
+        raise UsageError(f"factory {target!r} cannot be called with {describe_kwargs(kwargs) or 'no arguments'} ({error})",
                          "pass its arguments with --model-arg key=value, or name a function that builds the model") from None
     except ValueError:  # no signature to check (some builtins): the call below says
         pass

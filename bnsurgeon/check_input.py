@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError, ModelCannotRunError, UsageError
+from .layout import counted
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +130,7 @@ class CheckInput:
         if self.kind == "list":
             distinct = sorted(set(self.shapes))
             inner = ", ".join(str(s) for s in distinct[:3]) + (", ..." if len(distinct) > 3 else "")
-            return f"list of {len(self.shapes)} sample(s) {inner}"
+            return f"list of {counted(len(self.shapes), 'sample')} {inner}"
         return "dict {" + ", ".join(f"{key}: {tuple(shape)}" for key, shape in self.shapes) + "}"
 
     def with_batch(self, batch: int, *, uniform: bool = False) -> "CheckInput":

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import CheckpointError, OutputError, SourceNotFoundError, UnsafeCheckpointError, UsageError
+from .layout import counted, shown
 
 if TYPE_CHECKING:
     import torch
@@ -337,11 +338,11 @@ def why_not_a_state_dict(obj: Any) -> str | None:
             if not isinstance(key, str) or not isinstance(item, torch.Tensor):
                 place = f"'{where}' " if where else ""
                 what = f"is {_a(type(item).__name__)}" if isinstance(key, str) else f"is keyed by {_a(type(key).__name__)}"
-                return (f"its {place}dict holds {tensors} tensor(s), but entry {repr(key)[:80]} {what}"
+                return (f"its {place}dict holds {counted(tensors, 'tensor')}, but entry {shown(key)} {what}"
                         " (a state dict maps names to tensors only)")
     nested = count_tensors(obj)
     if nested:  # tensors deeper down, or in a Namespace: "holds no tensors" would misstate the file
-        return (f"its top level is {_a(type(obj).__name__)} holding {nested} tensor(s), not a dict "
+        return (f"its top level is {_a(type(obj).__name__)} holding {counted(nested, 'tensor')}, not a dict "
                 "of names to tensors (nor one under state_dict, model, ...)")
     return None
 

@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .errors import BnSurgeonError, ModelCannotRunError, NonFiniteWeightsError
+from .layout import counted
 from .outputs import flatten_tensors
 from .report import CheckResult
 
@@ -138,7 +139,7 @@ def refuse_non_finite(model: "nn.Module", origin: str) -> None:
     bad = non_finite_tensors(model)
     if bad:
         shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
-        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {len(bad)} tensor(s): {shown}")
+        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {counted(len(bad), 'tensor')}: {shown}")
 
 
 #: no training sees more batches; a count near 2^63 overflows at the next step (and 1/count is momentum=None's factor)
@@ -174,16 +175,16 @@ def refuse_invalid_weights(model: "nn.Module", origin: str) -> None:
     bad = [name for name, tensor in named.items() if has_non_finite(tensor)]
     if bad:
         shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
-        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {len(bad)} tensor(s): {shown}")
+        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {counted(len(bad), 'tensor')}: {shown}")
     if counters:
         shown = ", ".join(counters[:3]) + (f" (+{len(counters) - 3} more)" if len(counters) > 3 else "")
-        raise NonFiniteWeightsError(f"{origin} holds an impossible batch count in {len(counters)} BatchNorm module(s): "
+        raise NonFiniteWeightsError(f"{origin} holds an impossible batch count in {counted(len(counters), 'BatchNorm module')}: "
                                     f"{shown} (a count of batches is from 0 to 2^53; the file is damaged)",
                                     "nothing was written; use an intact checkpoint")
     if negative:
         shown = ", ".join(negative[:3]) + (f" (+{len(negative) - 3} more)" if len(negative) > 3 else "")
-        raise NonFiniteWeightsError(f"{origin} holds negative running variances in {len(negative)} BatchNorm "
-                                    f"module(s): {shown} (a variance is never negative; the file is damaged)",
+        raise NonFiniteWeightsError(f"{origin} holds negative running variances in "
+                                    f"{counted(len(negative), 'BatchNorm module')}: {shown} (a variance is never negative; the file is damaged)",
                                     "nothing was written; use an intact checkpoint")
 
 

@@ -14,10 +14,16 @@ FLAG_KEYWORDS = {
     "--trust-pickle": "trust_pickle=True", "--force": "force=True", "--no-check": "check=False",
     "--model": "model=", "--model-arg": "model_args=", "--weights": "weights=", "--input-shape": "input_shape=",
     "--to": "to=", "--frozen": "frozen=", "--world-size": "world_sizes=",
+    "--accept-recorded-args": "accept_recorded_args=True", "--example-input": "example_input=",
+    "--include": "include=", "--exclude": "exclude=", "--verify": "verify_world_sizes=",
+    "--converted-model": "converted_model=", "--converted-model-arg": "converted_model_args=",
+    "--converted-weights": "converted_weights=", "--compare-at": "compare_at=", "--atol": "atol=",
+    "--no-perturb": "perturb=False",
 }
 
 #: flags whose keyword argument takes the flag's value as a string
-STRING_VALUED = ("--model", "--weights", "--to", "--frozen")
+STRING_VALUED = ("--model", "--weights", "--to", "--frozen", "--converted-model", "--converted-weights", "--compare-at",
+                 "--example-input")
 #: words that follow a flag in prose ("check --model and --model-arg"): never its value
 PROSE_WORDS = frozenset({"and", "or", "to", "with", "for", "if", "is", "in", "on", "the", "a", "an", "then",
                          "when", "instead", "too", "also", "as", "at", "by", "of"})
@@ -56,26 +62,59 @@ def _keyword_alone(flag: str) -> str:
     return replacement[:-1] if replacement.endswith("=") else replacement
 
 
+#: no message or hint is longer: names, keys and values in them come from files and users
+MAX_TEXT = 1000
+_CUT_MARK = re.compile(r"\.\.\. \(([\d,]+) more characters?\)$")
+
+
+def bounded(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, ending in ``... (N more characters)`` when cut.
+
+    Idempotent, and the count stays true when a cut text is cut again.
+    """
+    if len(text) <= limit:
+        return text
+    earlier, match = 0, _CUT_MARK.search(text)
+    if match:
+        earlier, text = int(match.group(1).replace(",", "")), text[:match.start()]
+    keep = max(0, limit - len(f"... ({len(text) + earlier:,} more characters)"))
+    return f"{text[:keep]}... ({len(text) - keep + earlier:,} more characters)"
+
+
 class BnSurgeonError(Exception):
-    """Base class: a problem with the user's input or environment, never a bug."""
+    """Base class: a problem with the user's input or environment, never a bug.
+
+    ``python`` is the hint for a Python caller where ``python_hint`` cannot derive it from
+    the command-line hint (a whole dict of arguments rather than a flag per value).
+    """
 
     exit_code: int = 2
     default_hint: str = ""
 
-    def __init__(self, message: str, hint: str | None = None) -> None:
+    def __init__(self, message: str, hint: str | None = None, *, python: str | None = None) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
-        self.hint = hint if hint is not None else self.default_hint
+        self.hint = bounded(hint if hint is not None else self.default_hint)
+        self.python = bounded(python) if python else None
 
     def __str__(self) -> str:
         """What a Python caller sees: the hint names keyword arguments, not flags (the CLI prints ``hint``)."""
-        return f"{self.message} ({python_hint(self.hint)})" if self.hint else self.message
+        hint = self.python or python_hint(self.hint)
+        return f"{self.message} ({hint})" if hint else self.message
 
 
 class UsageError(BnSurgeonError):
     """A flag or argument value that cannot be used."""
 
     exit_code = 2
+
+
+class HookedModelError(UsageError):
+    """A model with hooks that a fused file's folds would change what they see (the file is fine)."""
+
+    default_hint = ("remove the hooks before loading (their RemovableHandle.remove()), load, then register them "
+                    "again where they still make sense; or load a file converted --to sync or --to plain")
 
 
 class FactoryRaisedError(UsageError):

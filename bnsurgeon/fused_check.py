@@ -13,6 +13,7 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from .layout import counted
 from .outputs import flatten_tensors
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float 
         detail += "; the source's outputs are not finite"
     elif not fused_finite:
         bad = sum(int((~t.isfinite()).sum()) for t in actual)
-        detail += f"; the fused model's outputs hold {bad} NaN/inf value(s) where the source's are finite"
+        detail += f"; the fused model's outputs hold {counted(bad, 'NaN/inf value')} where the source's are finite"
     elif not passed and x.dtype != torch.float64 and folds is not None:
         passed, note = _float64_judgement(source, fused, folds, x, expected, actual, judge_drift=judge_drift)
         detail += "; " + note

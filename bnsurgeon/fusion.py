@@ -19,13 +19,15 @@ reason. The fold itself is computed in float64 and cast back.
 
 from __future__ import annotations
 
-import copy
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import CheckpointError, UsageError
+from .errors import CheckpointError, HookedModelError, UsageError
 from .fields import BNFields, qualname
+from .layout import counted, shown
+from .module_copy import BACKWARD_HOOKS, FORWARD_HOOKS, STATE_DICT_HOOKS, hook_kinds, shallow_clone
 
 if TYPE_CHECKING:
     import torch
@@ -167,7 +169,7 @@ class _Observed:
     #: producer path -> (what, call ids on the stack, id of the consuming module's call or None for an op)
     uses: dict[str, list[tuple[str, frozenset, int | None]]] = field(default_factory=lambda: defaultdict(list))
     weight_reads: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    hooked_calls: set[int] = field(default_factory=set)  # ids of calls of modules with forward (pre-)hooks
+    hooked_calls: set[int] = field(default_factory=set)  # ids of calls of modules with forward or backward hooks
     first_value_read: tuple[int, str] | None = None  # (calls started before it, op) of the first value read
     value_read_while_alive: dict[str, str] = field(default_factory=dict)  # producer path -> op read meanwhile
     #: producers whose output something still holds once the forward has returned (stashed on a module, ...)
@@ -196,7 +198,7 @@ def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str
     counter = [0]
     watched: dict[int, tuple[str, Any]] = {}  # id(output tensor) -> (producer path, weak reference to it)
     params: dict[int, str] = {}
-    hooked = {id(m) for m in model.modules() if m._forward_hooks or m._forward_pre_hooks}  # the user's, not ours
+    hooked = {id(m) for m in model.modules() if hook_kinds(m, FORWARD_HOOKS + BACKWARD_HOOKS)}  # the user's, not ours
     for path, module in model.named_modules():
         if type(module) in producers:
             for tensor in module._parameters.values():
@@ -304,11 +306,11 @@ def _hook_reason(seen: _Observed, bn_path: str, producer_path: str | None, *, ho
         elif consumer in ancestors and consumer not in seen.hooked_calls:
             continue  # a container the BN runs inside, handing the tensor on (its uses are recorded themselves)
         else:
-            others.append(what + (" (with forward hooks)" if consumer in seen.hooked_calls else ""))
+            others.append(what + (" (with hooks)" if consumer in seen.hooked_calls else ""))
     if others:  # listed, not counted: a container and the module inside it are two uses of one hand-over
         return f"its producer {source} feeds other consumers besides it ({', '.join(sorted(set(others)))[:120]})"
     if direct != 1:
-        return f"its producer {source} feeds it {direct} times (several consumers)"
+        return f"its producer {source} feeds it {counted(direct, 'time')} (one fold needs exactly one)"
     reads = [op for owner, ops in seen.weight_reads.items() if owner == source or owner.startswith(source + ".") for op in ops]
     if reads:
         return f"the weights of {source} are also read outside its forward ({', '.join(sorted(set(reads)))[:80]})"
@@ -340,7 +342,9 @@ def _fx_plan(model: "nn.Module", bn_modules: dict[int, str]) -> tuple[dict[str, 
             return type(module) in producers or is_bn_like(module) or super().is_leaf_module(module, qualified_name)
 
     try:
-        graph = LeafTracer().trace(model)
+        with warnings.catch_warnings():  # a module's backward hooks cannot run on a Proxy: said by torch, not news
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")
+            graph = LeafTracer().trace(model)
     except Exception as error:  # control flow on values, unsupported Python: use the hooks run alone
         return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:160]
     modules = dict(model.named_modules())
@@ -390,8 +394,6 @@ def _not_a_producer(module: "nn.Module | None", target: str | None, producers: t
 
 def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = True) -> FoldPlan:
     """Find, for every BN-like module of ``model``, its producer or the reason it has none (eval mode)."""
-    import torch
-
     from .surgery import is_bn_like
 
     bn_modules: dict[int, str] = {}
@@ -409,17 +411,17 @@ def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = Tr
     plan = FoldPlan(method="torch.fx graph + hooks on the check input" if fx_result is not None
                     else f"hooks on the check input (not traceable by torch.fx: {fx_error})")
     modules = dict(model.named_modules())
-    global_hooks = _global_hook_reason()
+    global_hooks = global_hook_reason()
     for module_id, path in bn_modules.items():
         module = modules[path] if path != "<root>" else model
         producer_path, reason = (None, None)
         if fx_result is not None:
             producer_path, reason = fx_result.get(path, (None, "not called in eval mode (absent from the traced graph: a train-only or unused path)"))
-        reason = global_hooks or _bn_hook_reason(module) or reason or _hook_reason(seen, path, producer_path,
-                                                                                   hooks_only=fx_result is None)
+        reason = bn_hook_reason(module) or reason or _hook_reason(seen, path, producer_path, hooks_only=fx_result is None)
         if reason is None:
             producer_path = producer_path or seen.bn_source[path]
             reason = _static_reason(module, modules[producer_path], seen.ranks.get(producer_path))
+        reason = reason or global_hooks  # last: a BN that cannot fold anyway keeps its own reason
         if reason is not None:
             plan.left[path] = reason
         else:
@@ -429,6 +431,11 @@ def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = Tr
 
 def _static_reason(bn: "nn.Module", producer: "nn.Module", rank: int | None) -> str | None:
     """Checks that need no dataflow: channel axis, eval semantics, hooks that would see different values."""
+    return _shape_reason(bn, producer, rank) or producer_hook_reason(producer) or bn_hook_reason(bn)
+
+
+def _shape_reason(bn: "nn.Module", producer: "nn.Module", rank: int | None) -> str | None:
+    """Whether the BN's eval transform is a per-output-channel affine map of the producer's output."""
     from torch import nn
 
     features = getattr(bn, "num_features", None)
@@ -443,29 +450,57 @@ def _static_reason(bn: "nn.Module", producer: "nn.Module", rank: int | None) -> 
         if isinstance(producer, nn.Linear):
             return f"its Linear producer outputs rank {rank}: BatchNorm normalizes dim 1, not the Linear's features"
         return f"its producer's output has rank {rank} (unbatched): dim 1 is not the channel dim"
-    if any(module._forward_hooks or module._forward_pre_hooks for module in producer.modules()):
-        return "its producer has forward hooks, which would see the folded weights or output"
-    return _bn_hook_reason(bn)
-
-
-def _global_hook_reason() -> str | None:
-    """Global module hooks (``register_module_forward_hook``/``_pre_hook``) run on every module's call,
-    so, like a hook on one BN or producer, they would see folded outputs and BNs that are gone."""
-    from torch.nn.modules import module as torch_module
-
-    if torch_module._global_forward_pre_hooks or torch_module._global_forward_hooks:
-        return ("global module forward hooks are registered (torch.nn.modules.module.register_module_forward_hook "
-                "or _pre_hook), which would see the folded outputs and no BatchNorm; remove them to fold")
     return None
 
 
-def _bn_hook_reason(bn: "nn.Module") -> str | None:
-    """A hook on the BN would, after a fold, run on what takes its place: see the folded input
-    and lose the BN's state. The hook is the reason, whatever the dataflow says."""
-    if bn._forward_pre_hooks:
-        return "it has forward pre-hooks, which would see the folded input"
-    if bn._forward_hooks:
-        return "it has forward hooks, which would see the folded input and no BatchNorm state"
+_HOOK_NAMES = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
+               "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks",
+               "_state_dict_hooks": "state_dict hooks", "_state_dict_pre_hooks": "state_dict pre-hooks",
+               "_load_state_dict_pre_hooks": "load_state_dict pre-hooks",
+               "_load_state_dict_post_hooks": "load_state_dict post-hooks"}
+
+
+def _named(kinds: list[str]) -> str:
+    names = [_HOOK_NAMES[kind] for kind in kinds]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def producer_hook_reason(producer: "nn.Module") -> str | None:
+    """Forward hooks on the producer (or inside it) would see the folded output; backward hooks
+    the gradient of the BN's output instead of the producer's. Its state_dict hooks still see
+    its own (folded) weights under its own keys, so they do not stop a fold."""
+    kinds = sorted({kind for module in producer.modules() for kind in hook_kinds(module, FORWARD_HOOKS + BACKWARD_HOOKS)},
+                   key=list(_HOOK_NAMES).index)
+    if kinds:
+        return f"its producer has {_named(kinds)}, which would see the folded weights, output or gradients"
+    return None
+
+
+def bn_hook_reason(bn: "nn.Module") -> str | None:
+    """A hook on the BN would, after a fold, run on what takes its place: forward and backward
+    hooks would see the folded values, state_dict and load hooks would find no BatchNorm keys.
+    The hook is the reason, whatever the dataflow says."""
+    kinds = hook_kinds(bn, FORWARD_HOOKS[::-1] + BACKWARD_HOOKS[::-1] + STATE_DICT_HOOKS)
+    if kinds:
+        return (f"it has {_named(kinds)}, which would run on what replaces it (the folded input and gradients, "
+                "no BatchNorm state or keys)")
+    return None
+
+
+def global_hook_reason() -> str | None:
+    """Global module hooks (``register_module_forward_hook``/``_pre_hook``, ``register_module_full_backward_hook``
+    /``_pre_hook``) run on every module's call, so, like a hook on one BN or producer, they would see folded
+    outputs or gradients and BNs that are gone."""
+    from torch.nn.modules import module as torch_module
+
+    forward = bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+    backward = bool(getattr(torch_module, "_global_backward_hooks", None)
+                    or getattr(torch_module, "_global_backward_pre_hooks", None))
+    if forward or backward:
+        kinds = " and ".join(kind for kind, present in (("forward", forward), ("backward", backward)) if present)
+        return (f"global module {kinds} hooks are registered (torch.nn.modules.module.register_module_forward_hook, "
+                "_forward_pre_hook, _full_backward_hook or _full_backward_pre_hook), which would see the folded "
+                "outputs or gradients and no BatchNorm; remove them to fold")
     return None
 
 
@@ -485,7 +520,7 @@ def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
     for record in records:
         keys = ("bn", "producer", "bn_class", "producer_class")
         if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in keys):
-            raise bad(f"{str(record)[:80]!r} is not a record with string fields {', '.join(keys)}")
+            raise bad(f"{shown(record)} is not a record with string fields {', '.join(keys)}")
         fold = Fold(*(record[k] for k in keys))
         bn, producer = modules.get(fold.bn), modules.get(fold.producer)
         if bn is None or producer is None:
@@ -500,10 +535,15 @@ def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
         if type(producer) not in producer_types() or qualname(type(producer)) != fold.producer_class:
             raise bad(f"{fold.producer}: the model has {qualname(type(producer))} there, the file says "
                       f"{fold.producer_class} (must be a Conv/ConvTranspose/Linear)")
-        reason = _static_reason(bn, producer, batched_rank(producer))
+        reason = _shape_reason(bn, producer, batched_rank(producer))
         if reason is not None:
             raise bad(f"{fold.bn} -> {fold.producer}: {reason}")
+        hooked = producer_hook_reason(producer) or bn_hook_reason(bn)
+        if hooked is not None:
+            raise HookedModelError(f"cannot load the fused file into this model: {fold.bn} -> {fold.producer}: {hooked}")
         plan.folds.append(fold)
+    if plan.folds and global_hook_reason() is not None:
+        raise HookedModelError(f"cannot load the fused file: {global_hook_reason()}")
     return plan
 
 
@@ -541,13 +581,6 @@ def fold_into(producer: "nn.Module", fields: BNFields) -> "nn.Module":
     return _fold_scale_shift(producer, scale, shift)
 
 
-def _clone(module: "nn.Module") -> "nn.Module":
-    clone = copy.copy(module)
-    for attribute in ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks"):
-        clone.__dict__[attribute] = type(module.__dict__[attribute])(module.__dict__[attribute])
-    return clone
-
-
 def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torch.Tensor") -> "nn.Module":
     """Fold y -> y * scale + shift (float64, per output channel) into ``producer``.
 
@@ -558,7 +591,7 @@ def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torc
     from torch import nn
 
     if is_mixed_conv(producer):
-        clone, start = _clone(producer), 0
+        clone, start = shallow_clone(producer), 0
         for name, conv in producer.named_children():
             width = out_features(conv)
             clone._modules[name] = _fold_scale_shift(conv, scale[start:start + width], shift[start:start + width])
@@ -583,7 +616,7 @@ def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torc
                            groups=getattr(producer, "groups", 1))
     if reason is not None:
         raise Unfoldable(reason)
-    clone = _clone(producer)
+    clone = shallow_clone(producer)
     clone._parameters["weight"] = nn.Parameter(cast_weight, requires_grad=weight.requires_grad)
     clone._parameters["bias"] = nn.Parameter(
         cast_bias, requires_grad=bias.requires_grad if bias is not None else weight.requires_grad,
@@ -622,8 +655,8 @@ def _dtype_reason(weight64: "torch.Tensor", weight: "torch.Tensor", bias64: "tor
     lost = (per_channel(weight64) != 0).any(1) & ~(per_channel(weight) != 0).any(1)
     if bool(lost.any()):
         channels = lost.nonzero().flatten().tolist()
-        shown = ", ".join(map(str, channels[:6])) + (", ..." if len(channels) > 6 else "")
-        return (f"the fold underflows {name}: {len(channels)} output channel(s) ({shown}) would have all-zero "
+        listed = ", ".join(map(str, channels[:6])) + (", ..." if len(channels) > 6 else "")
+        return (f"the fold underflows {name}: {counted(len(channels), 'output channel')} ({listed}) would have all-zero "
                 f"weights in {name} (a BN scale gamma/sqrt(var+eps) too small for {name}; convert a float32 copy "
                 "to fold it)")
     return None
@@ -646,7 +679,7 @@ def example_tensor(model: "nn.Module", example: "torch.Tensor | tuple[int, ...]"
     if isinstance(example, torch.Tensor):
         return example
     if not isinstance(example, (tuple, list)) or not all(isinstance(s, int) and s > 0 for s in example):
-        raise UsageError(f"example_input {example!r} is neither a tensor nor an input shape", "pass e.g. (2, 3, 64, 64)")
+        raise UsageError(f"example_input {shown(example)} is neither a tensor nor an input shape", "pass e.g. (2, 3, 64, 64)")
     reference = next(iter(model.parameters()), None)
     dtype = reference.dtype if reference is not None and reference.is_floating_point() else torch.float32
     device = reference.device if reference is not None else torch.device("cpu")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import UsageError
+from .errors import HookedModelError, UsageError
+from .layout import shown
 from .rules import FROZEN_POLICIES, TARGETS
 from .surgery import check_filters
 
@@ -38,7 +39,7 @@ def history_problem(history: Any) -> str | None:
             return "each step is {target, frozen, allow_unhandled, include, exclude}"
         if entry["target"] not in TARGETS or entry["frozen"] not in FROZEN_POLICIES \
                 or not isinstance(entry["allow_unhandled"], bool):
-            return f"unknown step {str(entry)[:200]}"
+            return f"unknown step {shown(entry, 200)}"
         try:
             check_filters(entry.get("include", []), entry.get("exclude", []))
         except UsageError as error:
@@ -61,6 +62,8 @@ def replay(model: "nn.Module", history: list[dict[str, Any]], recorded_classes: 
         last_plain = index == len(history) - 1 and entry["target"] == "plain"
         try:
             model = _replay_step(model, entry, final_dims if last_plain else None, folds)
+        except HookedModelError:  # the caller's model, not the file
+            raise
         except UsageError as error:  # a recorded filter that names no module of this model
             from .errors import MetadataError
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .fields import qualname
+from .layout import counted
 from .rules import TARGETS, BuildContext, Registry, default_registry
 from .surgery import is_uninitialized_lazy, plan
 
@@ -75,7 +76,7 @@ def torch_converter_effect(module: "nn.Module") -> str:
         )
     hooks = len(module._forward_hooks) + len(module._forward_pre_hooks)
     if hooks:
-        lost.append(f"drops {hooks} hook(s)")
+        lost.append(f"drops {counted(hooks, 'hook')}")
     if type(module) is nn.SyncBatchNorm:
         return "unchanged"
     if lost:

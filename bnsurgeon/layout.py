@@ -51,6 +51,28 @@ class Column:
     short_header: str | None = None  # used when the header is wider than the cells
 
 
+def shown(value: object, width: int = 80) -> str:
+    """A repr of ``value`` (from a file or a user) of at most ``width`` printable characters.
+
+    ``reprlib`` abbreviates long strings and big or deep containers while it writes, so a
+    megabyte of metadata is never turned into a megabyte of text to be cut.
+    """
+    import reprlib
+
+    class Writer(reprlib.Repr):
+        def repr_int(self, number: int, level: int) -> str:  # 10**5000 would not even convert
+            return f"<int of {number.bit_length():,} bits>" if number.bit_length() > 128 else repr(number)
+
+    writer = Writer()
+    writer.maxstring = writer.maxother = width
+    return shorten(printable(writer.repr(value)), width)
+
+
+def describe_kwargs(kwargs: dict) -> str:
+    """``key=value, ...`` for messages and descriptions, each value a bounded repr."""
+    return ", ".join(f"{key}={shown(value, 200)}" for key, value in kwargs.items())
+
+
 def counted(number: int, noun: str) -> str:
     """``1 tensor``, ``2 tensors``: a count with its noun in the right number."""
     return f"{number} {noun}{'' if number == 1 else 's'}"

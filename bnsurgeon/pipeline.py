@@ -291,15 +291,16 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
            converted_model_args: dict[str, Any] | None = None, weights: str | None = None,
            converted_weights: str | None = None, trust_pickle: bool = False,
            accept_recorded_args: bool = False, on_check: "Callable[[Any], None] | None" = None,
-           example_input: "CheckInput | None" = None, compare_at: str | None = None):
+           example_input: "CheckInput | str | os.PathLike | None" = None, compare_at: str | None = None):
     """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
 
     Both arguments are loaded under the same trust rules, each confirmed only by what the
     user typed for it: ``model``/``model_args`` for SOURCE, ``converted_model``/
     ``converted_model_args`` for CONVERTED; ``weights``/``converted_weights`` pick a state dict
     of a file that holds several (a training checkpoint's EMA). ``on_check`` is told each check (a
-    ``verify.CheckOutcome``) as it finishes. ``example_input`` (or the input recorded in
-    either file) replaces the inferred one; ``compare_at`` names the submodule compared.
+    ``verify.CheckOutcome``) as it finishes. ``example_input`` (a CheckInput, or the path of a
+    ``torch.save``'d tensor, tuple, list or dict as for ``--example-input``), or else the input
+    recorded in either file, replaces the inferred one; ``compare_at`` names the submodule compared.
     """
     import torch
 
@@ -315,6 +316,10 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
                          "each is a process on this machine)", "use 2 or 3 on a CPU machine")
     if atol is not None and not (math.isfinite(atol) and atol >= 0):  # inf would pass any difference
         raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
+    if isinstance(example_input, (str, os.PathLike)):  # as the CLI's --example-input: read (weights_only)
+        from .check_input import load_example_input
+
+        example_input = load_example_input(example_input)
     left = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
                        accept_recorded_args=accept_recorded_args)
     right = load_source(converted, model=converted_model, model_args=converted_model_args, weights=converted_weights,

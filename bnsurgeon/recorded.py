@@ -15,6 +15,7 @@ from .architecture import Architecture
 from .checkpoint import PREFIX, RawCheckpoint, expand_aliases, pick_weights, state_dict_candidates, why_not_a_state_dict
 from .errors import CheckpointError, MetadataError
 from .fields import qualname
+from .layout import counted, shown
 from .surgery import plan
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
-            raise ValueError(f"the key {key[:100]!r} appears twice")
+            raise ValueError(f"the key {shown(key, 100)} appears twice")
         result[key] = value
     return result
 
@@ -93,7 +94,7 @@ def _schema(raw: RawCheckpoint) -> int:
     if isinstance(value, str) and value.isdigit():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise _bad(raw, "schema", f"is {value!r}, not a schema version")
+        raise _bad(raw, "schema", f"is {shown(value)}, not a schema version")
     if value not in KNOWN_SCHEMAS:
         from . import __version__
 
@@ -113,13 +114,13 @@ def _architecture(raw: RawCheckpoint) -> Architecture:
         raise _bad(raw, "architecture", "must be an object with kind, name and kwargs")
     kind, name, kwargs = value.get("kind"), value.get("name"), value.get("kwargs") or {}
     if kind not in ARCHITECTURE_KINDS or not isinstance(name, str):
-        raise _bad(raw, "architecture", f"has kind {kind!r} and name {name!r}; kind must be one of {ARCHITECTURE_KINDS}")
+        raise _bad(raw, "architecture", f"has kind {shown(kind)} and name {shown(name)}; kind must be one of {ARCHITECTURE_KINDS}")
     if len(name) > MAX_NAME_CHARS:  # it is quoted in messages, and typed again to confirm a factory
         raise _bad(raw, "architecture", f"names a {kind} of {len(name):,} characters (at most {MAX_NAME_CHARS})")
     if kind == "factory" and not FACTORY_PATTERN.match(name):
-        raise _bad(raw, "architecture", f"names {name!r}, not a factory of the form package.module:function")
+        raise _bad(raw, "architecture", f"names {shown(name)}, not a factory of the form package.module:function")
     if kind == "timm" and not TIMM_NAME_PATTERN.match(name):
-        raise _bad(raw, "architecture", f"names {name!r}, not a timm model name")
+        raise _bad(raw, "architecture", f"names {shown(name)}, not a timm model name")
     if not isinstance(kwargs, dict) or not is_plain_literal(kwargs):
         raise _bad(raw, "architecture", "has kwargs that are not plain literals (str, number, bool, None, lists, dicts)")
     problem = size_args_problem(kwargs)
@@ -174,7 +175,7 @@ def _history(raw: RawCheckpoint, target: str, options: dict[str, Any]) -> list[d
     if problem:
         raise _bad(raw, "history", f"is not a valid conversion history ({problem})")
     if value[-1]["target"] != target:
-        raise _bad(raw, "history", f"ends with target {value[-1]['target']!r}, but the file records {target!r}")
+        raise _bad(raw, "history", f"ends with target {shown(value[-1]['target'])}, but the file records {shown(target)}")
     return value
 
 
@@ -205,12 +206,12 @@ def read_recorded(raw: RawCheckpoint) -> Recorded:
         confirm_rules(rules, str(raw.path))
     target = _field(raw, "target", "sync")
     if target not in TARGETS:
-        raise _bad(raw, "target", f"is {target!r}, not one of {', '.join(TARGETS)}")
+        raise _bad(raw, "target", f"is {shown(target)}, not one of {', '.join(TARGETS)}")
     options = _field(raw, "options", {}) or {}
     if not isinstance(options, dict):
         raise _bad(raw, "options", "must be a JSON object")
     if options.get("frozen", "keep") not in FROZEN_POLICIES:
-        raise _bad(raw, "options", f"has frozen={options.get('frozen')!r}, not one of {', '.join(FROZEN_POLICIES)}")
+        raise _bad(raw, "options", f"has frozen={shown(options.get('frozen'))}, not one of {', '.join(FROZEN_POLICIES)}")
     if not isinstance(options.get("allow_unhandled", False), bool):
         raise _bad(raw, "options", "has a non-boolean allow_unhandled")
     classes = _string_map(raw, "classes")
@@ -221,9 +222,9 @@ def read_recorded(raw: RawCheckpoint) -> Recorded:
     stored = stored_tensors(raw)
     for alias, key in aliases.items():
         if alias in stored:
-            raise _bad(raw, "aliases", f"maps {alias!r}, which the file stores itself, to {key!r}")
+            raise _bad(raw, "aliases", f"maps {shown(alias)}, which the file stores itself, to {shown(key)}")
         if key not in stored:
-            raise _bad(raw, "aliases", f"maps {alias!r} to {key!r}, which the file does not store")
+            raise _bad(raw, "aliases", f"maps {shown(alias)} to {shown(key)}, which the file does not store")
     source = _field(raw, "source", "")
     folds = _field(raw, "folds", []) if target == "fused" else []
     if not isinstance(folds, list) or not all(isinstance(fold, dict) for fold in folds):
@@ -243,7 +244,7 @@ def check_rebuilt(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") ->
         path = differing[0]
         raise MetadataError(
             f"{raw.path}: rebuilding as {recorded.target!r} gave {actual.get(path, 'nothing')} at {path!r} where the "
-            f"checkpoint recorded {recorded.classes.get(path, 'nothing')} ({len(differing)} module(s) differ)",
+            f"checkpoint recorded {recorded.classes.get(path, 'nothing')} ({counted(len(differing), 'module')} {'differs' if len(differing) == 1 else 'differ'})",
             "the metadata does not describe these weights: use the bnsurgeon/timm versions that wrote the file, "
             "pass the model explicitly, or convert the original again",
         )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from rich.console import Console
 from rich.text import Text
 
-from .layout import Column, printable, table_lines, wrap  # noqa: F401 (printable: every untrusted text's way out)
+from .layout import Column, counted, printable, table_lines, wrap  # noqa: F401 (printable: every untrusted text's way out)
 from .report import collapse_paths, short
 
 if TYPE_CHECKING:
@@ -129,12 +129,12 @@ def render_inspection(inspection: "Inspection", out: Console, *, verbose: bool =
     if rows:
         emit(out, table_lines(INSPECT_COLUMNS, rows, out.width))
     say(out,
-        f"{inspection.bn_modules} BN-family modules in {len(inspection.groups)} "
-        f"{'class' if len(inspection.groups) == 1 else 'classes'}, "
+        f"{counted(inspection.bn_modules, 'BN-family module')} in "
+        f"{len(inspection.groups)} {'class' if len(inspection.groups) == 1 else 'classes'}, "
         f"{inspection.unhandled} unhandled; {inspection.parameters:,} parameters.", indent="")
     if verbose:
         for group in inspection.groups:
-            say(out, f"{short(group.cls)} ({group.paths} paths): " + ", ".join(group.all_paths))
+            say(out, f"{short(group.cls)} ({counted(group.paths, 'path')}): " + ", ".join(group.all_paths))
     for note in inspection.notes:
         say(out, f"note: {note}", indent="")
 
@@ -144,7 +144,7 @@ def _patterns(paths: list[str], verbose: bool) -> str:
     shown = patterns if verbose else patterns[:3]
     text = ", ".join(f"{p} x{n}" if n > 1 else p for p, n in shown)
     if len(shown) < len(patterns):
-        text += f", ... ({len(patterns) - len(shown)} more patterns)"
+        text += f", ... ({counted(len(patterns) - len(shown), 'more pattern')})"
     return text
 
 
@@ -152,7 +152,9 @@ def fusion_summary(fusion: dict[str, Any]) -> str:
     """One line for --to fused: BN before/after, folds, how producers were found, the measured error."""
     errors = fusion.get("max_rel_error") or {}
     measured = ", ".join(f"{k.replace('_', ' ')} {v:.2g}" for k, v in errors.items())
-    return (f"fused: {len(fusion['folded'])} BN folded into their producers, {len(fusion['left'])} left; "
+    folded = len(fusion["folded"])
+    return (f"fused: {folded} BN folded into {'its producer' if folded == 1 else 'their producers'}, "
+            f"{len(fusion['left'])} left; "
             f"BN modules {fusion['bn_before']} -> {fusion['bn_after']}; producers from {fusion['method']}"
             + (f"; max relative error {measured}" if measured else ""))
 

@@ -29,10 +29,10 @@ from .checkpoint import (
     strip_common_prefix,
     why_not_a_state_dict,
 )
-from .errors import CheckpointError, UsageError
+from .errors import FLAG_KEYWORDS, CheckpointError, UsageError
 from .rebuild import rebuild_from_checkpoint
 from .recorded import MAX_NAME_CHARS, architecture_from_checkpoint, read_recorded, state_from_checkpoint  # noqa: F401
-from .trust import TIMM_NAME_PATTERN, confirm_architecture, is_plain_literal, size_arg_problem
+from .trust import TIMM_NAME_PATTERN, confirm_architecture, is_plain_literal, python_args_hint, size_arg_problem
 from .weights import check_fit, load_weights, materialize  # noqa: F401
 
 TRAINING_ARG_NAMES = ("num_classes", "in_chans", "global_pool")
@@ -145,13 +145,21 @@ def _architecture_for(path, raw: RawCheckpoint, model, model_args, accept_record
             if value is not None:
                 if not is_plain_literal(value):
                     raise CheckpointError(f"{path}: args.{name} is a {type(value).__name__}, not a plain value",
-                                          f"pass {flag}-arg {name}=VALUE and {flag} {arch}")
+                                          f"pass {flag}-arg {name}=VALUE and {flag} {arch}",
+                                          python=_typed_args_hint(name, arch, flag))
                 problem = size_arg_problem(name, value)
                 if problem:  # it would shape the model: refused before anything is built
                     raise CheckpointError(f"{path}: args.{name} {problem}",
-                                          f"pass {flag} {arch} and {flag}-arg {name}=VALUE")
+                                          f"pass {flag} {arch} and {flag}-arg {name}=VALUE",
+                                          python=_typed_args_hint(name, arch, flag))
                 recorded[name] = value
         return confirm_architecture(Architecture("timm", arch, recorded), path, None, model_args,
                                     accept_recorded_args=accept_recorded_args, flag=flag)
     raise UsageError(f"{path} does not say which model it belongs to",
                      "pass --model ARCH (a timm name or package.module:function)")
+
+
+def _typed_args_hint(name: str, arch: str, flag: str) -> str:
+    """The Python form of ``--model-arg NAME=VALUE and --model ARCH``."""
+    keyword = FLAG_KEYWORDS.get(flag, "model=")
+    return python_args_hint({name: "VALUE"}, flag, f" and {keyword}{arch!r}")

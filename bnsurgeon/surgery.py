@@ -8,47 +8,18 @@ weights between them, and the pre-write check can compare the two directly.
 
 from __future__ import annotations
 
-import copy
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import LazyModuleError, UnhandledModuleError
 from .fields import qualname
+from .layout import counted
+from .module_copy import carry_hooks, shallow_clone
 from .report import ModuleChange, ModuleKept, Report
 from .rules import BuildContext, Registry, Rule, check_target, default_registry
 
 if TYPE_CHECKING:
     from torch import nn
-
-#: every hook attribute torch's nn.Module has (hook dicts and the full/legacy backward-hook
-#: flag ``_is_full_backward_hook``), moved from a replaced module to its replacement as the
-#: same objects, so existing RemovableHandles keep working; read from torch itself, so a
-#: hook kind added by a newer torch is carried too
-HOOK_ATTRIBUTES = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_is_full_backward_hook",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-
-
-@functools.lru_cache(maxsize=None)
-def hook_attributes() -> tuple[str, ...]:
-    """HOOK_ATTRIBUTES plus any hook attribute the installed torch's nn.Module adds."""
-    from torch import nn
-
-    extra = tuple(name for name in nn.Module().__dict__ if "hook" in name and name not in HOOK_ATTRIBUTES)
-    return HOOK_ATTRIBUTES + extra
-
 
 def is_bn_like(module: "nn.Module") -> bool:
     """A _BatchNorm subclass, or anything holding running_mean and running_var buffers."""
@@ -253,7 +224,7 @@ def _refuse_unmatched_filters(entries: list[PlanEntry], include, exclude) -> Non
                                  "a glob matches the whole path: write backbone.layer1.* for the modules inside "
                                  "backbone.layer1 (bnsurgeon inspect lists the paths)")
     if (include or exclude) and entries and all(filtered_out(e.paths, include, exclude) for e in entries):
-        raise UsageError(f"the --include/--exclude globs keep all {len(entries)} BatchNorm module(s): nothing "
+        raise UsageError(f"the --include/--exclude globs keep all {counted(len(entries), 'BatchNorm module')}: nothing "
                          "would be converted", "narrow the --exclude globs or widen the --include ones "
                          "(bnsurgeon inspect with the same flags shows what they select)")
 
@@ -318,23 +289,12 @@ def _refuse_compiled_copy(model: "nn.Module", inplace: bool) -> None:
 
 def _carry_over(old: "nn.Module", new: "nn.Module", path: str) -> None:
     """Move what is not a tensor: hooks, the training flag, a qconfig, the layer's name."""
-    for attribute in hook_attributes():
-        if attribute in old.__dict__:
-            new.__dict__[attribute] = old.__dict__[attribute]
+    carry_hooks(old, new)
     new.training = old.training
     if hasattr(old, "qconfig"):
         new.qconfig = old.qconfig
     if isinstance(getattr(type(new), "layer_name", None), property):
         new.layer_name = path
-
-
-def _shallow_clone(module: "nn.Module") -> "nn.Module":
-    clone = copy.copy(module)
-    for attribute in ("_modules", "_parameters", "_buffers"):
-        clone.__dict__[attribute] = type(module.__dict__[attribute])(module.__dict__[attribute])
-    if "_non_persistent_buffers_set" in module.__dict__:
-        clone.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
-    return clone
 
 
 def _rebuild(module: "nn.Module", replacements: dict[int, "nn.Module"], inplace: bool, memo: dict[int, "nn.Module"]):
@@ -357,7 +317,7 @@ def _rebuild(module: "nn.Module", replacements: dict[int, "nn.Module"], inplace:
     }
     if all(rebuilt[name] is module._modules[name] for name in rebuilt):
         return module
-    target = module if inplace else _shallow_clone(module)
+    target = module if inplace else shallow_clone(module)
     target._modules.update(rebuilt)
     memo[key] = target
     return target

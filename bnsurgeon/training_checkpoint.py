@@ -165,7 +165,9 @@ def _parameter_change(result: ConvertResult) -> str:
     gained = [name for name in after if name not in set(before)]
     parts = []
     if lost:
-        parts.append(f"{len(lost)} parameters become buffers, e.g. {lost[0]}")
+        parts.append(f"{counted(len(lost), 'parameter')} {'becomes a buffer' if len(lost) == 1 else 'become buffers'}, "
+                     f"e.g. {lost[0]}")
     if gained:
-        parts.append(f"{len(gained)} buffers become parameters, e.g. {gained[0]}")
+        parts.append(f"{counted(len(gained), 'buffer')} {'becomes a parameter' if len(gained) == 1 else 'become parameters'}, "
+                     f"e.g. {gained[0]}")
     return "; ".join(parts) or "their order changed"

@@ -15,7 +15,8 @@ import re
 from typing import Any
 
 from .architecture import Architecture, parse_architecture
-from .errors import ConfirmationError, UsageError
+from .errors import FLAG_KEYWORDS, ConfirmationError, UsageError
+from .layout import describe_kwargs, shown
 
 #: ``package.module:function``, every part a Python identifier, no relative imports
 FACTORY_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -62,16 +63,11 @@ def size_arg_problem(name: str, value: Any) -> str | None:
         return None
     kind = f" ({type(value).__name__})" if not isinstance(value, int) or isinstance(value, bool) else ""
     what = "a size or a list of 1-3 sizes" if name == "img_size" else "a size"
-    return f"is {_shown(value)}{kind}, not {what} (a whole number from {low} to {MAX_SIZE_ARG:,})"
+    return f"is {shown(value, 40)}{kind}, not {what} (a whole number from {low} to {MAX_SIZE_ARG:,})"
 
 
 def _is_size(value: Any, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_SIZE_ARG
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def size_args_problem(kwargs: dict[str, Any]) -> str | None:
@@ -86,7 +82,7 @@ def size_args_problem(kwargs: dict[str, Any]) -> str | None:
 def check_factory_spec(spec: str) -> None:
     """Refuse what is not ``package.module:function`` before anything is imported."""
     if not FACTORY_PATTERN.match(spec):
-        raise UsageError(f"{spec!r} is not a factory of the form package.module:function",
+        raise UsageError(f"{shown(spec, 200)} is not a factory of the form package.module:function",
                          "name an importable function, e.g. mypkg.models:build (no leading dots, no empty parts)")
 
 
@@ -103,8 +99,46 @@ def import_named_module(spec: str):
     return importlib.import_module(module_name), attribute
 
 
-def describe_args(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
+#: a recorded value is offered for retyping (``--model-arg key=value``) up to this many characters
+MAX_RETYPED = 200
+
+
+def _retyped(key: str, value: Any) -> str | None:
+    """``value`` as the literal the user would type to confirm it, or None where that is too long."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more than 4300 digits
+        return None
+    return text if len(key) + len(text) <= MAX_RETYPED else None
+
+
+def args_keyword(flag: str) -> str:
+    """The Python keyword that takes what ``{flag}-arg`` does (``model_args``, ``converted_model_args``)."""
+    return FLAG_KEYWORDS.get(f"{flag}-arg", "model_args=").rstrip("=")
+
+
+def python_args_hint(values: dict[str, str], flag: str = "--model", then: str = "") -> str:
+    """``model_args={'key': value}`` from already-written literals, as a Python caller types it."""
+    literal = "{" + ", ".join(f"{key!r}: {text}" for key, text in values.items()) + "}"
+    return f"pass {args_keyword(flag)}={literal}{then}"
+
+
+def confirmation_hints(unconfirmed: dict[str, Any], flag: str) -> tuple[str, str]:
+    """(command-line hint, Python hint) for recorded arguments the user must confirm.
+
+    Values are offered whole, quoted for the shell and evaluating back to the recorded value,
+    when short enough to retype; otherwise the hint is --accept-recorded-args.
+    """
+    import shlex
+
+    retyped = {key: _retyped(key, value) for key, value in unconfirmed.items()}
+    if all(text is not None for text in retyped.values()):
+        typed = " ".join(f"{flag}-arg {shlex.quote(f'{key}={text}')}" for key, text in retyped.items())
+        return (f"confirm each with {typed} (or all with --accept-recorded-args)",
+                python_args_hint(retyped, flag, " (or all with accept_recorded_args=True)"))
+    long = ", ".join(shown(key, 40) for key, text in retyped.items() if text is None)
+    why = f" (the recorded value of {long} is too long to retype)"
+    return f"confirm them with --accept-recorded-args{why}", f"pass accept_recorded_args=True{why}"
 
 
 def _same_spec(named: Architecture, recorded: Architecture) -> bool:
@@ -139,11 +173,10 @@ def confirm_architecture(recorded: Architecture, origin: Any, named: str | None 
         and not accept_recorded_args
     }
     if unconfirmed:
-        typed = " ".join(f"{flag}-arg {key}={value!r}" for key, value in unconfirmed.items())
+        hint, python = confirmation_hints(unconfirmed, flag)
         raise ConfirmationError(
-            f"{origin} records constructor arguments its weights cannot confirm: {describe_args(unconfirmed)}",
-            f"confirm each with {typed} (or all with --accept-recorded-args; Python: model_args=... or "
-            "accept_recorded_args=True)",
+            f"{origin} records constructor arguments its weights cannot confirm: {describe_kwargs(unconfirmed)}",
+            hint, python=python,
         )
     kwargs = {**recorded.kwargs, **named_args}
     return Architecture(recorded.kind, recorded.name, kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import WeightsMismatchError
+from .layout import counted
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +98,7 @@ def refuse_non_dense(state: dict[str, "torch.Tensor"], origin: Any) -> None:
            if value.layout != torch.strided or value.is_quantized or value.is_nested]
     if odd:
         shown = ", ".join(odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
-        raise WeightsMismatchError(f"weights in {origin} are not dense tensors: {len(odd)} tensor(s), {shown}",
+        raise WeightsMismatchError(f"weights in {origin} are not dense tensors: {counted(len(odd), 'tensor')}, {shown}",
                                    "save the state dict with dense tensors (tensor.to_dense(), or dequantize())")
 
 
@@ -114,7 +115,7 @@ def refuse_packed(state: dict[str, "torch.Tensor"], origin: Any) -> None:
         shown = ", ".join(odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
         raise WeightsMismatchError(
             f"weights in {origin} are stored packed, which torch cannot cast to the model's dtypes: "
-            f"{len(odd)} tensor(s), {shown}",
+            f"{counted(len(odd), 'tensor')}, {shown}",
             "unpack them to the model's dtype (e.g. float32) and save the checkpoint again")
 
 
@@ -145,7 +146,7 @@ def refuse_lossy_casts(state: dict[str, "torch.Tensor"], expected: dict[str, "to
     if changed:
         shown = ", ".join(changed[:3]) + (f" (+{len(changed) - 3} more)" if len(changed) > 3 else "")
         raise WeightsMismatchError(
-            f"weights in {origin} would change when cast to the model's dtypes: {len(changed)} tensor(s), {shown}",
+            f"weights in {origin} would change when cast to the model's dtypes: {counted(len(changed), 'tensor')}, {shown}",
             "save the checkpoint in the model's dtypes (e.g. state_dict converted with .float()), "
             "or build the model in the checkpoint's dtype",
         )

@@ -118,7 +118,7 @@ def test_filters_that_keep_every_bn_module_are_refused(tiny, flags):
     """Every glob matches, yet nothing is left to convert: a file saying 'sync' with no sync layer."""
     before = listing(tiny)
     result = run("convert", "tiny:build", *flags, "--input-shape", "2,3,8,8", "-o", tiny / "o.safetensors")
-    one_line_failure(result, 2, "globs keep all 2 BatchNorm module(s): nothing would be converted")
+    one_line_failure(result, 2, "globs keep all 2 BatchNorm modules: nothing would be converted")
     assert listing(tiny) == before
 
 

@@ -237,7 +237,7 @@ def test_a_state_dict_with_a_key_that_is_not_a_name_is_refused_naming_that_key(g
     torch.save(obj, tiny / "w.pt")
     for command, args in (("inspect", []), ("convert", ["-o", tiny / "o.pt", "--input-shape", "2,3,8,8"])):
         result = run(command, tiny / "w.pt", "--model", "tiny:build", *args)
-        one_line_failure(result, 4, "its 'state_dict' dict holds 15 tensor(s), but entry 5 is keyed by an int")
+        one_line_failure(result, 4, "its 'state_dict' dict holds 15 tensors, but entry 5 is keyed by an int")
         assert "missing" not in result.output and "is a OrderedDict" not in result.output
     assert not (tiny / "o.pt").exists()
 
@@ -387,8 +387,8 @@ def test_a_list_that_holds_itself_is_counted_and_carried(tiny):
 
 
 @pytest.mark.parametrize("make, held", [
-    ("namespace", "its top level is a Namespace holding 1 tensor(s)"),
-    ("deeper", "its top level is a dict holding 1 tensor(s)"),
+    ("namespace", "its top level is a Namespace holding 1 tensor"),
+    ("deeper", "its top level is a dict holding 1 tensor"),
 ])
 def test_tensors_that_are_not_a_state_dict_are_not_called_no_tensors(tiny, make, held):
     import argparse
@@ -428,7 +428,7 @@ def test_an_impossible_batch_count_is_refused_naming_it(tiny, count):
     state["1.num_batches_tracked"] = torch.tensor(count)
     torch.save(state, tiny / "w.pth")
     result = run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
-    one_line_failure(result, 4, f"impossible batch count in 1 BatchNorm module(s): 1.num_batches_tracked={count}")
+    one_line_failure(result, 4, f"impossible batch count in 1 BatchNorm module: 1.num_batches_tracked={count}")
     assert not (tiny / "o.safetensors").exists()
     state["1.num_batches_tracked"] = torch.tensor(12345)  # an ordinary count: accepted
     torch.save(state, tiny / "w.pth")

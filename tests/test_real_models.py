@@ -137,7 +137,7 @@ def test_recorded_check_input_is_validated(in_tmp):
         CheckInput.from_record({"kind": "tensor", "shapes": [[2, 3, 10 ** 9]]})
     with pytest.raises(CheckpointError, match="recorded check input is invalid"):
         CheckInput.from_record({"kind": "dict", "shapes": [["__class__.x", [2]]]})
-    assert CheckInput.from_record({"kind": "list", "shapes": [[3, 8, 8]]}).describe() == "list of 1 sample(s) (3, 8, 8)"
+    assert CheckInput.from_record({"kind": "list", "shapes": [[3, 8, 8]]}).describe() == "list of 1 sample (3, 8, 8)"
 
 
 # -- verify on outputs that are not plain tensors -------------------------------------------
