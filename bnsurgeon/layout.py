@@ -52,7 +52,8 @@ class Column:
 
 
 def shown(value: object, width: int = 80) -> str:
-    """A repr of ``value`` (from a file or a user) of at most ``width`` printable characters.
+    """A repr of ``value`` (from a file or a user) of at most ``width`` printable characters (a
+    string cut this way says how long it is).
 
     ``reprlib`` abbreviates long strings and big or deep containers while it writes, so a
     megabyte of metadata is never turned into a megabyte of text to be cut.
@@ -65,7 +66,8 @@ def shown(value: object, width: int = 80) -> str:
 
     writer = Writer()
     writer.maxstring = writer.maxother = width
-    return shorten(printable(writer.repr(value)), width)
+    text = shorten(printable(writer.repr(value)), width)
+    return text + (f" ({len(value):,} characters)" if isinstance(value, str) and len(value) > width else "")
 
 
 def describe_kwargs(kwargs: dict) -> str:

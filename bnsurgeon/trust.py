@@ -123,17 +123,25 @@ def python_args_hint(values: dict[str, str], flag: str = "--model", then: str = 
     return f"pass {args_keyword(flag)}={literal}{then}"
 
 
+def _shell_word(text: str) -> str:
+    """``text`` as one shell word that the shell hands on unchanged: bare, in double quotes, or shlex's quoting."""
+    import shlex
+
+    quoted = shlex.quote(text)
+    if quoted == text or any(ch in text for ch in '"$`\\!'):
+        return quoted
+    return f'"{text}"'
+
+
 def confirmation_hints(unconfirmed: dict[str, Any], flag: str) -> tuple[str, str]:
     """(command-line hint, Python hint) for recorded arguments the user must confirm.
 
     Values are offered whole, quoted for the shell and evaluating back to the recorded value,
     when short enough to retype; otherwise the hint is --accept-recorded-args.
     """
-    import shlex
-
     retyped = {key: _retyped(key, value) for key, value in unconfirmed.items()}
     if all(text is not None for text in retyped.values()):
-        typed = " ".join(f"{flag}-arg {shlex.quote(f'{key}={text}')}" for key, text in retyped.items())
+        typed = " ".join(f"{flag}-arg {_shell_word(f'{key}={text}')}" for key, text in retyped.items())
         return (f"confirm each with {typed} (or all with --accept-recorded-args)",
                 python_args_hint(retyped, flag, " (or all with accept_recorded_args=True)"))
     long = ", ".join(shown(key, 40) for key, text in retyped.items() if text is None)

@@ -154,7 +154,7 @@ def test_recorded_kwargs_do_not_flow_into_a_confirmed_factory(good, tiny):
     evil = edited(good, tiny / "evil.safetensors",
                   architecture={"kind": "factory", "name": "tiny:build", "kwargs": {"note": "from the file"}})
     result = run("convert", evil, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors")
-    one_line_failure(result, 10, "note='from the file'", "--model-arg note='from the file'")
+    one_line_failure(result, 10, "note='from the file'", "--model-arg \"note='from the file'\"")
     assert not (tiny / "called.txt").exists() and not (tiny / "o.safetensors").exists()
 
     confirmed = run("convert", evil, "--model", "tiny:build", "--model-arg", "note='from the file'", "--to", "plain",
@@ -260,7 +260,7 @@ def test_input_rewritten_while_it_is_read_is_refused(good, tiny, monkeypatch):
 @pytest.mark.parametrize("fields, message", [
     ({"aliases": {"1.weight": "1.bias"}}, "which the file stores itself"),
     ({"target": "plain", "classes": {}, "history": [{"target": "plain", "frozen": "keep", "allow_unhandled": False}]},
-     "module differs"),
+     "modules differ"),
     ({"target": "plain", "classes": {}}, "ends with target 'sync', but the file records 'plain'"),
     ({"schema": 2}, "written by a newer bnsurgeon (metadata schema 2"),
     ({"raw_architecture": "{not json"}, "is not valid JSON"),
