@@ -8,7 +8,6 @@ import ast
 import inspect
 import json
 import shlex
-import sys
 
 import pytest
 import torch
@@ -22,6 +21,8 @@ from bnsurgeon.cli import app
 from bnsurgeon.errors import FLAG_KEYWORDS, MAX_TEXT, BnSurgeonError, ConfirmationError, HookedModelError, bounded
 from bnsurgeon.surgery import is_bn_like
 from bnsurgeon.verify import perturb_bn
+
+from _modules import install_module
 
 FACTORY = '''
 import torch
@@ -41,10 +42,7 @@ def run(*args):
 
 @pytest.fixture
 def factory(tmp_path, monkeypatch):
-    (tmp_path / "hooks_model.py").write_text(FACTORY)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("hooks_model", None)
+    install_module(tmp_path, monkeypatch, "hooks_model", FACTORY)
     return "hooks_model:build"
 
 

@@ -23,6 +23,8 @@ import bnsurgeon
 from bnsurgeon.cli import app
 from bnsurgeon import errors
 
+from _modules import install_module
+
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
 BOX_DRAWING = re.compile("[\u2500-\u257f]")  # ─ │ ┌ ╭ ... : the whole Unicode box-drawing block
@@ -62,11 +64,7 @@ def unhandled():
 
 @pytest.fixture
 def models(tmp_path, monkeypatch):
-    (tmp_path / "omodels.py").write_text(MODELS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("omodels", None)
-    return tmp_path
+    return install_module(tmp_path, monkeypatch, "omodels", MODELS)
 
 
 def invoke(*args, columns: int | None = None):
