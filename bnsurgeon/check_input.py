@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError, ModelCannotRunError, UsageError
-from .layout import counted
+from .layout import counted, shown
 
 if TYPE_CHECKING:
     import torch
@@ -291,7 +291,7 @@ def _structure_of(value: Any, origin: str) -> CheckInput:
     elif isinstance(value, dict):
         for key in value:
             if not isinstance(key, str) or not _KEY.match(key):
-                raise UsageError(f"--example-input {origin}: dict key {key!r} is not an identifier",
+                raise UsageError(f"--example-input {origin}: dict key {shown(key)} is not an identifier",
                                  "use keys like 'image' or 'pixel_values'")
         result = CheckInput("dict", tuple((key, tensor_shape(item, f"entry {key!r}")) for key, item in value.items()))
     else:

@@ -304,7 +304,7 @@ def _is_tensor_dict(value: Any) -> bool:
 def entry_name(key: Any) -> str:
     """How an entry of a loaded dict is named in listings and reports: a string key as it is, any other
     key (an int, a tuple: weights_only loads them) with its type, so that 5 and '5' stay apart."""
-    return key if isinstance(key, str) else f"{key!r} ({type(key).__name__} key)"
+    return key if isinstance(key, str) else f"{shown(key, 200)} ({type(key).__name__} key)"
 
 
 def _a(word: str) -> str:

@@ -250,7 +250,7 @@ def vacuous_reason(outputs: list) -> str | None:
         return "the outputs are empty (e.g. a detector returned 0 boxes)"
     bad = [t for t in outputs if t.is_floating_point() and t.numel() and not bool(t.isfinite().all())]
     if bad:
-        return f"{len(bad)} of {len(outputs)} output tensors hold NaN/inf"
+        return f"{len(bad)} of {counted(len(outputs), 'output tensor')} {'holds' if len(bad) == 1 else 'hold'} NaN/inf"
     return None
 
 

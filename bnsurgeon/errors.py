@@ -100,7 +100,7 @@ class BnSurgeonError(Exception):
 
     def __str__(self) -> str:
         """What a Python caller sees: the hint names keyword arguments, not flags (the CLI prints ``hint``)."""
-        hint = self.python or python_hint(self.hint)
+        hint = self.python or bounded(python_hint(self.hint))
         return f"{self.message} ({hint})" if hint else self.message
 
 

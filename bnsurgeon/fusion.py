@@ -199,6 +199,8 @@ def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str
     watched: dict[int, tuple[str, Any]] = {}  # id(output tensor) -> (producer path, weak reference to it)
     params: dict[int, str] = {}
     hooked = {id(m) for m in model.modules() if hook_kinds(m, FORWARD_HOOKS + BACKWARD_HOOKS)}  # the user's, not ours
+    #: modules whose hooks see what they return (forward hooks, and backward hooks: the gradient at the output)
+    sees_output = {id(m) for m in model.modules() if hook_kinds(m, ("_forward_hooks",) + BACKWARD_HOOKS)}
     for path, module in model.named_modules():
         if type(module) in producers:
             for tensor in module._parameters.values():
@@ -238,6 +240,11 @@ def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str
             seen.ranks[path] = output.dim()
             seen.produced_at.setdefault(path, call)
             watched[id(output)] = (path, weakref.ref(output))
+        elif id(module) in sees_output:  # a wrapper returning the producer's output: folded, its hooks see the BN's
+            for tensor in _tensors_in(output):
+                source = producer_of(tensor)
+                if source is not None:
+                    seen.uses[source].append((f"module {path} returns it (with hooks)", frozenset(), None))
 
     def value_read(name: str) -> None:
         if seen.first_value_read is None:
@@ -473,6 +480,17 @@ def producer_hook_reason(producer: "nn.Module") -> str | None:
                    key=list(_HOOK_NAMES).index)
     if kinds:
         return f"its producer has {_named(kinds)}, which would see the folded weights, output or gradients"
+    return _parameter_hook_reason(producer, "its producer")
+
+
+def _parameter_hook_reason(module: "nn.Module", who: str) -> str | None:
+    """Tensor hooks on a weight or bias (``register_hook``, ``register_post_accumulate_grad_hook``) stay on
+    the old Parameter: the fold makes new ones, so they would silently stop running."""
+    for name, parameter in module.named_parameters():
+        if parameter is not None and (getattr(parameter, "_backward_hooks", None)
+                                      or getattr(parameter, "_post_accumulate_grad_hooks", None)):
+            return (f"{who}'s parameter {name} has tensor hooks (register_hook or register_post_accumulate_grad_hook), "
+                    "which the folded Parameters would not carry")
     return None
 
 
@@ -484,24 +502,42 @@ def bn_hook_reason(bn: "nn.Module") -> str | None:
     if kinds:
         return (f"it has {_named(kinds)}, which would run on what replaces it (the folded input and gradients, "
                 "no BatchNorm state or keys)")
+    return _parameter_hook_reason(bn, "the BN")
+
+
+def _wrapper_hook_reason(model: "nn.Module", bn: "nn.Module", producer: "nn.Module") -> str | None:
+    """Loading has no dataflow to consult: a hooked module around the producer or the BN but not both
+    may see the producer's output (returned, or handed on), so it refuses the fold. A block holding
+    the whole pair sees the same values either way."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    for module in model.modules():
+        kinds = hook_kinds(module, FORWARD_HOOKS + BACKWARD_HOOKS)
+        if not kinds or module is bn or module is producer:
+            continue
+        inside = {id(m) for m in module.modules()}
+        if (id(bn) in inside) != (id(producer) in inside):
+            holds = "the BN" if id(bn) in inside else "the producer"
+            return (f"{paths.get(id(module), '<root>') or '<root>'} holds {holds} but not the other and has "
+                    f"{_named(kinds)}, which may see the producer's output (folded: the BN's)")
     return None
 
 
 def global_hook_reason() -> str | None:
-    """Global module hooks (``register_module_forward_hook``/``_pre_hook``, ``register_module_full_backward_hook``
-    /``_pre_hook``) run on every module's call, so, like a hook on one BN or producer, they would see folded
-    outputs or gradients and BNs that are gone."""
+    """Global module hooks run on every module's call, so, like a hook on one BN or producer, they
+    would see folded outputs or gradients and BNs that are gone. Named as registered."""
     from torch.nn.modules import module as torch_module
 
-    forward = bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
-    backward = bool(getattr(torch_module, "_global_backward_hooks", None)
-                    or getattr(torch_module, "_global_backward_pre_hooks", None))
-    if forward or backward:
-        kinds = " and ".join(kind for kind, present in (("forward", forward), ("backward", backward)) if present)
-        return (f"global module {kinds} hooks are registered (torch.nn.modules.module.register_module_forward_hook, "
-                "_forward_pre_hook, _full_backward_hook or _full_backward_pre_hook), which would see the folded "
-                "outputs or gradients and no BatchNorm; remove them to fold")
-    return None
+    registered = [name for name, registry in (
+        ("register_module_forward_pre_hook", "_global_forward_pre_hooks"),
+        ("register_module_forward_hook", "_global_forward_hooks"),
+        ("register_module_full_backward_pre_hook", "_global_backward_pre_hooks"),
+        ("register_module_full_backward_hook or register_module_backward_hook", "_global_backward_hooks"),
+    ) if getattr(torch_module, registry, None)]
+    if not registered:
+        return None
+    kinds = " and ".join(kind for kind in ("forward", "backward") if any(f"_{kind}" in name for name in registered))
+    return (f"global module {kinds} hooks are registered ({'; '.join(registered)}), which would see the folded "
+            "outputs or gradients and no BatchNorm; remove them to fold")
 
 
 def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
@@ -538,7 +574,7 @@ def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
         reason = _shape_reason(bn, producer, batched_rank(producer))
         if reason is not None:
             raise bad(f"{fold.bn} -> {fold.producer}: {reason}")
-        hooked = producer_hook_reason(producer) or bn_hook_reason(bn)
+        hooked = producer_hook_reason(producer) or bn_hook_reason(bn) or _wrapper_hook_reason(model, bn, producer)
         if hooked is not None:
             raise HookedModelError(f"cannot load the fused file into this model: {fold.bn} -> {fold.producer}: {hooked}")
         plan.folds.append(fold)

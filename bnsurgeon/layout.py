@@ -52,8 +52,8 @@ class Column:
 
 
 def shown(value: object, width: int = 80) -> str:
-    """A repr of ``value`` (from a file or a user) of at most ``width`` printable characters (a
-    string cut this way says how long it is).
+    """A repr of ``value`` (from a file or a user) in at most ``width`` printable characters, and for a
+    string cut this way its length after them (`` (1,000,000 characters)``).
 
     ``reprlib`` abbreviates long strings and big or deep containers while it writes, so a
     megabyte of metadata is never turned into a megabyte of text to be cut.
@@ -72,7 +72,7 @@ def shown(value: object, width: int = 80) -> str:
 
 def describe_kwargs(kwargs: dict) -> str:
     """``key=value, ...`` for messages and descriptions, each value a bounded repr."""
-    return ", ".join(f"{key}={shown(value, 200)}" for key, value in kwargs.items())
+    return ", ".join(f"{shorten(printable(key), 80)}={shown(value, 200)}" for key, value in kwargs.items())
 
 
 def counted(number: int, noun: str) -> str:

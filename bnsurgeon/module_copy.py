@@ -5,7 +5,9 @@ registered, or a hook added on the copy would change the source too. A copy here
 containers (modules, parameters, buffers) and shares the tensors in them. Hook dicts follow
 one rule (``carry_hooks``): a module that has hooks hands the same dict objects on, so the
 user's RemovableHandles still remove them; a module with none gives the copy its own empty
-dicts, so a hook added later to one model never appears on the other.
+dicts, so a hook added later to the copy never runs on the source. Modules the conversion
+did not change (convs, acts, a folded norm-act's own act and drop) are the same objects in
+both models, so their hooks are shared like their weights.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def has_hooks(module: "nn.Module") -> bool:
 def carry_hooks(old: "nn.Module", new: "nn.Module") -> None:
     """Give ``new`` the hooks of ``old``: the same dicts where ``old`` has any, else fresh empty ones."""
     share = has_hooks(old)
-    for name in hook_attributes():
+    for name in hook_attributes():  # replaces any hook ``new`` registered itself (no built-in rule's class does)
         if name not in old.__dict__:
             continue
         value = old.__dict__[name]

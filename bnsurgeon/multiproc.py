@@ -91,7 +91,7 @@ def run_world(world_size: int, fn, *args, timeout: float = 180.0, collective_tim
                 dead = {r: p.exitcode for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in collected}
                 if dead and len(collected) + len(dead) >= world_size:
                     if not allow_errors:
-                        raise RankFailure(f"{'rank' if len(dead) == 1 else 'ranks'} died with exit codes {dead}")
+                        raise RankFailure(f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}")
                     collected.update({r: ("died", f"exit code {code}") for r, code in dead.items()})
                 continue
             if status == "ok":
@@ -176,7 +176,7 @@ class RankPool:
                 except queue.Empty:
                     dead = {r: p.exitcode for r, p in enumerate(self._processes[:world_size]) if p.exitcode is not None}
                     if dead:
-                        raise RankFailure(f"{'rank' if len(dead) == 1 else 'ranks'} died with exit codes {dead}") from None
+                        raise RankFailure(f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}") from None
                     continue
                 if got_id != task_id:  # a late answer to an earlier, failed task
                     continue

@@ -25,7 +25,7 @@ from .checks import (
     resolve_check_input,
     run_forward,
 )
-from .errors import ConfirmationError, NothingToConvertError, UsageError, VerificationError
+from .errors import ConfirmationError, HookedModelError, NothingToConvertError, UsageError, VerificationError
 from .inspection import Inspection, inspect_model
 from .recorded import read_recorded
 from .sources import load_source, looks_like_file
@@ -83,7 +83,7 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
         result.notes.append(f"{error.message}: {error.hint}")
         return result
     except UsageError as error:
-        if source_options.get("model"):
+        if source_options.get("model") or isinstance(error, HookedModelError):
             raise
         result = Inspection(source=str(source), parameters=0, checkpoint=contents)
         result.notes.append(f"{error.message}: pass --model ARCH to list its BatchNorm modules")

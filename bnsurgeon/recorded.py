@@ -243,8 +243,8 @@ def check_rebuilt(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") ->
         differing = [p for p in paths if actual.get(p) != recorded.classes.get(p)]
         path = differing[0]
         raise MetadataError(
-            f"{raw.path}: rebuilding as {recorded.target!r} gave {actual.get(path, 'nothing')} at {path!r} where the "
-            f"checkpoint recorded {recorded.classes.get(path, 'nothing')} ({counted(len(differing), 'module')} {'differs' if len(differing) == 1 else 'differ'})",
+            f"{raw.path}: rebuilding as {recorded.target!r} gave {actual.get(path, 'nothing')} at {shown(path)} where "
+            f"the checkpoint recorded {shown(recorded.classes.get(path, 'nothing'))} ({counted(len(differing), 'module')} {'differs' if len(differing) == 1 else 'differ'})",
             "the metadata does not describe these weights: use the bnsurgeon/timm versions that wrote the file, "
             "pass the model explicitly, or convert the original again",
         )
@@ -252,7 +252,7 @@ def check_rebuilt(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") ->
     for alias, key in recorded.aliases.items():
         if alias not in named or key not in named or named[alias] is not named[key]:
             raise MetadataError(
-                f"{raw.path}: metadata {PREFIX}aliases says {alias!r} is the same tensor as {key!r}, "
+                f"{raw.path}: metadata {PREFIX}aliases says {shown(alias)} is the same tensor as {shown(key)}, "
                 "but the model does not share them",
             )
 

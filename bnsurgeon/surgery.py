@@ -126,7 +126,7 @@ def convert(
         raise LazyModuleError(f"uninitialized lazy batch norm has no size yet: {_describe(lazy)}")
     unhandled = [e for e in entries if e.rule is None]
     if unhandled and not allow_unhandled:
-        raise UnhandledModuleError(f"no rule for BatchNorm-like module(s): {_describe(unhandled)}")
+        raise UnhandledModuleError(f"no rule for {'this BatchNorm-like module' if len(unhandled) == 1 else 'these BatchNorm-like modules'}: {_describe(unhandled)}")
     _refuse_unmatched_filters(entries, include, exclude)
 
     report = Report(target=to, options={"frozen": frozen, "allow_unhandled": allow_unhandled, "inplace": inplace,

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from .architecture import Architecture, parse_architecture
-from .errors import FLAG_KEYWORDS, ConfirmationError, UsageError
+from .errors import FLAG_KEYWORDS, MAX_TEXT, ConfirmationError, UsageError
 from .layout import describe_kwargs, shown
 
 #: ``package.module:function``, every part a Python identifier, no relative imports
@@ -105,6 +105,8 @@ MAX_RETYPED = 200
 
 def _retyped(key: str, value: Any) -> str | None:
     """``value`` as the literal the user would type to confirm it, or None where that is too long."""
+    if not key.isidentifier():  # "a=b" or " a" would come back through --model-arg as another key
+        return None
     try:
         text = repr(value)
     except ValueError:  # an int of more than 4300 digits
@@ -142,10 +144,14 @@ def confirmation_hints(unconfirmed: dict[str, Any], flag: str) -> tuple[str, str
     retyped = {key: _retyped(key, value) for key, value in unconfirmed.items()}
     if all(text is not None for text in retyped.values()):
         typed = " ".join(f"{flag}-arg {_shell_word(f'{key}={text}')}" for key, text in retyped.items())
-        return (f"confirm each with {typed} (or all with --accept-recorded-args)",
-                python_args_hint(retyped, flag, " (or all with accept_recorded_args=True)"))
-    long = ", ".join(shown(key, 40) for key, text in retyped.items() if text is None)
-    why = f" (the recorded value of {long} is too long to retype)"
+        hints = (f"confirm each with {typed} (or all with --accept-recorded-args)",
+                 python_args_hint(retyped, flag, " (or all with accept_recorded_args=True)"))
+        if max(map(len, hints)) <= MAX_TEXT - 200:  # whole, or not at all: a cut command would be wrong
+            return hints
+        why = " (the recorded values are too long together to retype)"
+    else:
+        odd = ", ".join(shown(key, 40) for key, text in retyped.items() if text is None)
+        why = f" (the recorded value of {odd} cannot be retyped: too long, or a key --model-arg cannot spell)"
     return f"confirm them with --accept-recorded-args{why}", f"pass accept_recorded_args=True{why}"
 
 

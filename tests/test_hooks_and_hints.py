@@ -110,6 +110,50 @@ def test_a_container_with_a_backward_hook_that_receives_the_producer_output_leav
     assert "(with hooks)" in result.report.fusion["left"]["1.0"], result.report.fusion["left"]
 
 
+class Wrap(nn.Module):
+    """Returns its conv's output: its own forward and backward hooks see the producer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class WrappedConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wrap, self.bn = Wrap(), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.wrap(x))
+
+
+@pytest.mark.parametrize("register", ["register_forward_hook", "register_full_backward_hook",
+                                      "register_full_backward_pre_hook"])
+def test_a_hooked_wrapper_that_returns_the_producer_output_leaves_the_bn(register):
+    """The wrapper's hook sees the conv's output (or its gradient); folded, it would see the BN's
+    (a gradient 3x as large with running_var 9). A hook that reads nothing was not seen at all."""
+    torch.manual_seed(0)
+    model = WrappedConvBN().eval()
+    getattr(model.wrap, register)(_noop)
+    result = fused(model)
+    assert bn_left(result.model) == ["bn"]
+    assert "module wrap returns it (with hooks)" in result.report.fusion["left"]["bn"], result.report.fusion["left"]
+
+
+@pytest.mark.parametrize("where", ["weight", "bn.bias"])
+def test_tensor_hooks_on_a_folded_parameter_leave_the_bn(where):
+    """register_hook stays on the old Parameter: the fold's new ones would silently drop it."""
+    model = conv_bn()
+    parameter = model[0].weight if where == "weight" else model[1].bias
+    parameter.register_hook(lambda grad: grad)
+    result = fused(model)
+    assert bn_left(result.model) == ["1"]
+    assert "tensor hooks" in result.report.fusion["left"]["1"], result.report.fusion["left"]
+
+
 @pytest.mark.parametrize("register", ["register_module_full_backward_hook", "register_module_full_backward_pre_hook"])
 def test_global_module_backward_hooks_leave_every_bn(register):
     model = conv_bn()
@@ -119,7 +163,8 @@ def test_global_module_backward_hooks_leave_every_bn(register):
     finally:
         handle.remove()
     assert bn_left(result.model) == ["1"]
-    assert "global module backward hooks are registered" in result.report.fusion["left"]["1"]
+    reason = result.report.fusion["left"]["1"]
+    assert "global module backward hooks are registered" in reason and register in reason, reason
     assert bn_left(fused(model).model) == []
 
 
@@ -165,6 +210,22 @@ def test_loading_a_fused_file_into_a_hooked_model_is_a_usage_error_naming_the_ho
     finally:
         handle.remove()
     assert bn_left(bnsurgeon.load(out, model=build())) == []
+
+
+def test_loading_a_fused_file_refuses_a_hooked_container_around_only_the_bn():
+    """Its pre-hook is handed the conv's output; folded, the BN's. Loading has no dataflow to tell,
+    so a hooked module holding one side of a fold is refused; a block holding both loads."""
+    torch.manual_seed(0)
+    model = perturb_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.BatchNorm2d(4), nn.ReLU()))).eval()
+    folds = fused(model).report.fusion["folded"]
+    hooked = perturb_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.BatchNorm2d(4), nn.ReLU()))).eval()
+    hooked[1].register_forward_pre_hook(_noop)
+    with pytest.raises(HookedModelError, match="holds the BN but not the other"):
+        bnsurgeon.convert(hooked, "fused", folds=folds)
+    block = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), nn.ReLU()).eval()
+    block[0].register_forward_hook(_noop)
+    block_folds = [{**fold, "bn": "0.1", "producer": "0.0"} for fold in folds]
+    assert bn_left(bnsurgeon.convert(block, "fused", folds=block_folds).model) == []
 
 
 # ------------------------------------------------------------------ copies do not share hook dicts
@@ -252,9 +313,32 @@ def test_a_recorded_value_too_long_to_retype_points_to_accept_recorded_args(tmp_
     assert result.exit_code == 10 and "Traceback" not in result.output, result.output[-500:]
     assert len(result.output) < 3 * MAX_TEXT, len(result.output)
     flat = " ".join(result.output.split())
-    assert "--accept-recorded-args" in flat and "too long to retype" in flat, flat
+    assert "--accept-recorded-args" in flat and "cannot be retyped" in flat, flat
     with pytest.raises(ConfirmationError, match="accept_recorded_args=True"):
         bnsurgeon.load(out, model=factory)
+
+
+def test_many_recorded_values_too_long_together_give_a_whole_hint_not_a_cut_one(tmp_path, factory):
+    """Each of 8 values fits 200 characters, together they do not fit a message: a cut
+    --model-arg list would be a wrong command."""
+    from bnsurgeon.architecture import Architecture
+    from bnsurgeon.trust import confirm_architecture
+
+    recorded = Architecture("factory", factory, {f"arg{i}": "v" * 150 for i in range(8)})
+    with pytest.raises(ConfirmationError) as raised:
+        confirm_architecture(recorded, "f.safetensors", factory)
+    assert "more characters" not in raised.value.hint and "more characters" not in raised.value.python
+    assert "--accept-recorded-args" in raised.value.hint and "accept_recorded_args=True" in str(raised.value)
+    odd = Architecture("factory", factory, {"a=b": 1})
+    with pytest.raises(ConfirmationError, match="cannot be retyped"):
+        confirm_architecture(odd, "f.safetensors", factory)
+
+
+def test_a_huge_recorded_key_is_bounded_in_the_description():
+    from bnsurgeon.architecture import Architecture
+
+    text = Architecture("timm", "resnet18", {"k" * 100_000: 1}).describe()
+    assert len(text) < 400, len(text)
 
 
 def test_a_timm_checkpoint_with_a_huge_integer_arg_gets_a_line_not_a_traceback(tmp_path):

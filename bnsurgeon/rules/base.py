@@ -82,7 +82,7 @@ class Registry:
         missing = [t for t in REQUIRED_TARGETS if t not in rule.targets]
         if missing:
             raise UsageError(
-                f"rule {rule.name!r} has no builder for target(s) {', '.join(missing)}",
+                f"rule {rule.name!r} has no builder for {'target' if len(missing) == 1 else 'targets'} {', '.join(missing)}",
                 "give Rule.targets a builder for each of sync, plain and frozen",
             )
         for cls in rule.classes:
