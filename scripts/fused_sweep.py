@@ -7,6 +7,8 @@ the error, and the eval time fused/source.
     nice -n 10 python scripts/fused_sweep.py                              # the whole zoo (~2 h of one core)
     nice -n 10 python scripts/fused_sweep.py --resume --shard 1/2 &       # the same on 2 cores: one process
     nice -n 10 python scripts/fused_sweep.py --resume --shard 2/2         # per shard, then --summarize
+    nice -n 10 python scripts/fused_sweep.py --retry-timeouts --timeout 600 --shard 1/2 &   # the time-boxed ones,
+    nice -n 10 python scripts/fused_sweep.py --retry-timeouts --timeout 600 --shard 2/2     # again with 10 min each
     python scripts/fused_sweep.py --models resnet50 efficientnet_b0 --no-write
 
 Per model (pretrained=False, seed 0): BN modules before/after, folds, each BN left with its
@@ -234,8 +236,8 @@ def write_docs(rows: list[dict], docs: Path, command: str, note: str) -> None:
     remeasured = sorted({r["remeasured"] for r in rows if r.get("remeasured")})
     if remeasured:
         lines[lines.index("## Per model") + 1:lines.index("## Per model") + 1] = [
-            "", f"Rows marked + were re-measured later ({', '.join(remeasured)}) with `--models NAME`, after a change to "
-            "the check that could change their verdict; the other rows are from the run named above.", ""]
+            "", f"Rows marked + were re-measured after the run named above ({'; '.join(remeasured)}); the other rows "
+            "are from that run.", ""]
     for r in rows:
         mark = "*" if r.get("carried_from") else "+" if r.get("remeasured") else ""
         if r.get("status") not in ("ok", "FAILED"):
@@ -258,11 +260,13 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="skip models already in docs/fused_sweep.jsonl")
     parser.add_argument("--shard", default="1/1", help="I/N: run only every N-th remaining model from the I-th (one process "
                         "per core; needs --resume, as every shard appends to the .jsonl; then --summarize)")
+    parser.add_argument("--retry-timeouts", action="store_true", help="re-run the models whose row is a timeout, with "
+                        "--timeout (and --shard), replacing their rows in the .jsonl (marked + in the docs)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--summarize", action="store_true", help="only re-make the docs from docs/fused_sweep.jsonl")
     args = parser.parse_args()
     shard_index, shard_count = _shard(parser, args.shard)
-    if shard_count > 1 and not (args.resume or args.no_write):
+    if shard_count > 1 and not (args.resume or args.no_write or args.retry_timeouts):
         parser.error("--shard appends to docs/fused_sweep.jsonl: pass --resume (move the old file away to start afresh)")
 
     docs = ROOT / "docs"
@@ -271,6 +275,9 @@ def main() -> None:
         planned = len(model_names(args.every))
         write_docs(rows, docs, _command(args.every), _note(len(rows), planned, args.every))
         print(json.dumps(summarize(rows), indent=1))
+        return
+    if args.retry_timeouts:
+        retry_timeouts(docs / "fused_sweep.jsonl", args.timeout, shard_index, shard_count)
         return
     jsonl = None if args.no_write else docs / "fused_sweep.jsonl"
     tasks = [("timm", n) for n in args.models] if args.models else model_names(args.every)
@@ -291,6 +298,29 @@ def main() -> None:
         print("shard done: when every shard is, re-make the docs with --summarize", file=sys.stderr)
     elif not args.no_write:
         write_docs(rows, docs, _command(args.every), _note(len(rows), planned, args.every))
+
+
+def retry_timeouts(jsonl: Path, timeout: float, shard_index: int, shard_count: int) -> None:
+    """Re-run this shard's timed-out models with a longer box; swap their rows in under a lock
+    (every shard rewrites the file once, at its end)."""
+    import fcntl
+
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    tasks = [(r["source"], r["model"]) for r in rows if r.get("status") == "timeout"][shard_index::shard_count]
+    fresh = run_sweep(tasks, timeout, None, job=fused_one)
+    for row in fresh:
+        row["remeasured"] = f"--retry-timeouts --timeout {timeout:.0f}, over the first run's time box"
+    by_key = {(r["source"], r["model"]): r for r in fresh}
+    with open(jsonl.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+        merged = [by_key.get((r["source"], r["model"]), r) for r in current]
+        staged = jsonl.with_suffix(".jsonl.tmp")
+        staged.write_text("".join(json.dumps(r) + "\n" for r in merged))
+        staged.replace(jsonl)
+    jsonl.with_suffix(".lock").unlink(missing_ok=True)
+    print(f"re-ran {len(fresh)} timed-out models: " + ", ".join(f"{r['model']} {r['status']}" for r in fresh),
+          file=sys.stderr)
 
 
 def _shard(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
