@@ -63,6 +63,13 @@ def _noop(*args):
     return None
 
 
+def left_reason(model: nn.Module, bn: str) -> str:
+    """Fold ``model``; the one BN ``bn`` must stay: its reason."""
+    result = fused(model)
+    assert bn_left(result.model) == [bn]
+    return result.report.fusion["left"][bn]
+
+
 # ------------------------------------------------------------------ hooks that a fold would change
 
 
@@ -81,9 +88,7 @@ def test_a_bn_with_backward_or_state_dict_hooks_is_left_with_the_reason(kind):
     """After a fold the BN's hooks would run on an Identity: other gradients, no BatchNorm keys."""
     model = conv_bn()
     handle = BN_HOOKS[kind](model[1])
-    result = fused(model)
-    assert bn_left(result.model) == ["1"]
-    reason = result.report.fusion["left"]["1"]
+    reason = left_reason(model, "1")
     assert "hooks" in reason and "what replaces it" in reason, reason
     handle.remove()
     assert bn_left(fused(model).model) == []
@@ -94,9 +99,8 @@ def test_a_producer_with_backward_hooks_is_left_with_the_reason(register):
     """A backward hook on the conv would get the gradient of the BN's output instead of its own."""
     model = conv_bn()
     getattr(model[0], register)(_noop)
-    result = fused(model)
-    assert bn_left(result.model) == ["1"]
-    assert "its producer has backward" in result.report.fusion["left"]["1"], result.report.fusion["left"]
+    reason = left_reason(model, "1")
+    assert "its producer has backward" in reason, reason
 
 
 def test_a_container_with_a_backward_hook_that_receives_the_producer_output_leaves_the_bn():
@@ -105,9 +109,8 @@ def test_a_container_with_a_backward_hook_that_receives_the_producer_output_leav
     torch.manual_seed(0)
     model = perturb_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.BatchNorm2d(4), nn.ReLU()))).eval()
     model[1].register_full_backward_hook(_noop)
-    result = fused(model)
-    assert bn_left(result.model) == ["1.0"]
-    assert "(with hooks)" in result.report.fusion["left"]["1.0"], result.report.fusion["left"]
+    reason = left_reason(model, "1.0")
+    assert "(with hooks)" in reason, reason
 
 
 class Wrap(nn.Module):
@@ -138,9 +141,8 @@ def test_a_hooked_wrapper_that_returns_the_producer_output_leaves_the_bn(registe
     torch.manual_seed(0)
     model = WrappedConvBN().eval()
     getattr(model.wrap, register)(_noop)
-    result = fused(model)
-    assert bn_left(result.model) == ["bn"]
-    assert "module wrap returns it (with hooks)" in result.report.fusion["left"]["bn"], result.report.fusion["left"]
+    reason = left_reason(model, "bn")
+    assert "module wrap returns it (with hooks)" in reason, reason
 
 
 @pytest.mark.parametrize("where", ["weight", "bn.bias"])
@@ -149,9 +151,8 @@ def test_tensor_hooks_on_a_folded_parameter_leave_the_bn(where):
     model = conv_bn()
     parameter = model[0].weight if where == "weight" else model[1].bias
     parameter.register_hook(lambda grad: grad)
-    result = fused(model)
-    assert bn_left(result.model) == ["1"]
-    assert "tensor hooks" in result.report.fusion["left"]["1"], result.report.fusion["left"]
+    reason = left_reason(model, "1")
+    assert "tensor hooks" in reason, reason
 
 
 @pytest.mark.parametrize("register", ["register_module_full_backward_hook", "register_module_full_backward_pre_hook"])
