@@ -505,20 +505,28 @@ def bn_hook_reason(bn: "nn.Module") -> str | None:
     return _parameter_hook_reason(bn, "the BN")
 
 
-def _wrapper_hook_reason(model: "nn.Module", bn: "nn.Module", producer: "nn.Module") -> str | None:
+@dataclass
+class _HookedModule:
+    path: str
+    kinds: list[str]
+    inside: set[int]  # ids of the module and everything below it
+
+
+def _hooked_modules(model: "nn.Module") -> list[_HookedModule]:
+    """Every module with forward or backward hooks, found once per plan (not once per fold)."""
+    return [_HookedModule(path or "<root>", kinds, {id(m) for m in module.modules()})
+            for path, module in model.named_modules() if (kinds := hook_kinds(module, FORWARD_HOOKS + BACKWARD_HOOKS))]
+
+
+def _wrapper_hook_reason(hooked: list[_HookedModule], bn: "nn.Module", producer: "nn.Module") -> str | None:
     """Loading has no dataflow to consult: a hooked module around the producer or the BN but not both
     may see the producer's output (returned, or handed on), so it refuses the fold. A block holding
     the whole pair sees the same values either way."""
-    paths = {id(module): path for path, module in model.named_modules()}
-    for module in model.modules():
-        kinds = hook_kinds(module, FORWARD_HOOKS + BACKWARD_HOOKS)
-        if not kinds or module is bn or module is producer:
-            continue
-        inside = {id(m) for m in module.modules()}
-        if (id(bn) in inside) != (id(producer) in inside):
-            holds = "the BN" if id(bn) in inside else "the producer"
-            return (f"{paths.get(id(module), '<root>') or '<root>'} holds {holds} but not the other and has "
-                    f"{_named(kinds)}, which may see the producer's output (folded: the BN's)")
+    for module in hooked:
+        if (id(bn) in module.inside) != (id(producer) in module.inside):
+            holds = "the BN" if id(bn) in module.inside else "the producer"
+            return (f"{module.path} holds {holds} but not the other and has {_named(module.kinds)}, which may see "
+                    "the producer's output (folded: the BN's)")
     return None
 
 
@@ -552,6 +560,7 @@ def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
         raise bad(f"list is a {type(records).__name__}, not a list")
     plan = FoldPlan(method="recorded in the checkpoint")
     modules = dict(model.named_modules())
+    wrappers = _hooked_modules(model)
     used: set[str] = set()
     for record in records:
         keys = ("bn", "producer", "bn_class", "producer_class")
@@ -574,12 +583,13 @@ def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
         reason = _shape_reason(bn, producer, batched_rank(producer))
         if reason is not None:
             raise bad(f"{fold.bn} -> {fold.producer}: {reason}")
-        hooked = producer_hook_reason(producer) or bn_hook_reason(bn) or _wrapper_hook_reason(model, bn, producer)
+        hooked = producer_hook_reason(producer) or bn_hook_reason(bn) or _wrapper_hook_reason(wrappers, bn, producer)
         if hooked is not None:
             raise HookedModelError(f"cannot load the fused file into this model: {fold.bn} -> {fold.producer}: {hooked}")
         plan.folds.append(fold)
-    if plan.folds and global_hook_reason() is not None:
-        raise HookedModelError(f"cannot load the fused file: {global_hook_reason()}")
+    global_hooks = global_hook_reason()
+    if plan.folds and global_hooks is not None:
+        raise HookedModelError(f"cannot load the fused file: {global_hooks}")
     return plan
 
 
