@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 import bnsurgeon
 from bnsurgeon.cli import app
 
+from _modules import install_module
+
 runner = CliRunner()
 
 
@@ -162,13 +164,10 @@ def test_whole_module_pickle_needs_trust(tmp_path, resnet):
 
 
 def test_uninitialized_lazy_bn_via_cli(tmp_path, monkeypatch):
-    (tmp_path / "lazy_model.py").write_text(
-        "import torch.nn as nn\n"
-        "def build():\n"
-        "    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())\n"
-    )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_module(tmp_path, monkeypatch, "lazy_model",
+                   "import torch.nn as nn\n"
+                   "def build():\n"
+                   "    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())\n")
     before = snapshot(tmp_path)
     result = run("convert", "lazy_model:build", "-o", tmp_path / "o.safetensors")
     assert_clean_failure(result, 7, "uninitialized lazy batch norm", tmp_path, before)

@@ -15,6 +15,8 @@ from bnsurgeon.cli import app
 from bnsurgeon.errors import UsageError
 from bnsurgeon.runtime import SyncBatchNormAct
 
+from _modules import install_module
+
 runner = CliRunner()
 
 
@@ -107,14 +109,11 @@ def test_pt_output_loads_with_weights_only(tmp_path):
 
 
 def test_shared_module_saved_once_and_restored(tmp_path, monkeypatch):
-    (tmp_path / "shared_model.py").write_text(
-        "import torch.nn as nn\n"
-        "def build():\n"
-        "    bn = nn.BatchNorm2d(3)\n"
-        "    return nn.Sequential(nn.Conv2d(3, 3, 1), bn, nn.Conv2d(3, 3, 1), bn)\n"
-    )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_module(tmp_path, monkeypatch, "shared_model",
+                   "import torch.nn as nn\n"
+                   "def build():\n"
+                   "    bn = nn.BatchNorm2d(3)\n"
+                   "    return nn.Sequential(nn.Conv2d(3, 3, 1), bn, nn.Conv2d(3, 3, 1), bn)\n")
     out = tmp_path / "s.safetensors"
     result = run("convert", "shared_model:build", "-o", out)
     assert result.exit_code == 0, result.output
@@ -125,15 +124,12 @@ def test_shared_module_saved_once_and_restored(tmp_path, monkeypatch):
 
 
 def test_user_bn_subclass_refused_then_allowed(tmp_path, monkeypatch):
-    (tmp_path / "custom_model.py").write_text(
-        "import torch.nn as nn\n"
-        "class MyBN(nn.BatchNorm2d):\n"
-        "    pass\n"
-        "def build():\n"
-        "    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), MyBN(4))\n"
-    )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_module(tmp_path, monkeypatch, "custom_model",
+                   "import torch.nn as nn\n"
+                   "class MyBN(nn.BatchNorm2d):\n"
+                   "    pass\n"
+                   "def build():\n"
+                   "    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), MyBN(4))\n")
     out = tmp_path / "c.safetensors"
     before = files(tmp_path)
     result = run("convert", "custom_model:build", "-o", out)

@@ -16,6 +16,8 @@ from bnsurgeon.errors import ModelCannotRunError
 from bnsurgeon.surgery import is_bn_like
 from bnsurgeon.verify import perturb_bn
 
+from _modules import install_module
+
 
 def fused(model: nn.Module, example, **kwargs):
     return bnsurgeon.convert(model, "fused", example_input=example, **kwargs)
@@ -188,9 +190,7 @@ FACTORY = (
 
 @pytest.fixture
 def factory(tmp_path, monkeypatch):
-    (tmp_path / "fuse_edge_model.py").write_text(FACTORY)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_module(tmp_path, monkeypatch, "fuse_edge_model", FACTORY)
     return "fuse_edge_model"
 
 

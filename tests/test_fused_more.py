@@ -13,9 +13,11 @@ from typer.testing import CliRunner
 
 import bnsurgeon
 from bnsurgeon.cli import app
-from bnsurgeon.fused_check import check_fused, compare, verify_fused
+from bnsurgeon.fused_check import check_fused, compare
 from bnsurgeon.surgery import is_bn_like
 from bnsurgeon.verify import perturb_bn
+
+from _modules import install_module
 
 
 def fused(model: nn.Module, example, **kwargs):
@@ -41,9 +43,7 @@ FACTORY = (
 
 @pytest.fixture
 def factory(tmp_path, monkeypatch):
-    (tmp_path / "fuse_more_model.py").write_text(FACTORY)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_module(tmp_path, monkeypatch, "fuse_more_model", FACTORY)
     return "fuse_more_model:build"
 
 
@@ -265,12 +265,10 @@ def test_a_compiled_model_converted_in_place_runs_the_folded_modules(where):
 
 
 def test_cli_a_factory_returning_a_compiled_model_exits_2(tmp_path, monkeypatch):
-    (tmp_path / "compiled_model.py").write_text(
-        "import torch, torch.nn as nn\n"
-        "def build():\n"
-        "    return torch.compile(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend='eager')\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_module(tmp_path, monkeypatch, "compiled_model",
+                   "import torch, torch.nn as nn\n"
+                   "def build():\n"
+                   "    return torch.compile(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend='eager')\n")
     for to in ("fused", "sync"):
         result = run("convert", "compiled_model:build", "--to", to, "--input-shape", "2,3,8,8", "-o", tmp_path / "o.safetensors")
         assert result.exit_code == 2, result.output

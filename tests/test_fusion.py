@@ -24,6 +24,8 @@ from bnsurgeon.runtime.folded import FoldedNormAct
 from bnsurgeon.surgery import is_bn_like
 from bnsurgeon.verify import perturb_bn
 
+from _modules import install_module
+
 
 def fused(model: nn.Module, shape, **kwargs):
     return bnsurgeon.convert(model, "fused", example_input=shape, **kwargs)
@@ -296,9 +298,7 @@ FACTORY = (
 
 @pytest.fixture
 def factory(tmp_path, monkeypatch):
-    (tmp_path / "fuse_model.py").write_text(FACTORY)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_module(tmp_path, monkeypatch, "fuse_model", FACTORY)
     return "fuse_model:build"
 
 

@@ -10,6 +10,8 @@ from typer.testing import CliRunner
 
 from bnsurgeon.cli import app
 
+from _modules import install_module
+
 pytestmark = pytest.mark.distributed
 runner = CliRunner()
 SMALL = "2,3,64,64"
@@ -38,10 +40,7 @@ def bn1d3d():
 
 @pytest.fixture
 def models(tmp_path, monkeypatch):
-    (tmp_path / "vmodels.py").write_text(MODELS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
+    return install_module(tmp_path, monkeypatch, "vmodels", MODELS)
 
 
 def run(*args):
