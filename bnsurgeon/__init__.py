@@ -10,8 +10,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _API = {
-    "convert": ("bnsurgeon.surgery", "convert"),
-    "ConvertResult": ("bnsurgeon.surgery", "ConvertResult"),
+    "convert": ("bnsurgeon.surgery.walk", "convert"),
+    "ConvertResult": ("bnsurgeon.surgery.walk", "ConvertResult"),
     "convert_source": ("bnsurgeon.api", "convert_source"),
     "inspect": ("bnsurgeon.api", "inspect"),
     "load": ("bnsurgeon.api", "load"),

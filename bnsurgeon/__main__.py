@@ -1,3 +1,3 @@
-from .cli import main
+from bnsurgeon.cli.commands import main
 
 main()

@@ -7,18 +7,18 @@ in its own module; nothing imports back from here.
 
 from __future__ import annotations
 
-from .architecture import Architecture, LoadedSource  # noqa: F401
-from .checks import (  # noqa: F401
+from bnsurgeon.loading.architecture import Architecture, LoadedSource  # noqa: F401
+from bnsurgeon.checks.eval_check import (  # noqa: F401
     CHECK_SEED,
     CHECK_SIDE,
     check_shapes,
     compare_eval,
     first_runnable_shape,
     infer_input_shape,
-    preserved_modes,
 )
-from .pipeline import ConvertOutcome, convert_source, inspect, verify  # noqa: F401
-from .rebuild import load, rebuild_from_checkpoint  # noqa: F401
-from .recorded import class_map  # noqa: F401
-from .surgery import ConvertResult, convert  # noqa: F401
-from .writing import save, write_reports  # noqa: F401
+from bnsurgeon.core.running import preserved_modes  # noqa: F401
+from bnsurgeon.pipeline import ConvertOutcome, convert_source, inspect, verify  # noqa: F401
+from bnsurgeon.loading.rebuild import load, rebuild_from_checkpoint  # noqa: F401
+from bnsurgeon.surgery.walk import class_map  # noqa: F401
+from bnsurgeon.surgery.walk import ConvertResult, convert  # noqa: F401
+from bnsurgeon.files.conversion import save, write_reports  # noqa: F401

@@ -9,33 +9,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import __version__
-from .architecture import LoadedSource
-from .checkpoint import check_output_path, describe_checkpoint, read_checkpoint
-from .checks import (
+from bnsurgeon import __version__
+from bnsurgeon.loading.architecture import LoadedSource
+from bnsurgeon.files.reading import describe_checkpoint, read_checkpoint
+from bnsurgeon.files.writing import check_output_path
+from bnsurgeon.checks.eval_check import (
     CHECK_SEED,
     compare_eval,
     is_inexact,
     needs_input_dims,
     observed_input_dims,
-    preserved_modes,
     refuse_invalid_weights,
     refuse_non_finite,
     require_same_architecture,
     resolve_check_input,
-    run_forward,
 )
-from .errors import ConfirmationError, HookedModelError, NothingToConvertError, UsageError, VerificationError
-from .inspection import Inspection, inspect_model
-from .recorded import read_recorded
-from .sources import load_source, looks_like_file
-from .surgery import ConvertResult, convert
-from .writing import write_conversion
+from bnsurgeon.core.running import preserved_modes, run_forward
+from bnsurgeon.core.errors import ConfirmationError, HookedModelError, NothingToConvertError, UsageError, VerificationError
+from bnsurgeon.surgery.inspection import Inspection, inspect_model
+from bnsurgeon.loading.recorded import read_recorded
+from bnsurgeon.loading.sources import load_source, looks_like_file
+from bnsurgeon.surgery.walk import ConvertResult, convert
+from bnsurgeon.files.conversion import write_conversion
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .check_input import CheckInput
+    from bnsurgeon.checks.check_input import CheckInput
 
 
 def inspect(source: "str | nn.Module", *, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
@@ -52,7 +52,7 @@ def inspect(source: "str | nn.Module", *, include: tuple[str, ...] = (), exclude
 
 def selection_note(result: Inspection, include, exclude) -> str:
     """How many BN modules --include/--exclude leave to convert, with the first few kept out."""
-    from .surgery import check_filters, filtered_out
+    from bnsurgeon.surgery.walk import check_filters, filtered_out
 
     include, exclude = check_filters(include, exclude)
     groups = [(group.cls, path) for group in result.groups for path in group.all_paths]
@@ -103,7 +103,7 @@ def _load_for_inspection(source: str, **options: Any) -> "tuple[LoadedSource, st
     models: ``.item()``/copies out of a tensor) cannot be built on meta; ``convert`` falls
     back to a real build for them and so does ``inspect``.
     """
-    from .errors import BnSurgeonError, FactoryRaisedError
+    from bnsurgeon.core.errors import BnSurgeonError, FactoryRaisedError
 
     try:
         return load_source(source, meta=True, **options), None
@@ -123,7 +123,7 @@ MAX_WORLD_SIZE = 64
 
 def verify_timeout_s() -> float:
     """The ranks' collective timeout: ``BNSURGEON_DIST_TIMEOUT`` if set (validated up front), else 120 s."""
-    from .runtime.timeout import ENV_VAR, parse_timeout_s
+    from bnsurgeon.runtime.timeout import ENV_VAR, parse_timeout_s
 
     raw = os.environ.get(ENV_VAR)
     return parse_timeout_s(raw) if raw and raw.strip() else 120.0
@@ -197,8 +197,8 @@ def convert_source(
     (``training_checkpoint.carry_entries``). ``example_input`` given as a path (``--example-input``)
     is an input like SOURCE: refused as an output, then read.
     """
-    from .rules import check_target
-    from .training_checkpoint import carry_entries
+    from bnsurgeon.rules import check_target
+    from bnsurgeon.files.training_checkpoint import carry_entries
 
     phase = progress or (lambda text: None)
 
@@ -210,7 +210,7 @@ def convert_source(
     inputs = [source] + ([(example_file, "the --example-input file")] if example_file is not None else [])
     out = check_output_path(output, inputs, force=force) if output is not None else None
     if example_file is not None:
-        from .check_input import load_example_input
+        from bnsurgeon.checks.check_input import load_example_input
 
         example_input = load_example_input(example_file)
     phase(f"loading {source}")
@@ -244,7 +244,7 @@ def convert_source(
         check_input = check_input or _check_input(loaded, input_shape, example_input)
         phase(f"checking eval outputs on {check_input.describe()}")
         if fused:
-            from .fused_check import fused_check_result
+            from bnsurgeon.checks.fused_check import fused_check_result
 
             result.report.check = fused_check_result(loaded.model, result, shape, CHECK_SEED)
         else:
@@ -256,11 +256,11 @@ def convert_source(
                 f"{check_result.max_abs_diff:.3g}, {check_result.mode})"
             )
         if verify_world_sizes:
-            from .verify import verify_models
+            from bnsurgeon.checks.verify import verify_models
 
             phase("verifying (train, 2 gloo ranks, perturbed)")
             if fused:
-                from .fused_check import verify_fused
+                from bnsurgeon.checks.fused_check import verify_fused
 
                 verification = verify_fused(loaded.model, result.model, result.report.fusion["folded"], shape,
                                             source_name=loaded.description)
@@ -304,9 +304,9 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     """
     import torch
 
-    from .check_input import clone_value
+    from bnsurgeon.checks.check_input import clone_value
 
-    from .verify import verify_models
+    from bnsurgeon.checks.verify import verify_models
 
     timeout = verify_timeout_s()
     if any(w < 2 for w in world_sizes):
@@ -317,7 +317,7 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     if atol is not None and not (math.isfinite(atol) and atol >= 0):  # inf would pass any difference
         raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
     if isinstance(example_input, (str, os.PathLike)):  # as the CLI's --example-input: read (weights_only)
-        from .check_input import load_example_input
+        from bnsurgeon.checks.check_input import load_example_input
 
         example_input = load_example_input(example_input)
     left = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
@@ -338,7 +338,7 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
         raise UsageError("cannot tell what input the models take",
                          "pass --input-shape N,C,... (e.g. 4,16,32) or --example-input x.pt")
     if fused:
-        from .fused_check import verify_fused
+        from bnsurgeon.checks.fused_check import verify_fused
 
         if compare_at:
             raise UsageError("--compare-at does not apply to a fused checkpoint: its checks compare the whole "

@@ -84,7 +84,7 @@ def main() -> None:
     from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFunction
 
     from bench_common import geometric_mean
-    from bnsurgeon.multiproc import free_port
+    from bnsurgeon.checks.multiproc import free_port
     from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
 
     if not torch.cuda.is_available():

@@ -103,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from bnsurgeon.multiproc import run_world
+    from bnsurgeon.checks.multiproc import run_world
 
     with tempfile.TemporaryDirectory() as scratch:
         args.previous_dir = _export_previous(args.previous, Path(scratch)) if args.previous else None

@@ -129,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from bnsurgeon.multiproc import run_world
+    from bnsurgeon.checks.multiproc import run_world
 
     by_rank = run_world(args.world_size, _worker, args, timeout=7200, collective_timeout=1800)
     row = by_rank[0]

@@ -66,9 +66,9 @@ def main() -> None:
 
 
 def in_process(model: str, converted: str, world_sizes: tuple[int, ...], *, yardstick: bool) -> None:
-    from bnsurgeon.checks import first_runnable_shape
-    from bnsurgeon.sources import load_source
-    from bnsurgeon.verify import perturb_bn, rank_batch, rank_reference, verify_models
+    from bnsurgeon.checks.eval_check import first_runnable_shape
+    from bnsurgeon.loading.sources import load_source
+    from bnsurgeon.checks.verify import perturb_bn, rank_batch, rank_reference, verify_models
 
     import copy
 

@@ -32,7 +32,7 @@ from zoo_sweep import _build, _input_shapes  # noqa: E402
 def _outputs(model, x) -> list:
     import torch
 
-    from bnsurgeon.outputs import flatten_tensors
+    from bnsurgeon.checks.outputs import flatten_tensors
 
     with torch.no_grad():
         return flatten_tensors(model.eval()(x.clone()))
@@ -42,8 +42,8 @@ def drift(name: str) -> dict:
     import torch
 
     import bnsurgeon
-    from bnsurgeon.fused_check import relative_error
-    from bnsurgeon.fusion import example_tensor
+    from bnsurgeon.checks.fused_check import relative_error
+    from bnsurgeon.surgery.fusion import example_tensor
 
     torch.set_num_threads(1)
     model = _build("timm", name).eval()

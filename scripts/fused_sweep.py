@@ -59,7 +59,7 @@ def classify(reason: str) -> str:
 
 def judged(outcome) -> str:
     """How a comparison was decided: float32 within tolerance, proven in float64, undecidable (chaotic), failed."""
-    from bnsurgeon.fused_check import FUSED_RTOL
+    from bnsurgeon.checks.fused_check import FUSED_RTOL
 
     if outcome.passed is None:
         return "undecidable"
@@ -88,8 +88,8 @@ def fused_one(kind: str, name: str) -> dict:
     import torch
 
     import bnsurgeon
-    from bnsurgeon.fused_check import check_fused
-    from bnsurgeon.fusion import example_tensor
+    from bnsurgeon.checks.fused_check import check_fused
+    from bnsurgeon.surgery.fusion import example_tensor
 
     torch.set_num_threads(1)
     started = time.perf_counter()

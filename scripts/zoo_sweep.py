@@ -45,7 +45,7 @@ def _equal(a, b) -> tuple[bool, float]:
 def _outputs(model, x):
     import torch
 
-    from bnsurgeon.outputs import flatten_tensors as _tensors
+    from bnsurgeon.checks.outputs import flatten_tensors as _tensors
 
     with torch.no_grad():
         return _tensors(model.eval()(x))
@@ -94,8 +94,8 @@ def sweep_one(kind: str, name: str) -> dict:
     import torch
 
     import bnsurgeon
-    from bnsurgeon.inspection import inspect_model
-    from bnsurgeon.verify import perturb_bn
+    from bnsurgeon.surgery.inspection import inspect_model
+    from bnsurgeon.checks.verify import perturb_bn
 
     started = time.perf_counter()
     row = {"model": name, "source": kind}
@@ -151,7 +151,7 @@ def sweep_one(kind: str, name: str) -> dict:
 def dist_check(row: dict, timeout: float) -> dict:
     """2-rank verify (float64, perturbed BN) of one swept model: bnsurgeon's check_ranks."""
     import bnsurgeon
-    from bnsurgeon.verify import check_ranks, perturb_bn
+    from bnsurgeon.checks.verify import check_ranks, perturb_bn
 
     model = perturb_bn(_build(row["source"], row["model"]))
     converted = bnsurgeon.convert(model, "sync", allow_unhandled=True).model
@@ -186,7 +186,7 @@ def bn_model_names(limit: int | None = None) -> list[str]:
     import timm
     import torch
 
-    from bnsurgeon.surgery import plan
+    from bnsurgeon.surgery.walk import plan
 
     names = []
     for name in timm.list_models():

@@ -21,7 +21,7 @@ def tiny_timm_model() -> nn.Module:
 
 def only_bn_trains(model: nn.Module) -> nn.Module:
     """BN in train mode, everything else in eval, so dropout/drop-path stay out of the comparison."""
-    from bnsurgeon.surgery import is_bn_like
+    from bnsurgeon.core.anatomy import is_bn_like
 
     model.train()
     for module in model.modules():

@@ -27,7 +27,7 @@ def graph_model() -> nn.Module:
 
 
 def bn_layers(model: nn.Module) -> int:
-    from bnsurgeon.surgery import is_bn_like
+    from bnsurgeon.core.anatomy import is_bn_like
 
     return sum(1 for module in model.modules() if is_bn_like(module))
 

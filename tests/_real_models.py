@@ -111,7 +111,8 @@ def train_backbone_two_steps(rank: int, world_size: int, path: str, factory: str
     from safetensors.torch import save_file
 
     import bnsurgeon
-    from bnsurgeon.checkpoint import read_checkpoint, unique_tensors
+    from bnsurgeon.files.reading import read_checkpoint
+    from bnsurgeon.files.writing import unique_tensors
 
     model = bnsurgeon.load(path, model=factory)
     backbone = model.backbone.train()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bnsurgeon
-from bnsurgeon.errors import MetadataError, UsageError
+from bnsurgeon.core.errors import MetadataError, UsageError
 from test_untrusted import edited, good, listing, one_line_failure, run, tiny  # noqa: F401 (fixtures)
 
 
@@ -127,7 +127,7 @@ def test_filters_that_keep_every_bn_module_are_refused(tiny, flags):
 def test_compare_at_a_module_before_every_bn_is_refused_not_passed():
     from torch import nn
 
-    from bnsurgeon.verify import verify_models
+    from bnsurgeon.checks.verify import verify_models
 
     torch.manual_seed(0)
     source = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.cli import app
+from bnsurgeon.cli.commands import app
 
 from _modules import install_module
 

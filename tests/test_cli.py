@@ -11,8 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.cli import app
-from bnsurgeon.errors import UsageError
+from bnsurgeon.cli.commands import app
+from bnsurgeon.core.errors import UsageError
 from bnsurgeon.runtime import SyncBatchNormAct
 
 from _modules import install_module

@@ -11,10 +11,10 @@ from torch import nn
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.cli import app
-from bnsurgeon.errors import ModelCannotRunError
-from bnsurgeon.surgery import is_bn_like
-from bnsurgeon.verify import perturb_bn
+from bnsurgeon.cli.commands import app
+from bnsurgeon.core.errors import ModelCannotRunError
+from bnsurgeon.core.anatomy import is_bn_like
+from bnsurgeon.checks.verify import perturb_bn
 
 from _modules import install_module
 
@@ -273,8 +273,8 @@ def test_a_parametrized_producer_is_named_as_the_reason():
 
 
 def test_a_fold_record_naming_a_non_bn_module_says_so():
-    from bnsurgeon.errors import CheckpointError
-    from bnsurgeon.fusion import plan_from_records
+    from bnsurgeon.core.errors import CheckpointError
+    from bnsurgeon.surgery.fusion import plan_from_records
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
     record = {"bn": "1", "producer": "0", "bn_class": "torch.nn.modules.activation.ReLU",

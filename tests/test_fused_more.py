@@ -12,10 +12,10 @@ from torch import nn
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.cli import app
-from bnsurgeon.fused_check import check_fused, compare
-from bnsurgeon.surgery import is_bn_like
-from bnsurgeon.verify import perturb_bn
+from bnsurgeon.cli.commands import app
+from bnsurgeon.checks.fused_check import check_fused, compare
+from bnsurgeon.core.anatomy import is_bn_like
+from bnsurgeon.checks.verify import perturb_bn
 
 from _modules import install_module
 
@@ -117,7 +117,7 @@ def fp16_underflowing_fold() -> nn.Module:
 
 def test_float64_judgement_does_not_pass_a_fused_fp16_model_far_from_the_source():
     """The float64 re-fold is exact and the fp16 weights are it rounded, so the fold 'passed' at 13% error."""
-    from bnsurgeon.fused_check import fused_check_result
+    from bnsurgeon.checks.fused_check import fused_check_result
 
     model = fp16_underflowing_fold()
     x = torch.randn(2, 3, 8, 8).half()
@@ -136,13 +136,13 @@ def test_the_drift_rule_judges_the_models_own_state_not_the_perturbed_one(monkey
     """The perturbed check re-folds a random state, which can be ill-conditioned beyond what one float32
     run of the source shows: there the drift is reported, not failed. Before, a random-init
     efficientnetv2_rw_m whose float64 fold was exact failed ``convert --to fused`` on it."""
-    import bnsurgeon.verify
+    import bnsurgeon.checks.verify
 
     model = fp16_underflowing_fold()
     x = torch.randn(2, 3, 8, 8).half()
     result = fused(model, x)
     folds = result.report.fusion["folded"]
-    monkeypatch.setattr(bnsurgeon.verify, "perturb_bn", lambda module, **kwargs: module)  # "perturbed" = as is
+    monkeypatch.setattr(bnsurgeon.checks.verify, "perturb_bn", lambda module, **kwargs: module)  # "perturbed" = as is
     as_converted, perturbed = check_fused(model, result.model, folds, x)
     assert as_converted.passed is False and "more than 10x the source's own" in as_converted.detail
     assert perturbed.max_rel_error > 0.05
@@ -202,7 +202,7 @@ def test_a_fold_that_overflows_float16_is_left_with_the_dtype_reason():
 def test_a_fold_that_zeroes_a_channel_in_float16_is_left_with_the_dtype_reason(conv):
     """gamma = 2**-23: the source's BN scales channel 2 to small but normal float16 values; folded into the
     weights (~0.1 * 2**-23, below float16's smallest subnormal / 2) the whole channel became zeros."""
-    from bnsurgeon.fused_check import fused_check_result
+    from bnsurgeon.checks.fused_check import fused_check_result
 
     module = conv()
     model = _fp16_conv_bn(module, channel=2, gamma=2.0 ** -23, var=1.0)
@@ -238,7 +238,7 @@ def _compiled(where: str) -> tuple[nn.Module, nn.Module]:
 def test_a_copy_of_a_compiled_model_is_refused_with_the_fix(where, to):
     """The copy kept the compiled wrapper, whose forward is bound to the source's module: the
     'converted' model ran the source's conv and BN (a fused copy was the source, unfolded)."""
-    from bnsurgeon.errors import UsageError
+    from bnsurgeon.core.errors import UsageError
 
     model, inner = _compiled(where)
     with pytest.raises(UsageError, match=r"copy of a torch.compile'd model or submodule \((<root>|0)\)") as raised:

@@ -16,13 +16,13 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.cli import app
-from bnsurgeon.errors import CheckpointError, UsageError
+from bnsurgeon.cli.commands import app
+from bnsurgeon.core.errors import CheckpointError, UsageError
 from bnsurgeon.rules import Registry, Rule, builtin_rules, keep_if
 from bnsurgeon.runtime import FrozenBatchNorm, FrozenBatchNormAct, SyncBatchNorm
 from bnsurgeon.runtime.folded import FoldedNormAct
-from bnsurgeon.surgery import is_bn_like
-from bnsurgeon.verify import perturb_bn
+from bnsurgeon.core.anatomy import is_bn_like
+from bnsurgeon.checks.verify import perturb_bn
 
 from _modules import install_module
 
@@ -320,7 +320,7 @@ def test_cli_convert_load_round_trip_and_verify(tmp_path, factory):
     assert isinstance(model[3], nn.BatchNorm2d) and model[0].bias is not None
     from fuse_model import build
 
-    from bnsurgeon.fusion import example_tensor
+    from bnsurgeon.surgery.fusion import example_tensor
 
     source = build()
     x = example_tensor(source, (2, 3, 8, 8))
@@ -410,7 +410,7 @@ class Chaotic(nn.Module):
 
 
 def test_float32_rounding_is_judged_in_float64_and_a_wrong_fold_still_fails():
-    from bnsurgeon.fused_check import check_fused
+    from bnsurgeon.checks.fused_check import check_fused
 
     torch.manual_seed(0)
     model = perturb_bn(Cancelling())
@@ -427,7 +427,7 @@ def test_float32_rounding_is_judged_in_float64_and_a_wrong_fold_still_fails():
 
 
 def test_a_chaotic_model_is_undecidable_and_never_passes_vacuously(tmp_path):
-    from bnsurgeon.fused_check import check_fused, fused_check_result, verify_fused
+    from bnsurgeon.checks.fused_check import check_fused, fused_check_result, verify_fused
 
     torch.manual_seed(0)
     model = Chaotic()
@@ -442,10 +442,10 @@ def test_a_chaotic_model_is_undecidable_and_never_passes_vacuously(tmp_path):
 
 
 def test_a_wrong_fold_fails_the_pre_write_check_and_writes_nothing(tmp_path, factory, monkeypatch):
-    import bnsurgeon.fusion as fusion
+    import bnsurgeon.rules.fold as fold
 
-    right = fusion.bn_scale_shift
-    monkeypatch.setattr(fusion, "bn_scale_shift", lambda fields: (right(fields)[0], right(fields)[1] * 0.5))
+    right = fold.bn_scale_shift
+    monkeypatch.setattr(fold, "bn_scale_shift", lambda fields: (right(fields)[0], right(fields)[1] * 0.5))
     out = tmp_path / "m.fused.safetensors"
     result = run("convert", factory, "--to", "fused", "--input-shape", "2,3,8,8", "-o", out)
     assert result.exit_code == 1, result.output

@@ -16,11 +16,11 @@ from torch.nn.modules import module as torch_module
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.architecture import parse_model_args
-from bnsurgeon.cli import app
-from bnsurgeon.errors import FLAG_KEYWORDS, MAX_TEXT, BnSurgeonError, ConfirmationError, HookedModelError, bounded
-from bnsurgeon.surgery import is_bn_like
-from bnsurgeon.verify import perturb_bn
+from bnsurgeon.loading.architecture import parse_model_args
+from bnsurgeon.cli.commands import app
+from bnsurgeon.core.errors import FLAG_KEYWORDS, MAX_TEXT, BnSurgeonError, ConfirmationError, HookedModelError, bounded
+from bnsurgeon.core.anatomy import is_bn_like
+from bnsurgeon.checks.verify import perturb_bn
 
 from _modules import install_module
 
@@ -322,8 +322,8 @@ def test_a_recorded_value_too_long_to_retype_points_to_accept_recorded_args(tmp_
 def test_many_recorded_values_too_long_together_give_a_whole_hint_not_a_cut_one(tmp_path, factory):
     """Each of 8 values fits 200 characters, together they do not fit a message: a cut
     --model-arg list would be a wrong command."""
-    from bnsurgeon.architecture import Architecture
-    from bnsurgeon.trust import confirm_architecture
+    from bnsurgeon.loading.architecture import Architecture
+    from bnsurgeon.loading.trust import confirm_architecture
 
     recorded = Architecture("factory", factory, {f"arg{i}": "v" * 150 for i in range(8)})
     with pytest.raises(ConfirmationError) as raised:
@@ -336,7 +336,7 @@ def test_many_recorded_values_too_long_together_give_a_whole_hint_not_a_cut_one(
 
 
 def test_a_huge_recorded_key_is_bounded_in_the_description():
-    from bnsurgeon.architecture import Architecture
+    from bnsurgeon.loading.architecture import Architecture
 
     text = Architecture("timm", "resnet18", {"k" * 100_000: 1}).describe()
     assert len(text) < 400, len(text)
@@ -360,7 +360,7 @@ def test_every_cli_option_has_its_python_keyword():
     """Hints name flags; str(error) names the keyword a Python caller passes. Each keyword must
     exist on the function the command calls."""
     from bnsurgeon import pipeline
-    from bnsurgeon.sources import load_source
+    from bnsurgeon.loading.sources import load_source
 
     output_only = {"--json", "--quiet", "--verbose", "--output", "--version", "--rules"}
     takes = {"convert": set(inspect.signature(pipeline.convert_source).parameters),
@@ -379,7 +379,7 @@ def test_every_cli_option_has_its_python_keyword():
 
 
 def test_counts_of_one_are_singular():
-    from bnsurgeon.render import fusion_summary
+    from bnsurgeon.cli.render import fusion_summary
 
     model = conv_bn()
     summary = fusion_summary(fused(model).report.fusion)

@@ -87,9 +87,9 @@ def test_an_input_that_is_not_a_regular_file_is_named_not_called_empty(tiny, mak
 
 
 def test_a_checkpoint_larger_than_memory_is_refused_before_it_is_read(good, tiny, monkeypatch):
-    import bnsurgeon.checkpoint
+    import bnsurgeon.files.reading
 
-    monkeypatch.setattr(bnsurgeon.checkpoint, "physical_memory", lambda: 256, raising=False)
+    monkeypatch.setattr(bnsurgeon.files.reading, "physical_memory", lambda: 256, raising=False)
     result = run("convert", good, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors")
     one_line_failure(result, 4, "more than this machine's", "GiB of memory")
     assert not (tiny / "o.safetensors").exists()
@@ -101,7 +101,7 @@ def test_a_pt_write_that_hits_a_size_limit_says_why(tiny):
         import resource, signal, sys
         sys.path.insert(0, {str(tiny)!r})
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
-        from bnsurgeon.cli import app
+        from bnsurgeon.cli.commands import app
         resource.setrlimit(resource.RLIMIT_FSIZE, (1500, 1500))
         sys.argv = ["bnsurgeon", "convert", "tiny:build", "-o", {str(tiny / "o.pt")!r}, "--input-shape", "2,3,8,8"]
         app()
@@ -223,7 +223,7 @@ def test_verify_options_that_cannot_work_are_usage_errors(tiny, args, env, messa
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
 def test_the_finite_check_sees_one_bad_value_among_values_whose_sum_overflows(poison):
-    from bnsurgeon.checks import has_non_finite
+    from bnsurgeon.checks.eval_check import has_non_finite
 
     values = torch.full((64,), 3e38)  # every value finite, their sum is inf: must not be called non-finite
     assert not has_non_finite(values)

@@ -165,7 +165,7 @@ def test_a_training_checkpoint_naming_a_huge_architecture_is_refused_without_quo
 
 
 def test_sizes_that_are_sizes_still_build():
-    from bnsurgeon.trust import size_arg_problem
+    from bnsurgeon.loading.trust import size_arg_problem
 
     for name, value in [("num_classes", 0), ("num_classes", 21843), ("in_chans", 1), ("img_size", [224, 224]),
                         ("img_size", 96), ("width", 1.5), ("global_pool", "avg")]:
@@ -309,7 +309,7 @@ def test_a_file_name_with_control_characters_is_escaped(tiny):
 
 
 def test_printable_escapes_what_a_terminal_acts_on_and_keeps_the_rest():
-    from bnsurgeon.render import printable
+    from bnsurgeon.cli.render import printable
 
     assert printable("blocks.0.bn1 ü 漢字 😀 a b") == "blocks.0.bn1 ü 漢字 😀 a b"
     assert printable("a\x1b[2Jb\rc\nd\te\x7ff\x85g\u200bh\u2028i\u00a0j\udcff") == \
@@ -480,7 +480,7 @@ def test_a_checkpoint_with_many_entries_lists_a_bounded_number_unless_verbose(ti
 def test_markdown_report_cells_hold_any_module_name():
     import re
 
-    from bnsurgeon.report import ModuleChange, ModuleKept, Report
+    from bnsurgeon.surgery.report import ModuleChange, ModuleKept, Report
 
     name = "bn|x`y\n## Injected heading"
     report = Report(target="sync", changed=[ModuleChange(name, [], "torch.nn.BatchNorm2d", "bnsurgeon.SyncBatchNorm",
@@ -510,7 +510,7 @@ def test_the_progress_line_on_a_terminal_shows_a_source_path_as_text_not_markup(
 
     from rich.console import Console
 
-    from bnsurgeon.render import phases
+    from bnsurgeon.cli.render import phases
 
     stream = io.StringIO()
     out = Console(file=stream, force_terminal=True, width=100)
@@ -532,9 +532,9 @@ def test_counts_of_one_are_singular():
     import bnsurgeon
     from torch import nn
 
-    from bnsurgeon.layout import counted
-    from bnsurgeon.report import render_markdown
-    from bnsurgeon.training_checkpoint import _describe
+    from bnsurgeon.core.layout import counted
+    from bnsurgeon.surgery.report import render_markdown
+    from bnsurgeon.files.training_checkpoint import _describe
 
     assert [counted(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
     assert _describe({"only": torch.zeros(1)}) == "dict, 1 tensor"

@@ -20,8 +20,8 @@ import torch
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.cli import app
-from bnsurgeon import errors
+from bnsurgeon.cli.commands import app
+from bnsurgeon.core import errors
 
 from _modules import install_module
 
@@ -89,7 +89,7 @@ def assert_readable(text: str, width: int) -> None:
 @pytest.mark.parametrize("columns", [None, 80, 60])
 def test_every_command_reads_well_without_a_terminal(models, columns):
     """Each command's human output and --help: no box drawing, no line over the width (160 when piped)."""
-    from bnsurgeon.render import PIPED_WIDTH
+    from bnsurgeon.cli.render import PIPED_WIDTH
 
     width = columns or PIPED_WIDTH
     sync = models / "s.sync.safetensors"
@@ -122,7 +122,7 @@ def test_every_command_reads_well_without_a_terminal(models, columns):
 
 
 def test_a_terminal_is_fitted_by_dropping_columns_not_wrapping():
-    from bnsurgeon.layout import Column, table_lines
+    from bnsurgeon.core.layout import Column, table_lines
 
     columns = [Column("name"), Column("count", "right"), Column("extra", priority=1),
                Column("path", priority=2, shrink=True, min_width=8)]
@@ -333,7 +333,7 @@ def test_quiet_and_json_mean_what_the_help_says(models):
 
 
 def test_verify_json_names_its_schema_and_tool_version():
-    from bnsurgeon.verify import CheckOutcome, Verification
+    from bnsurgeon.checks.verify import CheckOutcome, Verification
 
     data = Verification("a", "b", [2, 3], [CheckOutcome("eval", True)]).to_dict()
     assert data["schema_version"] == 1 and data["tool_version"] == bnsurgeon.__version__
@@ -364,7 +364,7 @@ def test_readme_commands_block_lists_every_command_and_flag():
 
 
 def test_model_names_match_case_insensitively_and_through_confusables():
-    from bnsurgeon.architecture import resolve_timm_name
+    from bnsurgeon.loading.architecture import resolve_timm_name
 
     assert resolve_timm_name("Resnet50") == "resnet50"
     assert resolve_timm_name("EfficientNet_B0") == "efficientnet_b0"
@@ -381,7 +381,7 @@ def test_model_names_match_case_insensitively_and_through_confusables():
 
 
 def test_rules_imports_neither_torch_nor_timm():
-    code = ("import sys; from typer.testing import CliRunner; from bnsurgeon.cli import app; "
+    code = ("import sys; from typer.testing import CliRunner; from bnsurgeon.cli.commands import app; "
             "r = CliRunner().invoke(app, ['rules']); assert r.exit_code == 0, r.output; "
             "print(sorted(m for m in ('torch', 'timm', 'torchvision') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -390,7 +390,7 @@ def test_rules_imports_neither_torch_nor_timm():
 
 
 def test_the_static_rule_table_is_the_registry():
-    from bnsurgeon.rule_catalog import BUILTIN_RULES, ENTRY_POINT_GROUP, registry_rows
+    from bnsurgeon.cli.catalog import BUILTIN_RULES, ENTRY_POINT_GROUP, registry_rows
     from bnsurgeon.rules import _named_specs, base, default_registry
     from bnsurgeon.rules.openmmlab import OPTIONAL_CLASSES
 
@@ -405,7 +405,7 @@ def test_the_static_rule_table_is_the_registry():
 
 
 def test_a_long_check_name_is_shown_whole_where_the_line_has_room():
-    from bnsurgeon.render import _check_line
+    from bnsurgeon.cli.render import _check_line
 
     name = "train, one process vs source thawed (perturbed)"
     line = _check_line([name, "pass", "0", "1.2s", "outputs and running statistics"], 120)

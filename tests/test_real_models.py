@@ -11,7 +11,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from bnsurgeon.cli import app
+from bnsurgeon.cli.commands import app
 
 runner = CliRunner()
 
@@ -45,7 +45,7 @@ def test_check_input_is_sized_for_the_first_conv_the_forward_reaches():
     import torch
     from torch import nn
 
-    from bnsurgeon.checks import infer_input_shape
+    from bnsurgeon.checks.eval_check import infer_input_shape
 
     class SamePadConv(nn.Conv2d):
         pass
@@ -72,7 +72,7 @@ def in_tmp(tmp_path, monkeypatch):
 
 def _classes(path, factory):
     import bnsurgeon
-    from bnsurgeon.recorded import class_map
+    from bnsurgeon.surgery.walk import class_map
 
     return set(class_map(bnsurgeon.load(path, model=factory)).values())
 
@@ -80,8 +80,8 @@ def _classes(path, factory):
 def test_dict_example_input_is_recorded_and_reused(in_tmp):
     import torch
 
-    from bnsurgeon.checkpoint import read_checkpoint
-    from bnsurgeon.recorded import read_recorded
+    from bnsurgeon.files.reading import read_checkpoint
+    from bnsurgeon.loading.recorded import read_recorded
 
     factory = "_real_models:dict_input"
     refused = run("convert", factory, "-o", in_tmp / "x.safetensors")
@@ -130,8 +130,8 @@ def test_example_input_is_data_only_and_validated(in_tmp, payload, message):
 
 
 def test_recorded_check_input_is_validated(in_tmp):
-    from bnsurgeon.check_input import CheckInput
-    from bnsurgeon.errors import CheckpointError
+    from bnsurgeon.checks.check_input import CheckInput
+    from bnsurgeon.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="recorded check input is invalid"):
         CheckInput.from_record({"kind": "tensor", "shapes": [[2, 3, 10 ** 9]]})
@@ -276,8 +276,8 @@ def test_frozen_round_trip_unfreeze_train_on_two_ranks_refreeze_load(in_tmp):
     import torch
 
     import bnsurgeon
-    from bnsurgeon.multiproc import run_world
-    from bnsurgeon.recorded import class_map
+    from bnsurgeon.checks.multiproc import run_world
+    from bnsurgeon.surgery.walk import class_map
     from torchvision.ops.misc import FrozenBatchNorm2d
 
     factory = "_real_models:fasterrcnn_frozen"
@@ -311,7 +311,7 @@ def _train_worker():
 def test_include_exclude_keep_torchvisions_frozen_stem_frozen_through_save_and_load(in_tmp):
     """Unfreeze is no longer all-or-nothing: the stem and layer1 torchvision keeps frozen stay frozen."""
     import bnsurgeon
-    from bnsurgeon.recorded import class_map
+    from bnsurgeon.surgery.walk import class_map
 
     factory = "_real_models:fasterrcnn_frozen"
     filters = ["--exclude", "backbone.body.bn1", "--exclude", "backbone.body.layer1.*"]
@@ -360,7 +360,7 @@ def test_openmmlab_and_lightning_classes_convert_and_plain_restores_dimensionali
     to_classes = {c["path"]: c["to_class"] for c in json.loads(reverted.stdout)["changed"]}
     assert to_classes == {"bn": "torch.nn.modules.batchnorm.BatchNorm2d", "bn1d": "torch.nn.modules.batchnorm.BatchNorm1d"}
     import bnsurgeon
-    from bnsurgeon.recorded import class_map
+    from bnsurgeon.surgery.walk import class_map
 
     assert class_map(bnsurgeon.load(plain, model=source)) == to_classes  # replayed with the recorded classes
 
@@ -387,8 +387,8 @@ def model():
 
 def test_rules_named_on_the_command_line_and_confirmed_again_on_load(in_tmp, monkeypatch):
     import bnsurgeon.rules as rules_module
-    from bnsurgeon.checkpoint import read_checkpoint
-    from bnsurgeon.recorded import read_recorded
+    from bnsurgeon.files.reading import read_checkpoint
+    from bnsurgeon.loading.recorded import read_recorded
 
     (in_tmp / "my_rules.py").write_text(USER_RULES)
     monkeypatch.syspath_prepend(str(in_tmp))

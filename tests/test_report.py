@@ -1,6 +1,6 @@
 """The Markdown report: summary first, paths collapsed by pattern, children per pattern."""
 
-from bnsurgeon.report import ModuleChange, Report, collapse_paths
+from bnsurgeon.surgery.report import ModuleChange, Report, collapse_paths
 
 
 def test_paths_collapse_by_numeric_components():

@@ -10,7 +10,7 @@ from torch import nn
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 import bnsurgeon
-from bnsurgeon.errors import LazyModuleError, UnhandledModuleError, UsageError
+from bnsurgeon.core.errors import LazyModuleError, UnhandledModuleError, UsageError
 from bnsurgeon.runtime import FrozenBatchNorm, FrozenBatchNormAct, SyncBatchNorm, SyncBatchNormAct
 
 

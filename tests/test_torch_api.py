@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import bnsurgeon
-from bnsurgeon.errors import UsageError
+from bnsurgeon.core.errors import UsageError
 from bnsurgeon.runtime import SyncBatchNorm, SyncBatchNormAct
 
 
@@ -184,8 +184,8 @@ def test_layers_built_directly_get_distinct_deterministic_names():
 
 
 def test_python_hint_keeps_a_prose_word_after_a_flag_as_prose():
-    from bnsurgeon.errors import WeightsMismatchError
-    from bnsurgeon.weights import check_fit
+    from bnsurgeon.core.errors import WeightsMismatchError
+    from bnsurgeon.files.weights import check_fit
 
     with pytest.raises(WeightsMismatchError) as raised:
         check_fit(nn.Linear(2, 2), {"weight": torch.zeros(2, 2)}, "w.pth")

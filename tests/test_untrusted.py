@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.cli import app
+from bnsurgeon.cli.commands import app
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def test_verify_never_imports_a_factory_named_by_the_converted_file(good, tiny):
 def test_a_python_caller_is_told_the_keyword_to_confirm_a_factory_once(good, tiny):
     """str() of the error rewrites the hint's flags as keywords; the hint also carried its own
     '(Python: model=...)', so a Python caller read the keyword twice."""
-    from bnsurgeon.errors import ConfirmationError
+    from bnsurgeon.core.errors import ConfirmationError
 
     with pytest.raises(ConfirmationError) as caught:
         bnsurgeon.load(good)
@@ -340,7 +340,7 @@ def test_termination_during_the_write_leaves_no_debris(tiny, signum):
             real(tensors, filename, metadata=metadata)
             os.kill(os.getpid(), {int(signum)})
         safetensors.torch.save_file = save_then_die
-        from bnsurgeon.cli import app
+        from bnsurgeon.cli.commands import app
         sys.argv = ["bnsurgeon", "convert", "tiny:build", "-o", {str(tiny / "o.safetensors")!r}, "--input-shape", "2,3,8,8"]
         app()
     """)
@@ -356,11 +356,11 @@ def test_termination_after_the_write_says_the_files_are_there(tiny):
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(tiny)!r})
-        import bnsurgeon.render
+        import bnsurgeon.cli.render
         def render_then_die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGTERM)
-        bnsurgeon.render.render_report = render_then_die
-        from bnsurgeon.cli import app
+        bnsurgeon.cli.render.render_report = render_then_die
+        from bnsurgeon.cli.commands import app
         sys.argv = ["bnsurgeon", "convert", "tiny:build", "-o", {str(tiny / "o.safetensors")!r}, "--input-shape", "2,3,8,8"]
         app()
     """)
@@ -396,7 +396,7 @@ def test_existing_report_needs_force(tiny):
     (OSError(errno.ENOSPC, "No space left on device"), 8, "No space left on device"),
 ])
 def test_failure_while_writing_reports_leaves_the_previous_checkpoint(tiny, monkeypatch, failure, code, message):
-    from bnsurgeon.report import Report
+    from bnsurgeon.surgery.report import Report
 
     out = tiny / "o.safetensors"
     for path in (out, tiny / "o.safetensors.report.json", tiny / "o.safetensors.report.md"):

@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from bnsurgeon.cli import app
+from bnsurgeon.cli.commands import app
 
 from _modules import install_module
 
@@ -106,7 +106,7 @@ def test_perturbation_exposes_what_fresh_bn_hides():
     from timm.layers import BatchNormAct2d
     from torch import nn
 
-    from bnsurgeon.verify import check_eval, perturb_bn
+    from bnsurgeon.checks.verify import check_eval, perturb_bn
 
     model = nn.Sequential(nn.Conv2d(3, 4, 1), BatchNormAct2d(4, act_layer=nn.Identity))
     broken = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))
@@ -122,7 +122,7 @@ def test_first_divergent_module_matches_a_module_called_twice_call_by_call():
     import torch
     from torchvision.models import resnet18
 
-    from bnsurgeon.verify import first_divergent_module
+    from bnsurgeon.checks.verify import first_divergent_module
 
     torch.manual_seed(0)
     model = resnet18(num_classes=4).eval()
@@ -141,7 +141,7 @@ def test_a_failing_inexact_check_on_detections_points_at_compare_at():
     import torch
     from torch import nn
 
-    from bnsurgeon.verify import Tolerance, check_eval
+    from bnsurgeon.checks.verify import Tolerance, check_eval
 
     class Detector(nn.Module):
         def __init__(self):
@@ -167,6 +167,6 @@ def test_a_failing_inexact_check_on_detections_points_at_compare_at():
 class CheckInputForTest:
     @staticmethod
     def images():
-        from bnsurgeon.check_input import CheckInput
+        from bnsurgeon.checks.check_input import CheckInput
 
         return CheckInput("list", ((3, 8, 8), (3, 8, 8)))

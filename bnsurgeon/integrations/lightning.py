@@ -18,8 +18,8 @@ except ImportError:  # the older package name
 
 from torch.nn import Module
 
-from ..rules.builders import is_frozen_origin, refreeze
-from ..surgery import convert
+from bnsurgeon.rules.builders import is_frozen_origin, refreeze
+from bnsurgeon.surgery.walk import convert
 
 
 class BNSurgeonLayerSync(TorchSyncBatchNorm):

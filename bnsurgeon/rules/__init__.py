@@ -7,8 +7,8 @@ or a zero-argument callable returning either.
 
 from __future__ import annotations
 
-from .base import ENTRY_POINT_GROUP, FROZEN_POLICIES, TARGETS, BuildContext, Registry, Rule, check_target
-from .builders import keep_if, to_frozen, to_frozen_act, to_fused, to_fused_act, to_plain, to_plain_act, to_sync, to_sync_act
+from bnsurgeon.rules.base import ENTRY_POINT_GROUP, FROZEN_POLICIES, TARGETS, BuildContext, Registry, Rule, check_target
+from bnsurgeon.rules.builders import keep_if, to_frozen, to_frozen_act, to_fused, to_fused_act, to_plain, to_plain_act, to_sync, to_sync_act
 
 __all__ = [
     "FROZEN_POLICIES",
@@ -35,13 +35,13 @@ _optional_loaded: set[str] = set()
 
 
 def builtin_rules() -> list[Rule]:
-    from . import frozen, norm_act, torch_bn
+    from bnsurgeon.rules import frozen, norm_act, torch_bn
 
     return [*torch_bn.rules(), *norm_act.rules(), *frozen.rules()]
 
 
 def _as_rules(value, origin: str) -> list[Rule]:
-    from ..errors import UsageError
+    from bnsurgeon.core.errors import UsageError
 
     if callable(value) and not isinstance(value, Rule):
         try:
@@ -75,8 +75,8 @@ def use_rules(specs) -> list[str]:
     """Import and register the rules each ``pkg.mod:obj`` names (a Rule, a list, or a callable
     returning either). Naming it is what allows its code to run; checkpoints record the
     specs, and loading one asks for the same names again (see ``confirm_rules``)."""
-    from ..errors import SourceNotFoundError, UsageError
-    from ..trust import FACTORY_PATTERN, import_named_module
+    from bnsurgeon.core.errors import SourceNotFoundError, UsageError
+    from bnsurgeon.core.user_code import FACTORY_PATTERN, import_named_module
 
     for spec in specs or ():
         if spec in _named_specs:
@@ -102,9 +102,9 @@ def use_rules(specs) -> list[str]:
 def _refuse_builtin_overrides(found: list[Rule], spec: str) -> None:
     """A --rules rule may not take a built-in rule's name or classes: that would silently change how
     every torch/timm BN converts (a subclass is its own class: claim it, not its base)."""
-    from ..errors import UsageError
-    from ..fields import qualname
-    from .openmmlab import OPTIONAL_CLASSES
+    from bnsurgeon.core.errors import UsageError
+    from bnsurgeon.core.anatomy import qualname
+    from bnsurgeon.rules.openmmlab import OPTIONAL_CLASSES
 
     builtin = {rule.name for rule in builtin_rules()} | {name for _, name, _ in OPTIONAL_CLASSES.values()}
     registry = default_registry()
@@ -128,7 +128,7 @@ def specs_for(rule_names) -> list[str]:
 
 def confirm_rules(recorded, origin: str) -> None:
     """A checkpoint made with ``--rules X`` is rebuilt only after the user names X again."""
-    from ..errors import CheckpointError, ConfirmationError
+    from bnsurgeon.core.errors import CheckpointError, ConfirmationError
 
     if not isinstance(recorded, list) or not all(isinstance(s, str) and 0 < len(s) <= 200 for s in recorded):
         raise CheckpointError(f"{origin}: recorded rules are invalid", "re-convert from the original model")
@@ -151,7 +151,7 @@ def default_registry() -> Registry:
         for rule in _entry_point_rules():
             registry.register(rule, replace=True)
         _default = registry
-    from .openmmlab import imported_rules
+    from bnsurgeon.rules.openmmlab import imported_rules
 
     for rule in imported_rules(_optional_loaded):
         if all(_default.lookup(cls) is None for cls in rule.classes):

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from ..errors import UsageError
-from ..fields import qualname
+from bnsurgeon.core.errors import UsageError
+from bnsurgeon.core.anatomy import qualname
 
 if TYPE_CHECKING:
     from torch import nn

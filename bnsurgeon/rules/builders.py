@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..fields import BNFields, attach_affine, attach_children, attach_stats, qualname, read_fields
-from .base import BuildContext
+from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, attach_stats, qualname, read_fields
+from bnsurgeon.rules.base import BuildContext
 
-_PLAIN_BN = {qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
+PLAIN_BN = {qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
 #: input rank seen at a module -> the plain class that accepts it
 _BN_FOR_DIMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 DIMS_OF_PLAIN = {qualname(nn.BatchNorm1d): 3, qualname(nn.BatchNorm2d): 4, qualname(nn.BatchNorm3d): 5}
@@ -24,26 +24,26 @@ def is_frozen_origin(origin: str) -> bool:
 
 
 def to_sync(module: nn.Module, context: BuildContext) -> nn.Module:
-    from ..runtime import SyncBatchNorm
+    from bnsurgeon.runtime import SyncBatchNorm
 
     return SyncBatchNorm.from_module(module, process_group=context.process_group)
 
 
 def to_sync_act(module: nn.Module, context: BuildContext) -> nn.Module:
-    from ..runtime import SyncBatchNormAct
+    from bnsurgeon.runtime import SyncBatchNormAct
 
     return SyncBatchNormAct.from_module(module, process_group=context.process_group)
 
 
 def to_frozen(module: nn.Module, context: BuildContext) -> nn.Module:
     """bnsurgeon's FrozenBatchNorm; a layer thawed from a frozen class goes back to that class."""
-    from ..runtime import FrozenBatchNorm
+    from bnsurgeon.runtime import FrozenBatchNorm
 
     return _refrozen(module, context) or FrozenBatchNorm.from_module(module)
 
 
 def to_frozen_act(module: nn.Module, context: BuildContext) -> nn.Module:
-    from ..runtime import FrozenBatchNormAct
+    from bnsurgeon.runtime import FrozenBatchNormAct
 
     return _refrozen(module, context) or FrozenBatchNormAct.from_module(module)
 
@@ -70,10 +70,10 @@ def _with_tensors(new: nn.Module, fields: BNFields) -> nn.Module:
 
 def to_plain(module: nn.Module, context: BuildContext) -> nn.Module:
     """BatchNorm1d/2d/3d as recorded; BatchNorm2d (with a note) when the origin is unknown."""
-    if type(module) in _PLAIN_BN.values():
+    if type(module) in PLAIN_BN.values():
         return context.keep(module, "already plain")
     fields = read_fields(module)
-    cls = _PLAIN_BN.get(fields.origin)
+    cls = PLAIN_BN.get(fields.origin)
     if cls is None and context.input_dims in _BN_FOR_DIMS:
         cls = _BN_FOR_DIMS[context.input_dims]
         context.notes.append(f"{short_name(fields.origin)} has no dimensionality; {cls.__name__} from the "
@@ -107,7 +107,7 @@ def to_plain_act(module: nn.Module, context: BuildContext) -> nn.Module:
 
 
 def _fold(module: nn.Module, context: BuildContext, *, keep_act: bool) -> nn.Module:
-    from ..fusion import Unfoldable, fold_into, fused_replacement
+    from bnsurgeon.rules.fold import Unfoldable, fold_into, fused_replacement
 
     if context.producer is None:
         return context.keep(module, context.fold_reason or "no Conv/Linear producer found")
@@ -169,7 +169,7 @@ def thaw_or_keep(unfreeze):
 
 def frozen_origin_classes() -> dict[str, type]:
     """The frozen classes a layer can be thawed from, by qualified name (a fixed allow-list)."""
-    from ..runtime import FrozenBatchNorm, FrozenBatchNormAct
+    from bnsurgeon.runtime import FrozenBatchNorm, FrozenBatchNormAct
 
     classes: list[type] = [FrozenBatchNorm, FrozenBatchNormAct]
     try:
@@ -193,7 +193,7 @@ def refreeze(module: nn.Module, origin: str) -> nn.Module | None:
     Holds the module's current tensors, so what was trained while thawed is kept; act and
     drop modules are reused. None when ``origin`` is not a frozen class bnsurgeon knows.
     """
-    from ..runtime import FrozenBatchNorm
+    from bnsurgeon.runtime import FrozenBatchNorm
 
     cls = frozen_origin_classes().get(origin)
     if cls is None:

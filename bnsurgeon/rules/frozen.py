@@ -3,8 +3,8 @@ and bnsurgeon's own frozen classes."""
 
 from __future__ import annotations
 
-from .base import Rule
-from .builders import keep_if, thaw_or_keep, to_fused, to_fused_act, to_plain, to_plain_act, to_sync, to_sync_act
+from bnsurgeon.rules.base import Rule
+from bnsurgeon.rules.builders import keep_if, thaw_or_keep, to_fused, to_fused_act, to_plain, to_plain_act, to_sync, to_sync_act
 
 
 def _frozen_rule(name: str, cls: type, description: str, *, act: bool, exact: bool = True) -> Rule:
@@ -21,7 +21,7 @@ def _frozen_rule(name: str, cls: type, description: str, *, act: bool, exact: bo
 
 
 def rules() -> list[Rule]:
-    from ..runtime import FrozenBatchNorm, FrozenBatchNormAct
+    from bnsurgeon.runtime import FrozenBatchNorm, FrozenBatchNormAct
 
     result = [
         _frozen_rule("bnsurgeon-frozen", FrozenBatchNorm, "bnsurgeon FrozenBatchNorm", act=False),

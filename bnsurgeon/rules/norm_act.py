@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .base import Rule
-from .builders import regroup_or_keep, to_frozen_act, to_fused_act, to_plain_act, to_sync_act
+from bnsurgeon.rules.base import Rule
+from bnsurgeon.rules.builders import regroup_or_keep, to_frozen_act, to_fused_act, to_plain_act, to_sync_act
 
 
 def rules() -> list[Rule]:
-    from ..runtime import SyncBatchNormAct
+    from bnsurgeon.runtime import SyncBatchNormAct
 
     result = [
         Rule(

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from .base import Rule
-from .builders import to_frozen, to_fused, to_plain, to_sync
+from bnsurgeon.rules.base import Rule
+from bnsurgeon.rules.builders import to_frozen, to_fused, to_plain, to_sync
 
 #: module that must already be imported -> (attribute, rule name, description)
 OPTIONAL_CLASSES = {

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from .base import Rule
-from .builders import regroup_or_keep, to_frozen, to_fused, to_plain, to_sync
+from bnsurgeon.rules.base import Rule
+from bnsurgeon.rules.builders import regroup_or_keep, to_frozen, to_fused, to_plain, to_sync
 
 
 def rules() -> list[Rule]:
     from torch import nn
 
-    from ..runtime import SyncBatchNorm
+    from bnsurgeon.runtime import SyncBatchNorm
 
     return [
         Rule(

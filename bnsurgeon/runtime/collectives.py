@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedTimeoutError
-from .timeout import collective_timeout
+from bnsurgeon.core.errors import DistributedTimeoutError
+from bnsurgeon.runtime.timeout import collective_timeout
 
 _flat_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

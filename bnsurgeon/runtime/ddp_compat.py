@@ -23,7 +23,7 @@ def install() -> bool:
         return True
 
     def passing_sync_batchnorm_handle(self, module):
-        from .layers import SyncBatchNorm
+        from bnsurgeon.runtime.layers import SyncBatchNorm
 
         foreign = any(
             isinstance(layer, nn.SyncBatchNorm) and not isinstance(layer, SyncBatchNorm) for layer in module.modules()

@@ -17,8 +17,8 @@ import os
 
 import torch
 
-from .collectives import all_gather_rows
-from .identity import check_headers
+from bnsurgeon.runtime.collectives import all_gather_rows
+from bnsurgeon.runtime.identity import check_headers
 
 _enabled = os.environ.get("BNSURGEON_SYNC_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 

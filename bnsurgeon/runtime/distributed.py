@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
-from .timeout import DEFAULT_TIMEOUT_S, dist_timeout_s
+from bnsurgeon.runtime.timeout import DEFAULT_TIMEOUT_S, dist_timeout_s
 
 __all__ = ["DEFAULT_TIMEOUT_S", "DistributedInfo", "init_distributed"]
 

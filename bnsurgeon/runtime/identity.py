@@ -44,8 +44,8 @@ import weakref
 
 import torch
 
-from ..errors import DistributedMismatchError
-from .recompute import StatsStash
+from bnsurgeon.core.errors import DistributedMismatchError
+from bnsurgeon.runtime.recompute import StatsStash
 
 HEADER = 8
 FORWARD, BACKWARD = 1, 2

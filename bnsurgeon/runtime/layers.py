@@ -20,10 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..fields import BNFields, attach_affine, attach_children, attach_stats, read_fields
-from .identity import LayerIdentity, default_name
-from .recompute import recomputing
-from .sync_function import SyncBatchNormFunction
+from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, attach_stats, read_fields
+from bnsurgeon.runtime.identity import LayerIdentity, default_name
+from bnsurgeon.runtime.recompute import recomputing
+from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
 
 
 _TORCH_TAKES_BIAS = "bias" in inspect.signature(nn.SyncBatchNorm.__init__).parameters
@@ -113,7 +113,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         new) root; unlike torch's, it returns bnsurgeon's layers, which train on CPU too,
         and refuses BN subclasses no rule claims instead of converting them silently.
         """
-        from ..surgery import convert
+        from bnsurgeon.surgery.walk import convert
 
         return convert(module, "sync", process_group=process_group, inplace=True).model
 
@@ -158,7 +158,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             return None, 1
         group = self.process_group
         if group is None and self.__dict__.get("_pickled_group"):
-            from ..errors import UsageError
+            from bnsurgeon.core.errors import UsageError
 
             raise UsageError(
                 f"sync batch norm '{self.layer_name}' was pickled while syncing over {self._pickled_group}; "
@@ -187,7 +187,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             return None
         if x.numel() == 0:
             return self._normalize_eagerly(x)
-        from . import sync_op
+        from bnsurgeon.runtime import sync_op
 
         y, mean, var, total, counted = sync_op.sync_batch_norm(
             x, self.weight, self.bias, self.eps, "" if group is None else group.group_name, world_size,
@@ -354,7 +354,7 @@ class FrozenBatchNorm(nn.Module):
         """A frozen copy-free view of ``module``: its tensors become buffers (shared storage)."""
         fields = read_fields(module)
         if fields.running_mean is None:
-            from ..errors import UsageError
+            from bnsurgeon.core.errors import UsageError
 
             raise UsageError(
                 f"{type(module).__name__} has no running statistics (track_running_stats=False), so it cannot be frozen",

@@ -21,11 +21,11 @@ import math
 
 import torch
 
-from . import debug
-from .collectives import all_gather_rows, all_reduce_sum
-from .identity import HEADER, backward_header, check_headers, describe_header
-from .kernels import kernels_for
-from .recompute import GlobalStats, may_be_recomputed, recomputing
+from bnsurgeon.runtime import debug
+from bnsurgeon.runtime.collectives import all_gather_rows, all_reduce_sum
+from bnsurgeon.runtime.identity import HEADER, backward_header, check_headers, describe_header
+from bnsurgeon.runtime.kernels import kernels_for
+from bnsurgeon.runtime.recompute import GlobalStats, may_be_recomputed, recomputing
 
 
 def merge_stats(gathered: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,7 +83,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity):
-        with _statistics_precision(x):
+        with statistics_precision(x):
             y, saved_x, stats = sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, group,
                                              world_size, identity, may_be_recomputed())
         ctx.save_for_backward(saved_x, weight, stats.mean, stats.var, stats.invstd, stats.header)
@@ -100,7 +100,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         x, weight, mean, var, invstd, header = ctx.saved_tensors
         if ctx.identity is not None:
             ctx.identity.stash.discard(ctx.stats)
-        with _statistics_precision(grad_output):
+        with statistics_precision(grad_output):
             grad_input, grad_weight, grad_bias = sync_backward(
                 grad_output, x, weight, mean, var, invstd, header, ctx.total, ctx.eps, ctx.group, ctx.world_size,
                 ctx.needs_input_grad[0],
@@ -236,7 +236,7 @@ except TypeError:  # torch < 2.4 style signature
         return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 
 
-def _statistics_precision(x: torch.Tensor):
+def statistics_precision(x: torch.Tensor):
     """Autocast off around the per-channel math (merge, running stats, normalize): statistics stay fp32.
 
     Under autocast ``mm`` and friends would run in bf16/fp16; the kernels already take low

@@ -38,11 +38,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .identity import HEADER, identity_for
-from .kernels import channel_view, stats_dtype
-from .recompute import recomputing
-from .sync_function import (
-    _statistics_precision, counts_on_host, global_stats, local_count, sum_over_ranks, update_running_stats,
+from bnsurgeon.runtime.identity import HEADER, identity_for
+from bnsurgeon.runtime.kernels import channel_view, stats_dtype
+from bnsurgeon.runtime.recompute import recomputing
+from bnsurgeon.runtime.sync_function import (
+    statistics_precision, counts_on_host, global_stats, local_count, sum_over_ranks, update_running_stats,
 )
 
 
@@ -147,7 +147,7 @@ def sync_batch_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     that rank's collectives.
     """
     dtype = stats_dtype(x)
-    with _statistics_precision(x):
+    with statistics_precision(x):
         local_mean, local_var = _local_statistics(x, dtype)
         mean, var, total, _, counted, _ = sync_statistics(local_mean, local_var, list(x.shape), x.dtype, eps,
                                                        group_name, world_size, layer)

@@ -24,7 +24,7 @@ def parse_timeout_s(raw: str | None) -> float:
     """Seconds from the variable's text; a clear UsageError for anything but a positive finite number."""
     if raw is None or not raw.strip():
         return DEFAULT_TIMEOUT_S
-    from ..errors import UsageError
+    from bnsurgeon.core.errors import UsageError
 
     try:
         seconds = float(raw)

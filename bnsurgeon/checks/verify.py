@@ -1,0 +1,594 @@
+"""Prove a converted model behaves like its source: eval, train, N ranks, frozen.
+
+Every check runs twice: on the models as given, and with the BN statistics and affine
+parameters of both perturbed identically (seeded by module path). Freshly initialized
+BN is close to the identity and hides lost behaviour; a perturbed one does not. The
+N-rank check runs in float64, so any difference above rounding is a bug.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import io
+import time
+import zlib
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from bnsurgeon.checks.check_input import CheckInput, clone_value, leaves
+from bnsurgeon.checks.eval_check import vacuous_reason
+from bnsurgeon.checks.outputs import flatten_tensors, per_sample
+from bnsurgeon.core.anatomy import is_bn_like
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+SEED = 0
+VERIFY_SCHEMA_VERSION = 1
+DIST_RTOL = 1e-6
+INEXACT_RTOL = 1e-4
+
+
+@dataclass
+class CheckOutcome:
+    name: str
+    passed: bool | None  # None: not applicable (skipped, with the reason in detail)
+    max_abs_diff: float = 0.0
+    detail: str = ""
+    first_divergence: str | None = None
+    seconds: float = 0.0  # wall time of this check in the verifying process
+
+
+@dataclass
+class Verification:
+    source: str
+    converted: str
+    input_shape: list[int]  # [] when the check input is a list or dict (see ``input``)
+    checks: list[CheckOutcome] = field(default_factory=list)
+    input: str = ""
+    compare_at: str | None = None  # the submodule whose output was compared (None: the model's)
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed is not False for check in self.checks)
+
+    @property
+    def first_failure(self) -> CheckOutcome | None:
+        return next((c for c in self.checks if c.passed is False), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        from bnsurgeon import __version__
+
+        data = {"schema_version": VERIFY_SCHEMA_VERSION, "tool_version": __version__}
+        data.update(asdict(self))
+        data["passed"] = self.passed
+        return data
+
+
+def only_bn_trains(model: "nn.Module") -> "nn.Module":
+    """BN-family modules in train mode, all else in eval: dropout/drop-path stay out of the comparison."""
+    model.train()
+    for module in model.modules():
+        if not is_bn_like(module):
+            module.training = False
+    return model
+
+
+def perturb_bn(model: "nn.Module", seed: int = SEED, strength: float = 1.0) -> "nn.Module":
+    """Set every BN-family module's weight, bias and running stats to seeded values keyed by its path.
+
+    ``strength`` scales the spread around the identity (weight 1, bias 0, mean 0, var 1);
+    deep nets whose activations overflow at 1.0 get a milder one.
+    """
+    import torch
+
+    with torch.no_grad():
+        for path, module in model.named_modules():
+            if not is_bn_like(module):
+                continue
+            for name in ("weight", "bias", "running_mean", "running_var"):
+                tensor = module._parameters.get(name, module._buffers.get(name))
+                if tensor is None:
+                    continue
+                generator = torch.Generator().manual_seed(seed + zlib.crc32(f"{path}.{name}".encode()))
+                if name == "running_var":
+                    values = 1.0 + strength * (torch.rand(tensor.shape, generator=generator) - 0.5)
+                else:
+                    noise = torch.randn(tensor.shape, generator=generator) * 0.5 * strength
+                    values = noise + (1.0 if name == "weight" else 0.0)
+                tensor.copy_(values)
+    return model
+
+
+def _max_diff(expected: list, actual: list) -> tuple[float, bool]:
+    if len(expected) != len(actual) or any(a.shape != b.shape for a, b in zip(expected, actual)):
+        return float("inf"), False
+    diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(expected, actual) if a.numel()), default=0.0)
+    return diff, True
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Bit-identical when both are zero; else |a - b| <= atol + rtol * max(|a|, 1) elementwise."""
+
+    atol: float = 0.0
+    rtol: float = 0.0
+
+    @property
+    def exact(self) -> bool:
+        return self.atol == 0.0 and self.rtol == 0.0
+
+    def describe(self) -> str:
+        return "bit-identical" if self.exact else f"atol {self.atol:g}, rtol {self.rtol:g}"
+
+
+EXACT = Tolerance()
+
+
+def _within(expected: list, actual: list, tol: Tolerance = EXACT) -> tuple[bool, float]:
+    import torch
+
+    diff, comparable = _max_diff(expected, actual)
+    if not comparable:
+        return False, diff
+    if tol.exact:
+        return all(torch.equal(a, b) for a, b in zip(expected, actual)), diff
+    ok = all(
+        torch.allclose(a.double(), b.double(), rtol=0.0, atol=tol.atol + tol.rtol * max(a.abs().max().item(), 1.0))
+        for a, b in zip(expected, actual) if a.numel()
+    )
+    return ok, diff
+
+
+def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torch.Tensor",
+                           tol: Tolerance = EXACT) -> str | None:
+    """Run both models with forward hooks; name the first module (in the source's call order) whose output differs."""
+    import torch
+
+    recorded: dict[str, list] = {"source": [], "converted": []}
+
+    def hook_all(model, key):
+        handles = []
+        for path, module in model.named_modules():
+            if path:
+                handles.append(module.register_forward_hook(
+                    lambda m, i, o, path=path: recorded[key].append((path, type(m).__name__, flatten_tensors(o)))))
+        return handles
+
+    handles = hook_all(source, "source") + hook_all(converted, "converted")
+    try:
+        with torch.no_grad():
+            source(clone_value(x))
+            converted(clone_value(x))
+    finally:
+        for handle in handles:
+            handle.remove()
+    theirs: dict[str, list] = {}  # every call of a module, in order: a module run twice (ReLU) is matched call by call
+    for path, cls, outputs in recorded["converted"]:
+        theirs.setdefault(path, []).append((cls, outputs))
+    calls: dict[str, int] = {}
+    for path, cls, outputs in recorded["source"]:
+        index = calls[path] = calls.get(path, -1) + 1
+        if index >= len(theirs.get(path, ())):
+            continue
+        other_cls, other = theirs[path][index]
+        same, _ = _within([o.detach() for o in outputs], [o.detach() for o in other], tol)
+        if not same:
+            return f"{path} ({other_cls}; in the source {cls})"
+    return None
+
+
+def _input(shape, model, seed: int, dtype=None):
+    import torch
+
+    reference = next(iter(model.parameters()), None)
+    dtype = dtype or (reference.dtype if reference is not None and reference.is_floating_point() else torch.float32)
+    return CheckInput.of_shape(shape).make(seed=seed, dtype=dtype)
+
+
+class _Reached(Exception):
+    """Raised by the --compare-at hook: the output is captured, the rest of the forward is not needed."""
+
+
+def run_model(model: "nn.Module", x, compare_at: str | None = None):
+    """``model(x)``, or the output of submodule ``compare_at`` (the forward stops there)."""
+    if compare_at is None:
+        return model(x)
+    from bnsurgeon.core.errors import UsageError
+
+    captured: list = []
+    normalized: list = []  # BN-family modules that ran before the output was captured
+
+    def capture(module, args, output):
+        captured.append(output)
+        raise _Reached
+
+    handles = [module.register_forward_pre_hook(lambda m, args: normalized.append(m) if not normalized else None)
+               for module in model.modules() if is_bn_like(module)]
+    handles.append(model.get_submodule(compare_at).register_forward_hook(capture))
+    try:
+        model(x)
+    except _Reached:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not captured:
+        raise UsageError(f"--compare-at {compare_at}: the forward never reached that module",
+                         "name a module the forward runs (see the model's named_modules())")
+    if not normalized:  # the compared output is computed before any BN: every check would pass vacuously
+        raise UsageError(f"--compare-at {compare_at}: no BatchNorm-family module runs before that module's output, "
+                         "so comparing there tests nothing the conversion changed",
+                         "name a module that contains or follows the BN layers (e.g. backbone)")
+    return captured[0]
+
+
+def check_compare_at(compare_at: str | None, *models: "nn.Module") -> None:
+    """Refuse a --compare-at path that is not a submodule of every model, naming the top-level ones."""
+    from bnsurgeon.core.errors import UsageError
+
+    if compare_at is None:
+        return
+    for model in models:
+        try:
+            model.get_submodule(compare_at)
+        except AttributeError:
+            children = ", ".join(name for name, _ in model.named_children()) or "none"
+            raise UsageError(f"--compare-at {compare_at!r} is not a submodule of the model",
+                             f"name a module path, e.g. one of: {children}") from None
+
+
+def _vacuous(label: str, outputs: list, detail: str = "") -> CheckOutcome | None:
+    reason = vacuous_reason(outputs)
+    if reason is None:
+        return None
+    return CheckOutcome(label, False, float("nan"),
+                        f"vacuous, not a pass: {reason}" + (f" ({detail})" if detail else "")
+                        + "; compare where values exist (--compare-at MODULE, e.g. backbone)")
+
+
+def _has_sync_layers(model: "nn.Module") -> bool:
+    from bnsurgeon.runtime import SyncBatchNorm
+
+    return any(isinstance(m, SyncBatchNorm) for m in model.modules())
+
+
+def _is_frozen_model(model: "nn.Module") -> bool:
+    from bnsurgeon.runtime import FrozenBatchNorm
+
+    bn = [m for m in model.modules() if is_bn_like(m)]
+    return bool(bn) and all(isinstance(m, FrozenBatchNorm) or "Frozen" in type(m).__name__ for m in bn)
+
+
+def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="eval",
+               compare_at: str | None = None) -> CheckOutcome:
+    import torch
+
+    from bnsurgeon.core.running import preserved_modes
+
+    x = _input(shape, source, seed)
+    with preserved_modes(source, converted), torch.no_grad():
+        source.eval()
+        converted.eval()
+        raw = run_model(source, clone_value(x), compare_at)
+        expected = flatten_tensors(raw)
+        ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
+        where = None if ok else first_divergent_module(source, converted, x, tol)
+    detail = tol.describe()
+    if not ok and not tol.exact and _is_detections(raw):
+        detail += ("; the outputs are detections: top-k and NMS can turn a rounding-level difference into "
+                   "different boxes, so compare before the head (--compare-at backbone)")
+    return _vacuous(label, expected) or CheckOutcome(label, ok, diff, detail, where)
+
+
+def _is_detections(output: Any) -> bool:
+    """A detector's result: one dict (boxes, scores, labels, ...) per image."""
+    return isinstance(output, (list, tuple)) and bool(output) and all(isinstance(item, dict) for item in output)
+
+
+def _running_stats(model: "nn.Module") -> dict[str, "torch.Tensor"]:
+    return {n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))}
+
+
+def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="train, one process",
+                compare_at: str | None = None) -> CheckOutcome:
+    """Outputs and running-stat updates of one train-mode forward (copies: the caller's models are untouched)."""
+    import torch
+
+    source, converted = only_bn_trains(copy.deepcopy(source)), only_bn_trains(copy.deepcopy(converted))
+    x = _input(shape, source, seed)
+    with torch.no_grad():
+        expected = flatten_tensors(run_model(source, clone_value(x), compare_at))
+        ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
+    stats_expected, actual = _running_stats(source), _running_stats(converted)
+    stats_ok, stats_diff = _within(list(stats_expected.values()),
+                                   [actual.get(n, torch.empty(0)) for n in stats_expected], tol)
+    where = None
+    if not ok:
+        where = first_divergent_module(source, converted, x, tol)
+    detail = "outputs and running statistics" + ("" if stats_ok else "; running statistics differ")
+    return _vacuous(label, expected) or CheckOutcome(label, ok and stats_ok, max(diff, stats_diff), detail, where)
+
+
+def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
+                 label="frozen (train) == source (eval)", compare_at: str | None = None) -> CheckOutcome:
+    import torch
+
+    from bnsurgeon.core.running import preserved_modes
+
+    x = _input(shape, source, seed)
+    with preserved_modes(source, converted), torch.no_grad():
+        source.eval()
+        only_bn_trains(converted)
+        expected = flatten_tensors(run_model(source, clone_value(x), compare_at))
+        ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
+    return _vacuous(label, expected) or CheckOutcome(label, ok, diff,
+                                                     f"{tol.describe()}; frozen BN ignores batch statistics")
+
+
+def _loss(samples: list, grads: list):
+    """sum(output * grad) over every floating output tensor of every sample."""
+    terms = [(o * g).sum() for sample, sample_grads in zip(samples, grads)
+             for o, g in zip(sample, sample_grads) if o.is_floating_point()]
+    return sum(terms) if terms else None
+
+
+def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], seed: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    bundle = torch.load(io.BytesIO(payload), weights_only=False)  # written by this process's parent
+    model = only_bn_trains(bundle["converted"])
+    check_input: CheckInput = bundle["input"]
+    first = sum(splits[:rank])
+    xs = clone_value(check_input.split(bundle["x"], splits)[rank])
+    for leaf in leaves(xs):
+        leaf.requires_grad_()
+    samples = per_sample(run_model(model, xs, bundle["compare_at"]), splits[rank])
+    if samples is None:
+        raise RuntimeError("the converted model's outputs are not per sample")
+    loss = _loss(samples, bundle["grad"][first:first + splits[rank]])
+    if loss is not None and loss.requires_grad:
+        loss.backward()
+    return {
+        "outputs": [[o.detach() for o in sample] for sample in samples],
+        "input_grad": [leaf.grad for leaf in leaves(xs)],
+        "param_grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+        "stats": {n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var", "num_batches_tracked"))},
+    }
+
+
+def rank_batch(world_sizes) -> int:
+    """One batch for every world size checked: 3 + 2 per extra rank of the largest (5 for 2 ranks, 7 for 3)."""
+    return 3 + 2 * (max(world_sizes) - 1)
+
+
+def uneven_splits(batch: int, world_size: int) -> list[int]:
+    """``batch`` rows over the ranks, never all equal: counts must weight the merge (7 -> [4, 3] or [3, 2, 2])."""
+    share, extra = divmod(batch, world_size)
+    splits = [share + 1] * extra + [share] * (world_size - extra)
+    if extra == 0 and world_size > 1:
+        splits[0], splits[-1] = splits[0] + 1, splits[-1] - 1
+    return splits
+
+
+@dataclass
+class RankReference:
+    """What W ranks must reproduce: the source in float64 on the whole batch, per sample.
+
+    Computed once per model pair and shared by every world size (the float64
+    forward/backward of the source is the parent's largest cost), with the bytes each
+    rank loads: the converted model in float64, the batch, its CheckInput and the output
+    gradient. ``problem`` (not per sample, or vacuous) makes every N-rank check fail with it.
+    """
+
+    batch: int
+    payload: bytes
+    samples: list
+    input_grads: list
+    param_grads: dict
+    stats: dict
+    check_input: "CheckInput | None" = None
+    x: Any = None
+    problem: "tuple[float, str] | None" = None
+
+
+def rank_reference(source, converted, shape, batch: int, *, seed=SEED, compare_at: str | None = None) -> RankReference:
+    import torch
+
+    check_input = CheckInput.of_shape(shape).with_batch(batch, uniform=True)  # same-size images: same padding
+    source64 = only_bn_trains(copy.deepcopy(source).double())
+    converted64 = copy.deepcopy(converted).double()
+    generator = torch.Generator().manual_seed(seed)
+    x = check_input.make(generator=generator, dtype=torch.float64)
+    xr = clone_value(x)
+    for leaf in leaves(xr):
+        leaf.requires_grad_()
+    samples = per_sample(run_model(source64, xr, compare_at), batch)
+    if samples is None:
+        return RankReference(batch, b"", [], [], {}, {}, check_input, x, problem=(
+            float("inf"), "the outputs are not per sample (neither batch-first tensors nor one result per "
+                          "image), so ranks cannot be lined up; compare at a submodule (--compare-at MODULE)"))
+    vacuous = _vacuous("", [t for sample in samples for t in sample])
+    if vacuous is not None:
+        return RankReference(batch, b"", [], [], {}, {}, check_input, x,
+                             problem=(vacuous.max_abs_diff, vacuous.detail))
+    grad = [[torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in sample] for sample in samples]
+    loss = _loss(samples, grad)
+    if loss is not None and loss.requires_grad:
+        loss.backward()
+    buffer = io.BytesIO()
+    torch.save({"converted": converted64, "x": x, "grad": grad, "input": check_input, "compare_at": compare_at}, buffer)
+    input_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves(xr)]
+    return RankReference(
+        batch, buffer.getvalue(), [[o.detach() for o in sample] for sample in samples], input_grads,
+        {n: p.grad for n, p in source64.named_parameters() if p.grad is not None},
+        {n: b.double() for n, b in source64.named_buffers()
+         if n.endswith(("running_mean", "running_var", "num_batches_tracked"))},
+        check_input, x,
+    )
+
+
+def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
+                label: str | None = None, pool=None, reference: RankReference | None = None,
+                collective_timeout: float = 120.0, compare_at: str | None = None) -> CheckOutcome:
+    """W gloo ranks of the converted model on slices == the source on the whole batch (float64).
+
+    Outputs are compared per sample: a batch-first tensor is cut along its first dimension,
+    a detector's list of per-image results is taken image by image, so ranks holding 3 and
+    2 images line up with the source's 5. ``pool`` (a ``multiproc.RankPool`` of at least
+    W processes) runs the ranks in processes that are already started; without one, W
+    processes are started for this check alone. ``reference`` (from ``rank_reference``)
+    is reused when given.
+    """
+    import torch
+
+    from bnsurgeon.checks.multiproc import RankFailure, RankPool
+
+    label = label or f"{world_size} ranks"
+    if not _has_sync_layers(converted):
+        return CheckOutcome(label, None, detail="not applicable: the converted model has no sync layers")
+    if reference is None:
+        reference = rank_reference(source, converted, shape, rank_batch([world_size]), seed=seed,
+                                   compare_at=compare_at)
+    if reference.problem is not None:
+        diff, detail = reference.problem
+        return CheckOutcome(label, False, diff, detail)
+    splits = uneven_splits(reference.batch, world_size)
+    own_pool = RankPool(world_size, collective_timeout=collective_timeout) if pool is None else nullcontext(pool)
+    try:
+        with own_pool as ranks_pool:
+            ranks = ranks_pool.run(world_size, _rank_worker, reference.payload, splits, seed, timeout=timeout)
+    except RankFailure as error:
+        return CheckOutcome(label, False, float("inf"), f"ranks failed: {str(error).splitlines()[0]}")
+
+    problems, worst = [], 0.0
+
+    def compare(name, expected, actual):
+        nonlocal worst
+        ok, diff = _within(expected, actual, Tolerance(rtol=DIST_RTOL))
+        worst = max(worst, diff)
+        if not ok:
+            problems.append(name)
+
+    rank_samples = [sample for r in ranks for sample in r["outputs"]]
+    for index, (expected, actual) in enumerate(zip(reference.samples, rank_samples)):
+        compare(f"output of sample {index}", expected, actual)
+    check_input, x = reference.check_input, reference.x
+    grad_value = reference.input_grads[0] if check_input.kind == "tensor" else (
+        reference.input_grads if check_input.kind == "list" else dict(zip(x, reference.input_grads)))
+    for rank, (piece, r) in enumerate(zip(check_input.split(grad_value, splits), ranks)):
+        theirs = [g if g is not None else torch.zeros_like(e) for g, e in zip(r["input_grad"], leaves(piece))]
+        compare(f"input gradient (rank {rank})", leaves(piece), theirs)
+    for name, grad in reference.param_grads.items():
+        summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
+        compare(f"grad {name}", [grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(grad)])
+    for name, buf in reference.stats.items():
+        compare(name, [buf], [ranks[0]["stats"][name].double()])
+    detail = f"splits {splits}, float64, per sample" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
+    return CheckOutcome(label, not problems, worst, detail, problems[0] if problems else None)
+
+
+def _timed(check: Callable[[], CheckOutcome], on_check: Callable[[CheckOutcome], None] | None) -> CheckOutcome:
+    started = time.monotonic()
+    outcome = check()
+    outcome.seconds = time.monotonic() - started
+    if on_check is not None:
+        on_check(outcome)
+    return outcome
+
+
+def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, world_sizes=(2,),
+                  atol: float | None = None, perturb: bool = True, exact: bool = True,
+                  source_name: str = "", converted_name: str = "", collective_timeout: float = 120.0,
+                  on_check: Callable[[CheckOutcome], None] | None = None,
+                  share_work: bool = True, compare_at: str | None = None) -> Verification:
+    """Run every check, then all of them again with identically perturbed BN state.
+
+    ``input_shape`` is a tensor shape or a ``CheckInput`` (list/dict inputs);
+    ``exact=False`` (conversions from x*scale+shift frozen BN) compares within rtol 1e-4;
+    ``atol`` relaxes bit-identity explicitly; ``compare_at`` compares the output of that
+    submodule instead of the model's (a detector head's output is not comparable after
+    perturbation: 0 boxes). ``on_check`` is told each check as it finishes. The N-rank
+    checks share one pool of max(N) processes, started first so that their imports
+    overlap with the one-process checks, and one float64 reference per variant (one batch
+    for every N). ``share_work=False`` starts fresh processes and recomputes the reference
+    for every N-rank check, as verify did before: the benchmark's yardstick
+    (``scripts/bench_verify.py``).
+    """
+    from bnsurgeon.checks.multiproc import RankPool
+
+    check_compare_at(compare_at, source, converted)
+    check_input = CheckInput.of_shape(input_shape)
+    tol = Tolerance(atol=atol or 0.0, rtol=0.0 if exact else INEXACT_RTOL)
+    result = Verification(source_name, converted_name, list(check_input.shape or []), input=check_input.describe(),
+                          compare_at=compare_at)
+    variants = [("", source, converted)]
+    if perturb:
+        variants.append((" (perturbed)", perturb_bn(copy.deepcopy(source)), perturb_bn(copy.deepcopy(converted))))
+    frozen = _is_frozen_model(converted)
+    distributed = bool(world_sizes) and not frozen and _has_sync_layers(converted)
+    pool = RankPool(max(world_sizes), collective_timeout=collective_timeout) if distributed and share_work else None
+    at = {"compare_at": compare_at}
+
+    def add(check: Callable[[], CheckOutcome]) -> None:
+        result.checks.append(_timed(check, on_check))
+
+    with pool if pool is not None else nullcontext():
+        references_for: dict[str, tuple] = {}  # suffix -> (reference model, label suffix)
+        for suffix, src, conv in variants:
+            add(lambda: check_eval(src, conv, check_input, tol, label="eval" + suffix, **at))
+            if frozen:
+                add(lambda: check_frozen(src, conv, check_input, tol,
+                                         label="frozen (train) == source (eval)" + suffix, **at))
+                continue
+            thawed = thawed_reference(src, conv)
+            reference, against = (src, "") if thawed is None else (thawed, " vs source thawed")
+            train_tol = tol if thawed is None else Tolerance(atol=tol.atol)  # thawed: batch_norm arithmetic both sides
+            references_for[suffix] = (reference, against)
+            add(lambda: check_train(reference, conv, check_input, train_tol,
+                                    label="train, one process" + against + suffix, **at))
+        if not frozen:
+            batch = rank_batch(world_sizes) if world_sizes else 0
+            references = {}  # one float64 reference per variant, shared by every world size
+            for world_size in world_sizes:
+                for suffix, src, conv in variants:
+                    ref_model, against = references_for[suffix]
+
+                    def ranks_check(suffix=suffix, ref_model=ref_model, against=against, conv=conv,
+                                    world_size=world_size) -> CheckOutcome:
+                        if suffix not in references and distributed and share_work:
+                            references[suffix] = rank_reference(ref_model, conv, check_input, batch,
+                                                                compare_at=compare_at)
+                        return check_ranks(ref_model, conv, check_input, world_size,
+                                           label=f"{world_size} ranks" + against + suffix,
+                                           pool=pool, reference=references.get(suffix),
+                                           collective_timeout=collective_timeout, compare_at=compare_at)
+
+                    add(ranks_check)
+    return result
+
+
+def thawed_reference(source: "nn.Module", converted: "nn.Module") -> "nn.Module | None":
+    """For an unfreeze result (frozen BN made trainable): the source with its frozen BN thawed to plain BN.
+
+    Comparing the trainable model in train mode with the frozen source is not the
+    property: frozen BN ignores batch statistics by design. What unfreeze must give is
+    BN that trains exactly like plain BN holding the frozen layers' tensors; so the train
+    and N-rank checks take that as the reference (the eval check still compares with the
+    frozen source). None when nothing was thawed.
+    """
+    from bnsurgeon.core.anatomy import qualname
+    from bnsurgeon.rules.builders import is_frozen_origin
+    from bnsurgeon.surgery.walk import convert, plan
+
+    theirs = dict(converted.named_modules())
+    thawed = [entry for entry in plan(source) if is_frozen_origin(entry.cls_name) and entry.path in theirs
+              and not is_frozen_origin(qualname(type(theirs[entry.path])))]
+    if not thawed:
+        return None
+    paths = [glob.escape(path) for entry in thawed for path in entry.paths]
+    return convert(source, "plain", frozen="unfreeze", allow_unhandled=True, include=paths).model

@@ -1,0 +1,381 @@
+"""The ``bnsurgeon`` command line: parse, call one API function, render. No logic here.
+
+Errors from the library become one line on stderr and a distinct exit code; set
+BNSURGEON_DEBUG=1 for the traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+import typer.core
+
+from bnsurgeon import __version__
+from bnsurgeon.core.errors import BnSurgeonError
+
+EXIT_CODES = {  # the README's table, in short
+    0: "success",
+    1: "the converted model's outputs differ from the source's (nothing written); verify: a check failed",
+    2: "usage: a bad flag or value, a model that cannot be built with its arguments, a malformed factory name",
+    3: "SOURCE not found: no such file, timm model or factory",
+    4: "not a readable checkpoint (empty, corrupt, no weights, bad metadata, NaN/Inf weights, changed while read)",
+    5: "the checkpoint is a pickle that would run code (see --trust-pickle)",
+    6: "the weights do not fit the architecture; verify: CONVERTED was not made from SOURCE",
+    7: "a BatchNorm-like module no rule claims, or an uninitialized lazy BN",
+    8: "the output path (or a report next to it) cannot or must not be written",
+    9: "the model cannot run on the check input (it raised, the check failed on NaN outputs, or the input cannot be allocated)",
+    10: "the file names code or constructor arguments you have not confirmed (see --model, --accept-recorded-args)",
+    11: "the model has no BatchNorm-family module: nothing to convert, nothing written (see --allow-no-bn)",
+    129: "interrupted by SIGHUP; the message says what is on disk (nothing partial)",
+    130: "interrupted by Ctrl-C (SIGINT); the message says what is on disk (nothing partial)",
+    143: "interrupted by SIGTERM (e.g. a scheduler's preemption); the message says what is on disk (nothing partial)",
+}
+
+
+
+class _NamedArgument(typer.core.TyperArgument):
+    """An argument whose metavar says what it takes: no "SOURCE <str>" type label after it."""
+
+    def display_type_rich(self, ctx):  # noqa: ANN001 - Click's signature
+        return None if self.metavar else super().display_type_rich(ctx)
+
+
+class _Command(typer.core.TyperCommand):
+    """Typer's command, with named arguments shown by their name alone."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if type(param) is typer.core.TyperArgument:
+                param.__class__ = _NamedArgument
+
+
+app = typer.Typer(
+    name="bnsurgeon",
+    help="Exact BatchNorm surgery for PyTorch/timm models: inspect, convert to sync / plain / frozen / fused BN, verify.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    # plain Click help, in a terminal and in logs alike: no box drawing, and flags without
+    # the "<bool>" type labels that this Typer's Rich panels print for every option
+    rich_markup_mode=None,
+)
+
+
+#: an error line quotes file metadata and paths: a 1 MB field must not become a 1 MB "line"
+MAX_ERROR_CHARS = 1000
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    return f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS:,} more characters)"
+
+
+def _fail(message: str, hint: str, code: int) -> None:
+    from rich.text import Text
+
+    from bnsurgeon.cli.render import console, printable
+
+    # escaped before it is cut: a message quotes keys, paths and metadata from a file (ESC, \r, bidi)
+    message, hint = _bounded(printable(message)), _bounded(printable(hint))
+    out = console()
+    # Text, never markup: messages quote paths and file metadata, where "[/]" or ":fire:" is data
+    out.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False)
+    if hint:
+        out.print(Text(f"  fix: {hint}"), highlight=False)
+    raise typer.Exit(code)
+
+
+def handle_errors(command: Callable) -> Callable:
+    """Turn library errors into one-line messages and exit codes (traceback with BNSURGEON_DEBUG=1)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        from bnsurgeon.core.interrupts import signals_raise
+
+        debug = os.environ.get("BNSURGEON_DEBUG", "") not in ("", "0")
+        try:
+            with signals_raise():
+                return command(*args, **kwargs)
+        except BnSurgeonError as error:
+            if debug:
+                raise
+            _fail(error.message, error.hint, error.exit_code)
+        except KeyboardInterrupt as interrupt:
+            if debug:
+                raise
+            name = str(interrupt) or "SIGINT"
+            state = getattr(interrupt, "state", "nothing was written")
+            _fail(f"interrupted ({name})", f"{state}; run the command again", getattr(interrupt, "exit_code", 130))
+
+    return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"bnsurgeon {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """bnsurgeon: convert BatchNorm layers without losing a single behaviour."""
+
+
+class Target(str, Enum):
+    """What every BN-family module becomes (``--to``)."""
+
+    sync = "sync"
+    plain = "plain"
+    frozen = "frozen"
+    fused = "fused"
+
+
+class FrozenPolicy(str, Enum):
+    """What frozen BN becomes under ``--to sync/plain`` (``--frozen``)."""
+
+    keep = "keep"
+    unfreeze = "unfreeze"
+
+
+SourceArgument = typer.Argument(..., metavar="SOURCE", show_default=False,
+                                help="timm name (resnet50, timm:resnet50), checkpoint file, or package.module:function.")
+ModelOption = typer.Option(None, "--model", "-m", metavar="ARCH",
+                           help="Architecture for a checkpoint that does not record one (timm name or pkg.mod:fn).")
+ModelArgOption = typer.Option(None, "--model-arg", metavar="KEY=VALUE",
+                              help="Constructor argument (repeatable), e.g. num_classes=10.")
+WeightsOption = typer.Option(None, "--weights", metavar="NAME",
+                             help="Which state dict to use when the file holds several (e.g. state_dict_ema).")
+TrustOption = typer.Option(False, "--trust-pickle", help="Allow unpickling arbitrary objects. This RUNS CODE from the file: only for files you trust.")
+AcceptArgsOption = typer.Option(False, "--accept-recorded-args", help="Use the constructor arguments a file records (shown in the error that asks) without repeating each with --model-arg.")
+InputShapeOption = typer.Option(None, "--input-shape", metavar="N,C,...",
+                                help="Input for the checks, e.g. 2,3,224,224 (default: (2, C, 64, 64) when the model accepts it, else its own size).")
+JsonOption = typer.Option(False, "--json", help="Also print one JSON document on stdout; human output stays on stderr (add -q for JSON only).")
+QuietOption = typer.Option(False, "--quiet", "-q", help="No human output; errors only (the exit code says the rest).")
+VerboseOption = typer.Option(False, "--verbose", "-v", help="Show every path, not a few examples.")
+RulesOption = typer.Option(None, "--rules", metavar="PKG.MOD:OBJ", help="Rules for your own BN classes: package.module:object (a Rule, a list, or a callable returning them; repeatable). Imports it: RUNS ITS CODE.")
+
+
+def _use_rules(specs: Optional[List[str]]) -> None:
+    from bnsurgeon.rules import use_rules
+
+    use_rules(specs or [])
+
+
+IncludeOption = typer.Option(None, "--include", metavar="GLOB", help="Convert only BN modules whose path matches this glob (repeatable), e.g. 'backbone.body.layer[234].*'.")
+ExcludeOption = typer.Option(None, "--exclude", metavar="GLOB", help="Keep BN modules whose path matches this glob as they are (repeatable), e.g. 'backbone.body.layer1.*'.")
+ExampleInputOption = typer.Option(None, "--example-input", metavar="FILE", help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector; recorded in the output.")
+VerifyExampleInputOption = typer.Option(None, "--example-input", metavar="FILE", help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector (default: the input either file records).")
+
+
+def _example_input(path: Optional[Path]):
+    if path is None:
+        return None
+    from bnsurgeon.checks.check_input import load_example_input
+
+    return load_example_input(path)
+
+
+@app.command(cls=_Command)
+@handle_errors
+def inspect(
+    source: str = SourceArgument,
+    model: Optional[str] = ModelOption,
+    model_arg: Optional[List[str]] = ModelArgOption,
+    weights: Optional[str] = WeightsOption,
+    trust_pickle: bool = TrustOption,
+    include: Optional[List[str]] = IncludeOption,
+    exclude: Optional[List[str]] = ExcludeOption,
+    rules: Optional[List[str]] = RulesOption,
+    accept_recorded_args: bool = AcceptArgsOption,
+    verbose: bool = VerboseOption,
+    quiet: bool = QuietOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """List BatchNorm-family modules by class: rule, count, targets, what torch's converter would break.
+
+    Examples: `bnsurgeon inspect tf_efficientnet_b3`; `bnsurgeon inspect checkpoint.pth.tar` (lists the file's entries too)
+    """
+    from bnsurgeon import api
+    from bnsurgeon.cli.render import console, emit_json, render_inspection
+    from bnsurgeon.loading.architecture import parse_model_args
+
+    _use_rules(rules)
+    result = api.inspect(source, model=model, model_args=parse_model_args(model_arg), weights=weights,
+                         trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args,
+                         include=tuple(include or ()), exclude=tuple(exclude or ()))
+    if as_json:
+        emit_json(result.to_dict())
+    if not quiet:
+        render_inspection(result, console(), verbose=verbose)
+
+
+def _parse_shape(text: Optional[str]) -> Optional[tuple]:
+    if text is None:
+        return None
+    from bnsurgeon.core.errors import UsageError
+
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"--input-shape {text!r} is not a list of integers", "write it like 2,3,224,224") from None
+    if len(shape) < 2 or min(shape) < 1:
+        raise UsageError(f"--input-shape {text!r} needs at least N,C, all positive", "write it like 2,3,224,224")
+    return shape
+
+
+@app.command(cls=_Command)
+@handle_errors
+def convert(
+    source: str = SourceArgument,
+    output: Path = typer.Option(..., "--output", "-o", metavar="OUT",
+                                help="Output checkpoint (.safetensors, .pt, .pth or .pth.tar); reports go next to it. "
+                                     "A .pt/.pth/.pth.tar output carries a training checkpoint's other entries."),
+    to: Target = typer.Option(Target.sync, "--to", help="What every BN-family module becomes (fused: folded into the conv/linear before it; eval only)."),
+    frozen: FrozenPolicy = typer.Option(FrozenPolicy.keep, "--frozen", help="Frozen BN under --to sync/plain: keep it frozen, or unfreeze it."),
+    allow_unhandled: bool = typer.Option(False, "--allow-unhandled", help="Leave BN-like modules no rule claims untouched (listed in the report) instead of refusing."),
+    allow_no_bn: bool = typer.Option(False, "--allow-no-bn", help="Write the model even when it has no BatchNorm-family module (default: exit 11, write nothing)."),
+    model: Optional[str] = ModelOption,
+    model_arg: Optional[List[str]] = ModelArgOption,
+    weights: Optional[str] = WeightsOption,
+    trust_pickle: bool = TrustOption,
+    accept_recorded_args: bool = AcceptArgsOption,
+    force: bool = typer.Option(False, "--force", help="Replace OUTPUT and its reports if they exist (never an input: SOURCE or --example-input)."),
+    no_check: bool = typer.Option(False, "--no-check", help="Skip the eval-equivalence check before writing."),
+    input_shape: Optional[str] = InputShapeOption,
+    example_input: Optional[Path] = ExampleInputOption,
+    include: Optional[List[str]] = IncludeOption,
+    exclude: Optional[List[str]] = ExcludeOption,
+    rules: Optional[List[str]] = RulesOption,
+    verify: bool = typer.Option(False, "--verify", help="Before writing, also run `bnsurgeon verify`'s checks (train, 2 ranks, perturbed) and record them."),
+    verbose: bool = VerboseOption,
+    quiet: bool = QuietOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """Convert every BatchNorm-family module, check eval outputs are unchanged, write OUTPUT + report.
+
+    Examples: `bnsurgeon convert efficientnet_b0 -o b0.sync.safetensors`;
+    `bnsurgeon convert b0.sync.safetensors --to plain -o b0.plain.safetensors`;
+    `bnsurgeon convert ckpt.pth -m resnet50 --model-arg num_classes=10 -o r50.sync.safetensors`;
+    `bnsurgeon convert train/last.pth.tar -o last.sync.pth.tar` (optimizer, EMA, epoch, args carried)
+    """
+    from bnsurgeon import api
+    from bnsurgeon.cli.render import console, emit_json, phases, render_report, say
+    from bnsurgeon.loading.architecture import parse_model_args
+
+    _use_rules(rules)
+    outcome = None
+    try:
+        with phases(console(), enabled=not quiet) as progress:
+            outcome = api.convert_source(
+                source, output, to=to.value, frozen=frozen.value, allow_unhandled=allow_unhandled, model=model,
+                model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle,
+                accept_recorded_args=accept_recorded_args, force=force,
+                check=not no_check, input_shape=_parse_shape(input_shape),
+                example_input=example_input,  # a path: checked against the outputs, then read
+                include=tuple(include or ()), exclude=tuple(exclude or ()),
+                verify_world_sizes=(2,) if verify else (),
+                progress=progress, allow_no_bn=allow_no_bn,
+            )
+        report = outcome.result.report
+        if as_json:
+            emit_json(report.to_dict())
+        if not quiet:
+            out = console()
+            render_report(report, out, verbose=verbose)
+            say(out, f"wrote {outcome.output}" + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})"
+                                                   if outcome.reports else ""), indent="  ")
+    except KeyboardInterrupt as interrupt:  # after the write, the message must not say nothing was written
+        if outcome is not None and outcome.output is not None:
+            interrupt.state = f"{outcome.output} and its reports were written completely"
+        raise
+
+
+@app.command(cls=_Command)
+@handle_errors
+def verify(
+    source: str = SourceArgument,
+    converted: str = typer.Argument(..., metavar="CONVERTED", show_default=False, help="The converted model, in any SOURCE form."),
+    world_size: List[int] = typer.Option([2], "--world-size", "-w", metavar="N", help="Ranks for the distributed check (repeatable)."),
+    input_shape: Optional[str] = InputShapeOption,
+    example_input: Optional[Path] = VerifyExampleInputOption,
+    rules: Optional[List[str]] = RulesOption,
+    compare_at: Optional[str] = typer.Option(None, "--compare-at", metavar="MODULE", help="Compare the output of this submodule (e.g. backbone) instead of the model's: for detectors whose head output is not comparable."),
+    atol: Optional[float] = typer.Option(None, "--atol", metavar="X", help="Absolute tolerance instead of bit-identity for eval/train (a fused checkpoint: tolerance relative to the output's scale, default 1e-4)."),
+    no_perturb: bool = typer.Option(False, "--no-perturb", help="Skip the run with perturbed BN statistics and affine parameters."),
+    model: Optional[str] = ModelOption,
+    model_arg: Optional[List[str]] = ModelArgOption,
+    converted_model: Optional[str] = typer.Option(None, "--converted-model", metavar="ARCH", help="Like --model, for CONVERTED only (confirms a factory it records)."),
+    converted_model_arg: Optional[List[str]] = typer.Option(None, "--converted-model-arg", metavar="KEY=VALUE", help="Like --model-arg, for CONVERTED only."),
+    weights: Optional[str] = WeightsOption,
+    converted_weights: Optional[str] = typer.Option(None, "--converted-weights", metavar="NAME", help="Like --weights, for CONVERTED only (e.g. state_dict_ema of a converted training checkpoint)."),
+    trust_pickle: bool = TrustOption,
+    accept_recorded_args: bool = AcceptArgsOption,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print each check's full detail after the summary."),
+    quiet: bool = QuietOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """Prove CONVERTED behaves like SOURCE: eval (bit-identical), train, N gloo ranks, frozen; exit 0 if all pass, 1 if one fails (other codes: README).
+
+    Each check's line is printed (to stderr, flushed) the moment it finishes, with its time.
+
+    Example: `bnsurgeon verify efficientnet_b0 b0.sync.safetensors -w 2 -w 3`
+    """
+    from bnsurgeon import api
+    from bnsurgeon.cli.render import CheckStream, console, emit_json, render_verification_summary, say
+    from bnsurgeon.loading.architecture import parse_model_args
+
+    out = console()
+    _use_rules(rules)
+    result = api.verify(source, converted, world_sizes=tuple(world_size), input_shape=_parse_shape(input_shape),
+                        atol=atol, perturb=not no_perturb, model=model, model_args=parse_model_args(model_arg),
+                        converted_model=converted_model, converted_model_args=parse_model_args(converted_model_arg),
+                        weights=weights, converted_weights=converted_weights, trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args,
+                        on_check=None if quiet else CheckStream(out), example_input=_example_input(example_input),
+                        compare_at=compare_at)
+    if as_json:
+        emit_json(result.to_dict())
+    if not quiet:
+        render_verification_summary(result, out)
+        if verbose:
+            for check in result.checks:
+                say(out, f"{check.name}: {check.detail}" + (f"; first divergent module {check.first_divergence}"
+                                                             if check.first_divergence else ""))
+    raise typer.Exit(0 if result.passed else 1)
+
+
+@app.command(cls=_Command)
+@handle_errors
+def rules(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show each rule's classes with their module paths."),
+    quiet: bool = QuietOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """List the rule registry: each rule, the exact classes it claims, its targets, and whether eval stays bit-identical.
+
+    Example: `bnsurgeon rules` (or `bnsurgeon rules --json | jq '.[].name'`)
+    """
+    from bnsurgeon.cli.render import console, emit_json, render_rules
+    from bnsurgeon.cli.catalog import describe_rules
+
+    data = describe_rules()
+    if as_json:
+        emit_json(data)
+    if not quiet:
+        render_rules(data, console(), verbose=verbose)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Errors raised by bnsurgeon's library code.
+
+Each error carries the exit code the CLI turns it into and a one-line hint that tells
+the user how to fix the problem. Library code raises; only ``cli.py`` exits.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: hints are written for the command line; from Python each flag reads as its keyword argument
+FLAG_KEYWORDS = {
+    "--allow-unhandled": "allow_unhandled=True", "--allow-no-bn": "allow_no_bn=True",
+    "--trust-pickle": "trust_pickle=True", "--force": "force=True", "--no-check": "check=False",
+    "--model": "model=", "--model-arg": "model_args=", "--weights": "weights=", "--input-shape": "input_shape=",
+    "--to": "to=", "--frozen": "frozen=", "--world-size": "world_sizes=",
+    "--accept-recorded-args": "accept_recorded_args=True", "--example-input": "example_input=",
+    "--include": "include=", "--exclude": "exclude=", "--verify": "verify_world_sizes=",
+    "--converted-model": "converted_model=", "--converted-model-arg": "converted_model_args=",
+    "--converted-weights": "converted_weights=", "--compare-at": "compare_at=", "--atol": "atol=",
+    "--no-perturb": "perturb=False",
+}
+
+#: flags whose keyword argument takes the flag's value as a string
+STRING_VALUED = ("--model", "--weights", "--to", "--frozen", "--converted-model", "--converted-weights", "--compare-at",
+                 "--example-input")
+#: words that follow a flag in prose ("check --model and --model-arg"): never its value
+PROSE_WORDS = frozenset({"and", "or", "to", "with", "for", "if", "is", "in", "on", "the", "a", "an", "then",
+                         "when", "instead", "too", "also", "as", "at", "by", "of"})
+
+
+def python_hint(hint: str) -> str:
+    """A command-line hint with every known flag written as the keyword argument.
+
+    ``--force`` -> ``force=True``; ``--model ARCH`` -> ``model=ARCH``; a valued flag with
+    no placeholder after it (``check --model-arg``) -> the bare name (``check model_args``).
+    """
+
+    def keyword(match: re.Match) -> str:
+        flag, placeholder = match.group(1), match.group(2)
+        if placeholder in PROSE_WORDS:  # a word of the sentence, not the flag's value: keep it as it is
+            return _keyword_alone(flag) + f" {placeholder}"
+        replacement = FLAG_KEYWORDS.get(flag)
+        if replacement is None:
+            return match.group(0)
+        if not replacement.endswith("="):
+            return replacement + (f" {placeholder}" if placeholder else "")
+        if placeholder and placeholder.isupper():  # --model ARCH -> model=ARCH
+            return replacement + placeholder
+        if placeholder and flag in STRING_VALUED:  # --model pkg.mod:fn -> model='pkg.mod:fn'
+            return replacement + repr(placeholder)
+        return replacement[:-1] + (f" {placeholder}" if placeholder else "")
+
+    return re.sub(r"(--[a-z][a-z0-9-]*)(?: ([^\s(),;]+))?", keyword, hint)
+
+
+def _keyword_alone(flag: str) -> str:
+    """The keyword for a flag written without its value (``--model`` -> ``model``, ``--force`` -> ``force=True``)."""
+    replacement = FLAG_KEYWORDS.get(flag)
+    if replacement is None:
+        return flag
+    return replacement[:-1] if replacement.endswith("=") else replacement
+
+
+#: no message or hint is longer: names, keys and values in them come from files and users
+MAX_TEXT = 1000
+_CUT_MARK = re.compile(r"\.\.\. \(([\d,]+) more characters?\)$")
+
+
+def bounded(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, ending in ``... (N more characters)`` when cut.
+
+    Idempotent, and the count stays true when a cut text is cut again.
+    """
+    if len(text) <= limit:
+        return text
+    earlier, match = 0, _CUT_MARK.search(text)
+    if match:
+        earlier, text = int(match.group(1).replace(",", "")), text[:match.start()]
+    keep = max(0, limit - len(f"... ({len(text) + earlier:,} more characters)"))
+    return f"{text[:keep]}... ({len(text) - keep + earlier:,} more characters)"
+
+
+class BnSurgeonError(Exception):
+    """Base class: a problem with the user's input or environment, never a bug.
+
+    ``python`` is the hint for a Python caller where ``python_hint`` cannot derive it from
+    the command-line hint (a whole dict of arguments rather than a flag per value).
+    """
+
+    exit_code: int = 2
+    default_hint: str = ""
+
+    def __init__(self, message: str, hint: str | None = None, *, python: str | None = None) -> None:
+        message = bounded(message)
+        super().__init__(message)
+        self.message = message
+        self.hint = bounded(hint if hint is not None else self.default_hint)
+        self.python = bounded(python) if python else None
+
+    def __str__(self) -> str:
+        """What a Python caller sees: the hint names keyword arguments, not flags (the CLI prints ``hint``)."""
+        hint = self.python or bounded(python_hint(self.hint))
+        return f"{self.message} ({hint})" if hint else self.message
+
+
+class UsageError(BnSurgeonError):
+    """A flag or argument value that cannot be used."""
+
+    exit_code = 2
+
+
+class HookedModelError(UsageError):
+    """A model with hooks that a fused file's folds would change what they see (the file is fine)."""
+
+    default_hint = ("remove the hooks before loading (their RemovableHandle.remove()), load, then register them "
+                    "again where they still make sense; or load a file converted --to sync or --to plain")
+
+
+class FactoryRaisedError(UsageError):
+    """The user's factory raised while building the model (on the meta device it may build for real)."""
+
+
+class SourceNotFoundError(BnSurgeonError):
+    """A SOURCE that names no file, timm model or importable factory."""
+
+    exit_code = 3
+
+
+class CheckpointError(BnSurgeonError):
+    """A file that exists but is not a checkpoint bnsurgeon can read."""
+
+    exit_code = 4
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle that would execute code when loaded."""
+
+    exit_code = 5
+    default_hint = (
+        "only if you trust the file's origin, pass --trust-pickle (unpickling runs code); "
+        "otherwise ask for a state dict or a .safetensors file"
+    )
+
+
+class MetadataError(CheckpointError):
+    """bnsurgeon metadata that is malformed, from a newer schema, or inconsistent with the tensors."""
+
+    default_hint = "the file's bnsurgeon.* metadata was edited or damaged; convert the original again"
+
+
+class InputChangedError(CheckpointError):
+    """An input file rewritten while bnsurgeon was reading it: the tensors may mix two versions."""
+
+    default_hint = "nothing was written; run again once nothing else is writing the file"
+
+
+class NonFiniteWeightsError(CheckpointError):
+    """Weights holding NaN or Inf: no output comparison can prove anything about them."""
+
+    default_hint = "nothing was written; use a checkpoint saved before training diverged"
+
+
+class WeightsMismatchError(BnSurgeonError):
+    """Weights whose keys or shapes do not fit the architecture."""
+
+    exit_code = 6
+
+
+class UnhandledModuleError(BnSurgeonError):
+    """A BatchNorm-like module that no rule claims (converting it silently would lose behaviour)."""
+
+    exit_code = 7
+    default_hint = (
+        "register a rule for the class (bnsurgeon.rules.register), or pass --allow-unhandled "
+        "to leave such modules untouched"
+    )
+
+
+class LazyModuleError(BnSurgeonError):
+    """An uninitialized LazyBatchNorm whose size is not known yet."""
+
+    exit_code = 7
+    default_hint = "run one forward pass (or load the weights) before converting"
+
+
+class OutputError(BnSurgeonError):
+    """An output path that cannot or must not be written."""
+
+    exit_code = 8
+
+
+class ModelCannotRunError(BnSurgeonError):
+    """The model raised on the check input, or the input cannot even be allocated."""
+
+    exit_code = 9
+    default_hint = "pass --input-shape with the input the model takes (N,C,H,W), or --no-check"
+
+
+class ConfirmationError(UsageError):
+    """A file names code to import or constructor arguments the user has not confirmed."""
+
+    exit_code = 10
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived; raised like KeyboardInterrupt so every cleanup runs."""
+
+    def __init__(self, signum: int, state: str = "nothing was written") -> None:
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        self.state = state  # what is on disk, said exactly
+class NothingToConvertError(BnSurgeonError):
+    """A model with no BatchNorm-family module: a conversion would only copy it."""
+
+    exit_code = 11  # 9 and 10 are taken by issue 12 (check input, unconfirmed code)
+    default_hint = "nothing was written; pass --allow-no-bn to write the unchanged model anyway"
+
+
+class VerificationError(BnSurgeonError):
+    """A converted model whose outputs differ from the source's."""
+
+    exit_code = 1
+    default_hint = "nothing was written; run `bnsurgeon inspect` on the source and report the module named here"
+
+
+class DistributedMismatchError(RuntimeError):
+    """Ranks reached different sync layers: they would otherwise hang or mix statistics."""
+
+
+class DistributedTimeoutError(RuntimeError):
+    """A sync layer's collective did not complete within BNSURGEON_DIST_TIMEOUT: a rank is elsewhere or gone."""
+
+
+def first_line(error: "BaseException | str", default: str = "no message") -> str:
+    """The first line of an exception's (or a text's) message, at most 200 characters: what a one-line
+    error quotes of a third party's message."""
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else default)[:200]

@@ -1,0 +1,71 @@
+"""Write a conversion: the checkpoint with self-describing metadata, and its two reports, as one unit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bnsurgeon import __version__
+from bnsurgeon.files.history import step
+from bnsurgeon.files.safewrite import write_files
+from bnsurgeon.files.writing import checkpoint_writer, report_paths, write_checkpoint
+from bnsurgeon.surgery.walk import ConvertResult, class_map
+
+if TYPE_CHECKING:  # the loading stage's record of how to build the model, written as its dict
+    from bnsurgeon.loading.architecture import Architecture
+
+
+def _metadata(result: ConvertResult, architecture: Architecture, source: str, *, check_input: Any = None,
+              history: list | None = None) -> dict[str, Any]:
+    metadata = {
+        "schema": 1,
+        "version": __version__,
+        "architecture": architecture.to_dict(),
+        "target": result.report.target,
+        "options": {k: v for k, v in result.report.options.items() if k != "inplace"},
+        "classes": class_map(result.model),
+        "source": source,
+    }
+    from bnsurgeon.rules import specs_for
+
+    used = specs_for(item.rule for item in [*result.report.changed, *result.report.kept] if item.rule)
+    if used:  # loading the file asks for the same --rules again
+        metadata["rules"] = used
+    metadata["history"] = list(history or []) + [step(result.report.target, result.report.options)]
+    if check_input is not None and check_input.recordable():  # reused by later conversions of the file
+        metadata["check_input"] = check_input.to_record()
+    if result.report.fusion is not None:  # --to fused: which BN went into which producer, for load
+        metadata["folds"] = result.report.fusion["folded"]
+    return metadata
+
+
+def save(result: ConvertResult, path: "str | Path", architecture: Architecture, *, source: str = "",
+         extras: dict[str, Any] | None = None, check_input: Any = None, history: list | None = None) -> Path:
+    """Write the converted model with self-describing metadata (atomic; replaces ``path``)."""
+    path = Path(path)
+    write_checkpoint(path, result.model, _metadata(result, architecture, source, check_input=check_input,
+                                                   history=history), extras)
+    return path
+
+
+def write_conversion(result: ConvertResult, output: Path, architecture: Architecture, *, source: str = "",
+                     force: bool = False, extras: dict[str, Any] | None = None, check_input: Any = None,
+                     history: list | None = None) -> tuple[Path, Path]:
+    """The checkpoint (plus a training checkpoint's carried ``extras``) and its JSON and Markdown reports:
+    all three written, or none changed."""
+    json_path, md_path = report_paths(output)
+    write_files({
+        output: checkpoint_writer(output, result.model, _metadata(result, architecture, source, check_input=check_input,
+                                                                   history=history), extras),
+        json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
+        md_path: lambda temp: temp.write_text(result.report.to_markdown()),
+    }, force=force)
+    return json_path, md_path
+
+
+def write_reports(result: ConvertResult, output: Path, *, force: bool = True) -> tuple[Path, Path]:
+    """Only the two reports (atomic each)."""
+    json_path, md_path = report_paths(output)
+    write_files({json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
+                 md_path: lambda temp: temp.write_text(result.report.to_markdown())}, force=force)
+    return json_path, md_path

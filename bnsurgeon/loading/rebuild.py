@@ -1,0 +1,82 @@
+"""Rebuild the model a bnsurgeon checkpoint records: architecture, the same surgery, strict weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bnsurgeon.loading.architecture import Architecture, LoadedSource, timm_input_shape
+from bnsurgeon.files.reading import RawCheckpoint, read_checkpoint
+from bnsurgeon.core.errors import CheckpointError
+from bnsurgeon.files.history import replay
+from bnsurgeon.loading.recorded import check_rebuilt, read_recorded, state_from_checkpoint
+from bnsurgeon.surgery.walk import name_sync_layers
+from bnsurgeon.loading.trust import confirm_architecture
+from bnsurgeon.files.weights import check_fit, load_weights, materialize
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architecture: Architecture | None = None,
+                            model: "nn.Module | None" = None, weights: str | None = None) -> LoadedSource:
+    """Build the recorded architecture, replay the recorded conversions, load the weights strictly.
+
+    ``architecture`` is what the caller confirmed (``trust.confirm_architecture``); without
+    it the recorded one is used only where the trust rules allow it with no confirmation.
+    A file converted with ``--rules`` is rebuilt only once the user has named them again.
+    ``weights`` picks another state dict of a training checkpoint (its EMA).
+    """
+    recorded = read_recorded(raw)
+    if model is None and architecture is None:
+        architecture = confirm_architecture(recorded.architecture, raw.path)
+    architecture = architecture or recorded.architecture
+    history, target = recorded.history, recorded.target
+
+    def build(on_meta: bool):
+        base = model if model is not None else architecture.build(meta=on_meta)
+        return replay(base, history, recorded.classes, folds=recorded.folds if target == "fused" else None,
+                      origin=str(raw.path))
+
+    if meta:  # nothing allocated, but the file's tensors must fit what is listed (keys and shapes)
+        rebuilt = build(True)
+        check_fit(rebuilt, state_from_checkpoint(raw, recorded, weights), raw.path)
+    elif model is not None:
+        rebuilt = build(False)
+        load_weights(rebuilt, state_from_checkpoint(raw, recorded, weights), raw.path)
+    else:
+        rebuilt = materialize(build, state_from_checkpoint(raw, recorded, weights), raw.path)
+    check_rebuilt(raw, recorded, rebuilt)
+    name_sync_layers(rebuilt)
+    loaded = LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",
+                          timm_input_shape(rebuilt), raw)
+    loaded.history = history
+    loaded.check_input = recorded.check_input
+    return loaded
+
+
+def load(path: "str | Path", *, model: "str | nn.Module | None" = None, model_args: dict[str, Any] | None = None,
+         accept_recorded_args: bool = False, mmap: bool = False) -> "nn.Module":
+    """Rebuild a converted model from a bnsurgeon checkpoint, ready to wrap in DDP.
+
+    ``model`` overrides the recorded architecture: an ``nn.Module`` of the original
+    architecture (converted in place), or a SOURCE-style name; naming exactly the recorded
+    factory is what confirms it. ``model_args`` confirm (or override) recorded constructor
+    arguments. The returned model owns its memory: rewriting the file afterwards changes
+    nothing. ``mmap=True`` keeps the tensors as views of the file instead (no copy, for huge
+    read-only uses; the file must then not change while the model lives).
+    """
+    from torch import nn
+
+    raw = read_checkpoint(path, mmap=mmap)
+    if not raw.is_bnsurgeon:
+        raise CheckpointError(f"{path} is not a bnsurgeon checkpoint (no bnsurgeon metadata)",
+                              "convert it first: bnsurgeon convert SOURCE -o OUT")
+    if isinstance(model, nn.Module):
+        rebuilt = rebuild_from_checkpoint(raw, model=model).model
+    else:
+        recorded = read_recorded(raw)
+        architecture = confirm_architecture(recorded.architecture, raw.path, model, model_args,
+                                            accept_recorded_args=accept_recorded_args)
+        rebuilt = rebuild_from_checkpoint(raw, architecture=architecture).model
+    return rebuilt
