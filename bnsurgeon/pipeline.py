@@ -294,9 +294,11 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
            example_input: "CheckInput | str | os.PathLike | None" = None, compare_at: str | None = None):
     """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
 
-    Both arguments are loaded under the same trust rules, each confirmed only by what the
-    user typed for it: ``model``/``model_args`` for SOURCE, ``converted_model``/
-    ``converted_model_args`` for CONVERTED; ``weights``/``converted_weights`` pick a state dict
+    Both arguments are loaded under the same trust rules, each confirmed by what the user
+    typed for it: ``model``/``model_args`` for SOURCE, ``converted_model``/
+    ``converted_model_args`` for CONVERTED; a CONVERTED that records exactly the model the
+    user named for SOURCE (same factory, same arguments) is confirmed by that name, since
+    it runs anyway; ``weights``/``converted_weights`` pick a state dict
     of a file that holds several (a training checkpoint's EMA). ``on_check`` is told each check (a
     ``verify.CheckOutcome``) as it finishes. ``example_input`` (a CheckInput, or the path of a
     ``torch.save``'d tensor, tuple, list or dict as for ``--example-input``), or else the input
@@ -323,7 +325,8 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     left = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
                        accept_recorded_args=accept_recorded_args)
     right = load_source(converted, model=converted_model, model_args=converted_model_args, weights=converted_weights,
-                        trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args, flag="--converted-model")
+                        trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args, flag="--converted-model",
+                        named_elsewhere=left.architecture)
     refuse_fused_source(left, "SOURCE")
     refuse_non_finite(left.model, left.description)
     refuse_non_finite(right.model, right.description)

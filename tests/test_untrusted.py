@@ -143,9 +143,15 @@ def test_a_python_caller_is_told_the_keyword_to_confirm_a_factory_once(good, tin
     assert "--model" not in message and "Python:" not in message, message
 
 
-def test_verify_confirmation_for_source_does_not_extend_to_converted(good, tiny):
-    result = run("verify", good, good, "--model", "tiny:build", "--input-shape", "2,3,8,8")
-    one_line_failure(result, 10, "--converted-model tiny:build")
+def test_verify_confirmation_for_source_extends_only_to_the_same_factory(good, tiny):
+    """Naming tiny:build for SOURCE confirms a CONVERTED that records tiny:build (issue 32: it runs
+    anyway), never one that records another factory."""
+    wide = tiny / "wide.safetensors"
+    assert run("convert", "tiny:wide", "-o", wide, "--input-shape", "2,3,8,8").exit_code == 0
+    result = run("verify", good, wide, "--model", "tiny:build", "--input-shape", "2,3,8,8")
+    one_line_failure(result, 10, "factory 'tiny:wide'", "--converted-model tiny:wide")
+    same = run("verify", good, good, "--model", "tiny:build", "--input-shape", "2,3,8,8", "--no-perturb")
+    assert same.exit_code == 0, same.output
 
 
 # ---- 2. kwargs recorded in a file are data that needs confirmation -----------------------

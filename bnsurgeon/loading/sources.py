@@ -47,16 +47,19 @@ def load_source(
     accept_recorded_args: bool = False,
     raw: RawCheckpoint | None = None,
     flag: str = "--model",
+    named_elsewhere: Architecture | None = None,
 ) -> LoadedSource:
     """Resolve SOURCE to a model with its weights (or on the meta device when ``meta``).
 
     ``model``/``model_args`` are what the user typed for this SOURCE: they confirm what
     the file names (``trust.confirm_architecture``), and ``flag`` is how the user types
     them, for the messages. ``raw`` is the already-read file, when the caller has read it.
+    ``named_elsewhere``: a model the user named for another argument of the same command
+    (``trust.confirm_architecture``).
     """
     if raw is not None or looks_like_file(source):
         raw = raw or read_checkpoint(Path(source), trust_pickle=trust_pickle, mmap=meta)
-        return _load_file(raw, model, model_args, weights, meta, accept_recorded_args, flag)
+        return _load_file(raw, model, model_args, weights, meta, accept_recorded_args, flag, named_elsewhere)
     if model:
         raise UsageError(f"--model is only for checkpoint files; {source!r} already names the model",
                          "drop --model, or pass a checkpoint file")
@@ -65,7 +68,8 @@ def load_source(
     return LoadedSource(built, architecture, architecture.describe(), timm_input_shape(built))
 
 
-def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_recorded_args, flag) -> LoadedSource:
+def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_recorded_args, flag,
+               named_elsewhere: Architecture | None = None) -> LoadedSource:
     from torch import nn
 
     path = raw.path
@@ -74,7 +78,8 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_reco
         return LoadedSource(module, Architecture("unknown", type(module).__name__), str(path), None, raw)
     if raw.is_bnsurgeon:
         architecture = confirm_architecture(read_recorded(raw).architecture, path, model, model_args,
-                                            accept_recorded_args=accept_recorded_args, flag=flag)
+                                            accept_recorded_args=accept_recorded_args, flag=flag,
+                                            named_elsewhere=named_elsewhere)
         return rebuild_from_checkpoint(raw, meta=meta, architecture=architecture, weights=weights)
 
     candidates = state_dict_candidates(raw.obj)

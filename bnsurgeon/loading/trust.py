@@ -137,22 +137,41 @@ def _same_spec(named: Architecture, recorded: Architecture) -> bool:
     return named.kind == recorded.kind and named.name == recorded.name
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Equal as a file records them: a typed tuple and a recorded list are the same JSON."""
+    import json
+
+    try:
+        return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON: cannot be what a file records
+        return False
+
+
 def confirm_architecture(recorded: Architecture, origin: Any, named: str | None = None,
                          named_args: dict[str, Any] | None = None, *,
-                         accept_recorded_args: bool = False, flag: str = "--model") -> Architecture:
+                         accept_recorded_args: bool = False, flag: str = "--model",
+                         named_elsewhere: Architecture | None = None) -> Architecture:
     """The architecture to build for a file that records ``recorded``, under the trust rules.
 
     ``named``/``named_args`` are what the user typed for this file (``--model``,
-    ``--model-arg``); nothing typed for another file counts. A recorded factory runs only
+    ``--model-arg``); of what was typed for another argument only ``named_elsewhere`` counts. A recorded factory runs only
     when ``named`` is exactly its string; a different ``named`` architecture is the user's
     own choice and gets only the user's arguments.
+
+    ``named_elsewhere`` is a model the user named on the same command line for another
+    argument (verify's SOURCE, typed or given with ``--model``): it is built anyway, so a file
+    recording the same factory needs no second confirmation of it, and the arguments typed for
+    it confirm the same recorded values; any other factory or value still needs confirming.
     """
     named_args = dict(named_args or {})
+    elsewhere = named_elsewhere if (named is None and named_elsewhere is not None
+                                    and named_elsewhere.kind in ("timm", "factory")
+                                    and _same_spec(named_elsewhere, recorded)) else None
     if named is not None:
         chosen = parse_architecture(named, named_args)
         if not _same_spec(chosen, recorded):
             return chosen
-    elif recorded.kind == "factory":
+    elif recorded.kind == "factory" and elsewhere is None:
         raise ConfirmationError(
             f"{origin} was made from the factory {recorded.name!r}; importing it runs code, "
             "so bnsurgeon does not run a name read from a file",
@@ -162,6 +181,7 @@ def confirm_architecture(recorded: Architecture, origin: Any, named: str | None 
         key: value for key, value in recorded.kwargs.items()
         if not (recorded.kind == "timm" and key in TENSOR_CHECKED_TIMM_ARGS)
         and not (key in named_args and named_args[key] == value)
+        and not (elsewhere is not None and key in elsewhere.kwargs and same_value(elsewhere.kwargs[key], value))
         and not accept_recorded_args
     }
     if unconfirmed:
