@@ -67,3 +67,133 @@ def test_load_still_asks_for_a_factory_the_file_names(tiny):
     out = converted(tiny, "out.safetensors", "tiny:build")
     with pytest.raises(ConfirmationError, match="tiny:build"):
         bnsurgeon.load(out)
+
+
+def listing(directory):
+    return sorted(p.name for p in directory.iterdir() if p.name != "__pycache__")
+
+
+def tiny_checkpoint(tiny, name, **entries):
+    sys.path.insert(0, str(tiny))
+    import tiny as tiny_module
+
+    model = tiny_module.build()
+    path = tiny / name
+    torch.save({"state_dict": model.state_dict(), **entries}, path)
+    return path, model
+
+
+# ---- 4. one line, its own code, everywhere ------------------------------------------------
+
+RAISING_RULE = '''
+from torch import nn
+from bnsurgeon.rules import Rule, keep_if, to_frozen, to_plain
+
+
+class OddBN(nn.BatchNorm2d):
+    pass
+
+
+def broken_sync(module, context):
+    raise ValueError("the rule author's bug")
+
+
+RULE = Rule("odd-bn", (OddBN,), {"sync": broken_sync, "plain": to_plain, "frozen": to_frozen})
+
+
+def build():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), OddBN(4))
+'''
+
+
+def test_a_user_rule_whose_builder_raises_is_one_line_naming_the_rule(tiny, monkeypatch):
+    import bnsurgeon.rules as rules_module
+
+    (tiny / "odd_rules.py").write_text(RAISING_RULE)
+    monkeypatch.setattr(rules_module, "_named_specs", {})
+    monkeypatch.delitem(sys.modules, "odd_rules", raising=False)
+    before = listing(tiny)
+    result = run("convert", "odd_rules:build", "--rules", "odd_rules:RULE", "--input-shape", "2,3,8,8",
+                 "-o", tiny / "o.safetensors")
+    one_line_failure(result, 2, "rule 'odd-bn' raised ValueError building --to sync for '1'", "the rule author's bug",
+                     "fix the rule's builder")
+    assert listing(tiny) == before
+
+
+def test_an_unexpected_exception_is_an_internal_error_not_a_failed_check(tiny, monkeypatch):
+    import bnsurgeon.api
+
+    def crash(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(bnsurgeon.api, "convert_source", crash)
+    result = run("convert", "tiny:build", "-o", tiny / "o.safetensors")
+    one_line_failure(result, 70, "internal error: ZeroDivisionError: a bug", "a bug in bnsurgeon", "-v")
+    verbose = run("convert", "tiny:build", "-o", tiny / "o.safetensors", "-v")
+    assert verbose.exit_code == 70 and "Traceback" in verbose.output and "ZeroDivisionError" in verbose.output
+
+
+def test_a_huge_entry_name_is_clipped_on_the_terminal_and_in_the_markdown_report(tiny):
+    import json
+
+    name = "x" * 1_000_000
+    path, _ = tiny_checkpoint(tiny, "long.pth", **{name: 1})
+    out = tiny / "o.pth"
+    for args in ((), ("-v",)):
+        result = run("convert", path, "--model", "tiny:build", "--input-shape", "2,3,8,8", "-o", out, "--force", *args)
+        assert result.exit_code == 0, result.output[:2000]
+        assert len(result.output) < 5_000 and "(1,000,000 characters)" in result.output
+    assert (tiny / "o.pth.report.md").stat().st_size < 5_000
+    assert name in json.loads((tiny / "o.pth.report.json").read_text())["carried"]  # the data stays whole
+
+
+def test_a_refused_safe_load_names_what_it_could_not_read_not_how_to_turn_it_off(tiny):
+    bad = tiny / "opcode.pt"
+    bad.write_bytes(b"\x80\x02\x82\x01.")  # EXT1: an opcode torch's safe unpickler does not run
+    result = run("inspect", bad)
+    one_line_failure(result, 4, "Unsupported operand 130")
+    assert "weights_only" not in result.output and "False" not in result.output
+
+
+def test_the_rules_confirmation_hint_is_a_whole_command_or_none(tiny):
+    from test_untrusted import edited
+
+    good = converted(tiny, "good.safetensors", "tiny:build")
+    specs = [f"pkg{i}.{'m' * 140}:rules" for i in range(10)]
+    few = edited(good, tiny / "few.safetensors", rules=specs[:2])
+    many = edited(good, tiny / "many.safetensors", rules=specs)
+    whole = run("convert", few, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors")
+    one_line_failure(whole, 10, f"confirm with --rules {specs[0]} --rules {specs[1]}")
+    result = run("convert", many, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors")
+    one_line_failure(result, 10, "name each of the 10 recorded rule modules with --rules")
+    hint = result.output.split("fix:", 1)[1]
+    assert "more character" not in hint and "--rules pkg" not in hint
+
+
+def test_with_an_optimizer_state_fused_says_bn_parameters_are_removed_not_buffers(tiny):
+    path, model = tiny_checkpoint(tiny, "train.pth")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    torch.save({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    result = run("convert", path, "--model", "tiny:build", "--to", "fused", "--input-shape", "2,3,8,8",
+                 "-o", tiny / "o.pth")
+    one_line_failure(result, 2, "optimizer state", "are removed (folded into the layer before)")
+    assert "buffer" not in result.output
+
+
+# ---- 5. writes and signals ----------------------------------------------------------------
+
+def test_load_leaves_the_callers_safe_globals_as_they_were(tiny):
+    import argparse
+    import datetime
+
+    path = converted(tiny, "plain.pth", "tiny:build")
+    mine = [argparse.Namespace, datetime.date]
+    torch.serialization.add_safe_globals(mine)
+    try:
+        bnsurgeon.load(path, model="tiny:build")
+        allowed = torch.serialization.get_safe_globals()
+        assert all(entry in allowed for entry in mine), "bnsurgeon.load removed the caller's allow-list entries"
+    finally:
+        torch.serialization.clear_safe_globals()

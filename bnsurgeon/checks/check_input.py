@@ -235,7 +235,7 @@ def load_example_input(path: "str | Path") -> CheckInput:
     import torch
 
     from bnsurgeon.core.errors import first_line
-    from bnsurgeon.files.reading import UNSUPPORTED_GLOBAL, unsupported_global
+    from bnsurgeon.files.reading import UNSUPPORTED_GLOBAL, unpickler_refusal, unsupported_global
 
     path = Path(path)
     flag = f"--example-input {path}"
@@ -261,7 +261,7 @@ def load_example_input(path: "str | Path") -> CheckInput:
     except pickle.UnpicklingError as error:
         text = str(error)
         why = unsupported_global(text) + ", which would run code" if UNSUPPORTED_GLOBAL.search(text) \
-            else first_line(text.partition("WeightsUnpickler error:")[2] or text, 'unknown error')[:120]
+            else unpickler_refusal(text)
         raise UsageError(f"{flag} is not a plain tensor file ({why})",
                          "save only tensors, lists or dicts of tensors: torch.save(x, 'x.pt')") from None
     except Exception as error:  # truncated or not a torch file

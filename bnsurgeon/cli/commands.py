@@ -12,6 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, List, Optional
 
+import click
 import typer
 import typer.core
 
@@ -31,6 +32,7 @@ EXIT_CODES = {  # the README's table, in short
     9: "the model cannot run on the check input (it raised, the check failed on NaN outputs, or the input cannot be allocated)",
     10: "the file names code or constructor arguments you have not confirmed (see --model, --accept-recorded-args)",
     11: "the model has no BatchNorm-family module: nothing to convert, nothing written (see --allow-no-bn)",
+    70: "internal error: a bug in bnsurgeon, not in the input (the traceback with -v or BNSURGEON_DEBUG=1)",
     129: "interrupted by SIGHUP; the message says what is on disk (nothing partial)",
     130: "interrupted by Ctrl-C (SIGINT); the message says what is on disk (nothing partial)",
     143: "interrupted by SIGTERM (e.g. a scheduler's preemption); the message says what is on disk (nothing partial)",
@@ -92,8 +94,28 @@ def _fail(message: str, hint: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+#: sysexits' EX_SOFTWARE: CI can tell a crash of bnsurgeon (70) from a failed check (1)
+INTERNAL_ERROR = 70
+
+
+def _internal_error(error: Exception, verbose: bool) -> None:
+    """Any exception bnsurgeon did not raise on purpose: one line that says it is a bug, exit 70."""
+    import traceback
+
+    from bnsurgeon.core.errors import first_line
+
+    if verbose:
+        from bnsurgeon.cli.render import console
+
+        console().print("".join(traceback.format_exception(error)), markup=False, highlight=False)
+    _fail(f"internal error: {type(error).__name__}: {first_line(error)}",
+          "this is a bug in bnsurgeon, not a problem with your input: please report it with the traceback"
+          + ("" if verbose else " (run again with -v, or BNSURGEON_DEBUG=1, to see it)"), INTERNAL_ERROR)
+
+
 def handle_errors(command: Callable) -> Callable:
-    """Turn library errors into one-line messages and exit codes (traceback with BNSURGEON_DEBUG=1)."""
+    """Turn library errors into one-line messages and exit codes (traceback with BNSURGEON_DEBUG=1);
+    anything else is an internal error (exit 70), never exit 1, which means a check failed."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -113,6 +135,12 @@ def handle_errors(command: Callable) -> Callable:
             name = str(interrupt) or "SIGINT"
             state = getattr(interrupt, "state", "nothing was written")
             _fail(f"interrupted ({name})", f"{state}; run the command again", getattr(interrupt, "exit_code", 130))
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+            raise  # Typer's and Click's own ways out (an exit code the command chose, a usage error Click words)
+        except Exception as error:
+            if debug:
+                raise
+            _internal_error(error, bool(kwargs.get("verbose")))
 
     return wrapper
 

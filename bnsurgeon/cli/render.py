@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 from rich.console import Console
 from rich.text import Text
 
-from bnsurgeon.core.layout import Column, counted, printable, table_lines, wrap  # noqa: F401 (printable: every untrusted text's way out)
+from bnsurgeon.core.errors import bounded
+from bnsurgeon.core.layout import Column, clipped, counted, printable, table_lines, wrap  # noqa: F401 (printable: every untrusted text's way out)
 from bnsurgeon.surgery.report import collapse_paths, short
 
 if TYPE_CHECKING:
@@ -56,9 +57,13 @@ def emit(out: Console, lines: Iterable[str]) -> None:
     out.file.flush()
 
 
+#: no prose line is longer, whatever it quotes (a safety net: each quoted name is clipped first)
+MAX_SAID = 4000
+
+
 def say(out: Console, text: str, indent: str = "  ") -> None:
-    """A prose line (summary, note), wrapped at the width."""
-    emit(out, wrap(text, out.width, indent))
+    """A prose line (summary, note), wrapped at the width, at most ``MAX_SAID`` characters."""
+    emit(out, wrap(bounded(text, MAX_SAID), out.width, indent))
 
 
 @contextmanager
@@ -195,7 +200,7 @@ def render_report(report: "Report", out: Console, *, verbose: bool = False) -> N
     if report.carried:
         carried = list(report.carried.items())
         shown = carried if verbose else carried[:MAX_LISTED_ENTRIES]
-        say(out, "carried from the source checkpoint: " + "; ".join(f"{name} ({what})" for name, what in shown)
+        say(out, "carried from the source checkpoint: " + "; ".join(f"{clipped(name)} ({what})" for name, what in shown)
                  + (f"; ... and {len(carried) - len(shown):,} more (-v lists them all)" if len(shown) < len(carried)
                     else ""), indent="  ")
     for note in sorted({n for change in report.changed for n in change.notes}):

@@ -121,6 +121,11 @@ class FactoryRaisedError(UsageError):
     """The user's factory raised while building the model (on the meta device it may build for real)."""
 
 
+class RuleRaisedError(UsageError):
+    """A user's rule raised while building its replacement (the user's code, like a factory; a built-in
+    rule that raises is a bug in bnsurgeon and is not wrapped)."""
+
+
 class SourceNotFoundError(BnSurgeonError):
     """A SOURCE that names no file, timm model or importable factory."""
 

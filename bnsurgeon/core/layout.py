@@ -70,6 +70,15 @@ def shown(value: object, width: int = 80) -> str:
     return text + (f" ({len(value):,} characters)" if isinstance(value, str) and len(value) > width else "")
 
 
+def clipped(text: object, width: int = 120) -> str:
+    """A name from a file (an entry, a key) as printable text of at most ``width`` characters, then its
+    length when cut (`` ... (1,000,000 characters)``): a listing shows the name, never a megabyte of it."""
+    text = str(text)
+    if len(text) <= width:
+        return printable(text)
+    return printable(text[:width]) + f"... ({len(text):,} characters)"
+
+
 def describe_kwargs(kwargs: dict) -> str:
     """``key=value, ...`` for messages and descriptions, each value a bounded repr."""
     return ", ".join(f"{shorten(printable(key), 80)}={shown(value, 200)}" for key, value in kwargs.items())

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from bnsurgeon.core.errors import CheckpointError, SourceNotFoundError, UnsafeCheckpointError, UsageError, first_line
 from bnsurgeon.core.layout import counted, shown
@@ -239,7 +240,7 @@ def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckp
         if trust_pickle:
             obj = torch.load(path, map_location="cpu", weights_only=False)
         else:
-            with torch.serialization.safe_globals([argparse.Namespace]):
+            with harmless_globals_allowed([argparse.Namespace]):
                 obj = _torch_load(path, mmap)
     except pickle.UnpicklingError as error:
         text = str(error)
@@ -248,6 +249,10 @@ def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckp
             raise UnsafeCheckpointError(
                 f"{path} is a pickle that would run code when loaded ({culprit})"
             ) from None
+        if "WeightsUnpickler error:" in text:  # torch's safe loader refused a construct: say which, not its advice
+            raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({unpickler_refusal(text)})",
+                                  "the file is corrupt, or holds objects beyond tensors and plain values: use an "
+                                  "intact copy, or re-save the state dict alone (or as .safetensors)") from None
         raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({first_line(text, 'unknown error')})",
                               "the file is truncated or corrupt; use an intact copy") from None
     except Exception as error:  # garbage makes the unpickler raise anything: IndexError, KeyError, ...
@@ -267,6 +272,23 @@ def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckp
     return RawCheckpoint(path, obj, metadata)
 
 
+@contextmanager
+def harmless_globals_allowed(extra: list) -> Iterator[None]:
+    """torch's ``safe_globals(extra)`` for one load, leaving the caller's allow-list as it was: torch's
+    context removes ``extra`` on exit, also what the caller had added with ``add_safe_globals`` before."""
+    import torch
+
+    before = list(torch.serialization.get_safe_globals())
+    try:
+        with torch.serialization.safe_globals(extra):
+            yield
+    finally:
+        now = torch.serialization.get_safe_globals()
+        lost = [entry for entry in before if entry not in now]
+        if lost:
+            torch.serialization.add_safe_globals(lost)
+
+
 def _torch_load(path: Path, mmap: bool):
     """weights_only load; memory-mapped on request when the file is in torch's zip format."""
     import zipfile
@@ -279,6 +301,13 @@ def _torch_load(path: Path, mmap: bool):
 #: torch's weights_only refusals of a GLOBAL ("Unsupported global: GLOBAL m.f was not an allowed global",
 #: "Trying to load unsupported GLOBAL posix.system whose module posix is blocked"); garbage bytes say otherwise
 UNSUPPORTED_GLOBAL = re.compile(r"unsupported global(?:: GLOBAL)? ([\w.]+)", re.IGNORECASE)
+
+
+def unpickler_refusal(text: str) -> str:
+    """What torch's weights_only unpickler could not read ("Unsupported operand 105"), without torch's
+    advice around it (which is to turn the safe loader off)."""
+    detail = text.partition("WeightsUnpickler error:")[2] or text
+    return first_line(detail, "unknown error")[:120]
 
 
 def unsupported_global(text: str) -> str:

@@ -165,9 +165,15 @@ def _parameter_change(result: ConvertResult) -> str:
     lost = [name for name in before if name not in set(after)]
     gained = [name for name in after if name not in set(before)]
     parts = []
-    if lost:
-        parts.append(f"{counted(len(lost), 'parameter')} {'becomes a buffer' if len(lost) == 1 else 'become buffers'}, "
-                     f"e.g. {lost[0]}")
+    buffers = {name for name, _ in result.model.named_buffers()}
+    became_buffers = [name for name in lost if name in buffers]
+    removed = [name for name in lost if name not in buffers]  # --to fused: folded into the producer
+    if became_buffers:
+        parts.append(f"{counted(len(became_buffers), 'parameter')} "
+                     f"{'becomes a buffer' if len(became_buffers) == 1 else 'become buffers'}, e.g. {became_buffers[0]}")
+    if removed:
+        parts.append(f"{counted(len(removed), 'parameter')} {'is' if len(removed) == 1 else 'are'} removed "
+                     f"(folded into the layer before), e.g. {removed[0]}")
     if gained:
         parts.append(f"{counted(len(gained), 'buffer')} {'becomes a parameter' if len(gained) == 1 else 'become parameters'}, "
                      f"e.g. {gained[0]}")

@@ -126,6 +126,11 @@ def specs_for(rule_names) -> list[str]:
     return [spec for spec, names in _named_specs.items() if used.intersection(names)]
 
 
+#: a --rules confirmation hint longer than this (with its Python form) is not printed as a command: cut, it
+#: would be half a command
+CONFIRMATION_HINT_CHARS = 800
+
+
 def confirm_rules(recorded, origin: str) -> None:
     """A checkpoint made with ``--rules X`` is rebuilt only after the user names X again."""
     from bnsurgeon.core.errors import CheckpointError, ConfirmationError
@@ -134,9 +139,17 @@ def confirm_rules(recorded, origin: str) -> None:
         raise CheckpointError(f"{origin}: recorded rules are invalid", "re-convert from the original model")
     missing = [spec for spec in recorded if spec not in _named_specs]
     if missing:
+        command = " ".join(f"--rules {spec}" for spec in missing)
+        python = f"bnsurgeon.rules.use_rules({missing!r})"
+        if len(command) + len(python) > CONFIRMATION_HINT_CHARS:  # a hint is a whole command or none
+            hint = (f"if you trust that code, name each of the {len(missing)} recorded rule modules with --rules "
+                    "(the file's bnsurgeon.rules metadata lists them)")
+            python = (f"if you trust that code, pass each of the {len(missing)} recorded rule modules to "
+                      "bnsurgeon.rules.use_rules([...]) (the file's bnsurgeon.rules metadata lists them)")
+        else:
+            hint, python = f"if you trust that code, confirm with {command}", f"if you trust that code, call {python}"
         raise ConfirmationError(f"{origin} was converted with rules from {', '.join(missing)}; importing them runs code",
-                         "if you trust that code, confirm with " + " ".join(f"--rules {spec}" for spec in missing)
-                         + " (or bnsurgeon.rules.use_rules([...]))")
+                                hint, python=python)
 
 
 def default_registry() -> Registry:

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bnsurgeon.core.layout import counted, printable
+from bnsurgeon.core.layout import clipped, counted, printable
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -184,7 +184,7 @@ def render_markdown(report: Report) -> str:
         lines.append("")
     if report.carried:
         lines += ["### Carried from the source checkpoint", ""]
-        lines += [f"- {code(k)}: {v}" for k, v in report.carried.items()]
+        lines += [f"- {code(clipped(k))}: {v}" for k, v in report.carried.items()]
         lines.append("")
     # names come from the model and the file: no raw control character (a newline would start a heading)
     return "\n".join(printable(line) for line in lines).rstrip() + "\n"

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bnsurgeon.core.errors import LazyModuleError, UnhandledModuleError
 from bnsurgeon.core.anatomy import is_bn_like, is_uninitialized_lazy, qualname
-from bnsurgeon.core.layout import counted
+from bnsurgeon.core.errors import BnSurgeonError, LazyModuleError, RuleRaisedError, UnhandledModuleError, first_line
+from bnsurgeon.core.layout import counted, shown
 from bnsurgeon.core.module_copy import carry_hooks, shallow_clone
 from bnsurgeon.surgery.report import ModuleChange, ModuleKept, Report
-from bnsurgeon.rules import BuildContext, Registry, Rule, check_target, default_registry
+from bnsurgeon.rules import BuildContext, Registry, Rule, builtin_rules, check_target, default_registry
 
 if TYPE_CHECKING:
     from torch import nn
@@ -115,6 +115,7 @@ def convert(
     report = Report(target=to, options={"frozen": frozen, "allow_unhandled": allow_unhandled, "inplace": inplace,
                                         "include": list(include), "exclude": list(exclude)})
     replacements: dict[int, nn.Module] = {}
+    builtin = builtin_rules()
     exact = True
     fold_plan = None
     if to == "fused":
@@ -137,7 +138,7 @@ def convert(
         context = BuildContext(target=to, frozen=frozen, process_group=process_group, input_dims=dims)
         if fold_plan is not None:
             fold_plan.prepare(context, model, entry.path, entry.rule)
-        new = entry.rule.build(entry.module, context) if to in entry.rule.targets else entry.module
+        new = _build(entry, context, builtin) if to in entry.rule.targets else entry.module
         if new is entry.module:
             report.kept.append(
                 ModuleKept(entry.path, entry.paths[1:], entry.cls_name, entry.rule.name, context.kept_reason or "unchanged")
@@ -268,6 +269,22 @@ def _refuse_compiled_copy(model: "nn.Module", inplace: bool) -> None:
             "convert the module it compiled (compiled._orig_mod; a factory should return the model uncompiled) "
             "and compile the result again, or, from Python, convert it in place with inplace=True",
         )
+
+
+def _build(entry: PlanEntry, context: BuildContext, builtin: list[Rule]) -> "nn.Module":
+    """The rule's replacement; a user rule that raises is named with its error (a built-in one is a bug)."""
+    try:
+        return entry.rule.build(entry.module, context)
+    except BnSurgeonError:
+        raise
+    except Exception as error:
+        if entry.rule in builtin:
+            raise
+        raise RuleRaisedError(
+            f"rule {shown(entry.rule.name, 60)} raised {type(error).__name__} building --to {context.target} for "
+            f"{shown(entry.path, 120)} ({entry.cls_name}): {first_line(error)}",
+            "fix the rule's builder for that target, or leave the module out with --exclude",
+        ) from error
 
 
 def _carry_over(old: "nn.Module", new: "nn.Module", path: str) -> None:
