@@ -231,14 +231,15 @@ def convert_source(
         input_dims = observed_input_dims(loaded.model, shown_by) if shown_by is not None else None
         check_input = shown_by
     phase(f"converting to {to}" + (f" (finding producers on {shape})" if fused else ""))
-    result = convert(loaded.model, to, frozen=frozen, allow_unhandled=allow_unhandled, include=include, exclude=exclude,
-                     input_dims=input_dims, example_input=shape)
+    options = {"frozen": frozen, "allow_unhandled": allow_unhandled, "include": include, "exclude": exclude,
+               "input_dims": input_dims}  # every carried state dict is converted with the same ones
+    result = convert(loaded.model, to, example_input=shape, **options)
     result.report.source = loaded.description
     result.report.tool_version = __version__
     report = result.report
     if not (report.changed or report.kept or report.unhandled) and not allow_no_bn:
         raise NothingToConvertError(f"{loaded.description} has no BatchNorm-family module: there is nothing to convert")
-    carried = carry_entries(loaded, result, out)
+    carried = carry_entries(loaded, result, out, options)
     result.report.carried = carried.summary
     if check:
         check_input = check_input or _check_input(loaded, input_shape, example_input)
@@ -281,7 +282,7 @@ def convert_source(
         phase(f"writing {out}")
         reports = write_conversion(result, out, loaded.architecture, source=loaded.description, force=force,
                                    extras=carried.entries, check_input=check_input or loaded.check_input,
-                                   history=loaded.history)
+                                   history=loaded.history, weights=carried.weights_key)
     return ConvertOutcome(result, loaded, out, reports)
 
 

@@ -223,7 +223,7 @@ def test_verify_options_that_cannot_work_are_usage_errors(tiny, args, env, messa
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
 def test_the_finite_check_sees_one_bad_value_among_values_whose_sum_overflows(poison):
-    from bnsurgeon.checks.eval_check import has_non_finite
+    from bnsurgeon.files.weights import has_non_finite
 
     values = torch.full((64,), 3e38)  # every value finite, their sum is inf: must not be called non-finite
     assert not has_non_finite(values)

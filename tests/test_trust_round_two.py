@@ -197,3 +197,142 @@ def test_load_leaves_the_callers_safe_globals_as_they_were(tiny):
         assert all(entry in allowed for entry in mine), "bnsurgeon.load removed the caller's allow-list entries"
     finally:
         torch.serialization.clear_safe_globals()
+
+
+# ---- 2. training checkpoints: nothing lost, nothing mislabelled ---------------------------
+
+def training_checkpoint(tiny, name="train.pth.tar", ema_value=None, optimizer=True):
+    """A timm-style training checkpoint of tiny:build: raw weights, an EMA that differs, optimizer, epoch."""
+    sys.path.insert(0, str(tiny))
+    import tiny as tiny_module
+
+    raw = tiny_module.build()
+    ema = tiny_module.build()
+    with torch.no_grad():
+        for parameter in ema.parameters():
+            parameter.add_(0.25)
+        for module in ema.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.fill_(0.5)
+                module.running_var.fill_(2.0)
+    state_ema = ema.state_dict()
+    if ema_value is not None:
+        state_ema["1.running_mean"] = torch.full_like(state_ema["1.running_mean"], ema_value)
+    entries = {"epoch": 3, "state_dict": raw.state_dict(), "state_dict_ema": state_ema}
+    if optimizer:
+        entries["optimizer"] = torch.optim.SGD(raw.parameters(), lr=0.1).state_dict()
+    path = tiny / name
+    torch.save(entries, path)
+    return path, raw.state_dict(), state_ema
+
+
+@pytest.mark.parametrize("suffix", [".pth.tar", ".pth"])
+def test_weights_ema_keeps_every_state_dict_under_its_own_name_and_load_returns_the_ema(tiny, suffix):
+    path, raw, ema = training_checkpoint(tiny)
+    out = tiny / f"o{suffix}"
+    result = run("convert", path, "--model", "tiny:build", "--weights", "state_dict_ema", "--input-shape", "2,3,8,8",
+                 "-o", out)
+    assert result.exit_code == 0, result.output
+    written = torch.load(out, weights_only=True)
+    for key, value in raw.items():  # sync keeps every key: each entry holds its own source's values
+        assert torch.equal(written["state_dict"][key], value), key
+        assert torch.equal(written["state_dict_ema"][key], ema[key]), key
+    assert written["epoch"] == 3 and "optimizer" in written
+    loaded = bnsurgeon.load(out, model="tiny:build")
+    assert torch.equal(loaded.state_dict()["1.running_mean"], ema["1.running_mean"])
+    assert torch.equal(loaded.state_dict()["0.weight"], ema["0.weight"])
+    # converting the output back takes the recorded weights, and still keeps both
+    back = tiny / f"back{suffix}"
+    converted_back = run("convert", out, "--model", "tiny:build", "--to", "plain", "--input-shape", "2,3,8,8", "-o", back)
+    assert converted_back.exit_code == 0, converted_back.output
+    again = torch.load(back, weights_only=True)
+    assert torch.equal(again["state_dict"]["0.weight"], raw["0.weight"])
+    assert torch.equal(bnsurgeon.load(back, model="tiny:build").state_dict()["0.weight"], ema["0.weight"])
+
+
+def test_carried_state_dicts_take_the_same_filters_and_folds(tiny):
+    path, raw, ema = training_checkpoint(tiny, optimizer=False)
+    out = tiny / "o.pth.tar"
+    result = run("convert", path, "--model", "tiny:build", "--to", "fused", "--exclude", "4",
+                 "--input-shape", "2,3,8,8", "-o", out)
+    assert result.exit_code == 0, result.output
+    written = torch.load(out, weights_only=True)
+    assert set(written["state_dict_ema"]) == set(written["state_dict"])  # the same BN left, the same folded
+    assert "4.running_mean" in written["state_dict_ema"] and "1.running_mean" not in written["state_dict_ema"]
+    verified = run("verify", path, out, "--model", "tiny:build", "--weights", "state_dict_ema",
+                   "--converted-weights", "state_dict_ema", "--input-shape", "2,3,8,8")
+    assert verified.exit_code == 0, verified.output
+
+
+def test_nan_in_a_carried_state_dict_is_refused_and_nothing_is_written(tiny):
+    path, _, _ = training_checkpoint(tiny, ema_value=float("nan"))
+    before = listing(tiny)
+    result = run("convert", path, "--model", "tiny:build", "--input-shape", "2,3,8,8", "-o", tiny / "o.pth")
+    one_line_failure(result, 4, "entry 'state_dict_ema'", "NaN or Inf", "1.running_mean")
+    assert listing(tiny) == before
+
+
+def test_an_entry_named_like_bnsurgeons_metadata_is_refused_not_written_unloadable(tiny):
+    path, _ = tiny_checkpoint(tiny, "odd.pth", bnsurgeon={"note": "mine"})
+    before = listing(tiny)
+    result = run("convert", path, "--model", "tiny:build", "--input-shape", "2,3,8,8", "-o", tiny / "o.pth")
+    one_line_failure(result, 2, "entry named 'bnsurgeon'", ".safetensors")
+    assert listing(tiny) == before
+
+
+def test_a_state_dict_entry_that_holds_no_weights_is_carried_and_the_output_loads(tiny):
+    sys.path.insert(0, str(tiny))
+    import tiny as tiny_module
+
+    model = tiny_module.build()
+    path = tiny / "odd.pth"
+    torch.save({"state_dict": {"note": "not weights"}, "model": model.state_dict()}, path)
+    out = tiny / "o.pth"
+    result = run("convert", path, "--model", "tiny:build", "--input-shape", "2,3,8,8", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert torch.load(out, weights_only=True)["state_dict"] == {"note": "not weights"}
+    assert torch.equal(bnsurgeon.load(out, model="tiny:build").state_dict()["0.weight"], model.state_dict()["0.weight"])
+
+
+# ---- 3. memory: a small file cannot make bnsurgeon allocate a lot -------------------------
+
+def test_a_compressed_checkpoint_that_would_expand_in_memory_is_refused_before_it_is_read(tiny, monkeypatch):
+    import zipfile
+
+    stored = tiny / "stored.pt"
+    torch.save({"state_dict": {"w": torch.zeros(4 * 1024 * 1024)}}, stored)  # 16 MiB of zeros
+    bomb = tiny / "bomb.pt"
+    with zipfile.ZipFile(stored) as src, zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    stored.unlink()
+    assert bomb.stat().st_size < 200_000
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("the records were read"))
+    result = run("inspect", bomb, "--model", "tiny:build")
+    one_line_failure(result, 4, "compressed record", "expands", "16.0 MiB", "torch.save never compresses")
+
+
+@pytest.mark.parametrize("example", ["expanded", "shared"])
+def test_an_example_input_declaring_more_values_than_its_file_holds_is_refused(tiny, example):
+    base = torch.zeros(2, 3, 64, 64)
+    value = torch.zeros(1).expand(2, 3, 1024, 1024) if example == "expanded" else [base] * 16
+    path = tiny / "x.pt"
+    torch.save(value, path)
+    before = listing(tiny)
+    result = run("convert", "tiny:build", "--example-input", path, "-o", tiny / "o.safetensors")
+    one_line_failure(result, 2, "declares", "bytes of values but the file holds", "torch.save(x.clone()")
+    assert listing(tiny) == before
+
+
+def test_running_out_of_memory_is_exit_9_with_the_size_not_a_traceback(tiny, monkeypatch):
+    import bnsurgeon.api
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 123480309760 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(bnsurgeon.api, "convert_source", out_of_memory)
+    result = run("convert", "tiny:build", "--to", "fused", "-o", tiny / "o.safetensors")
+    one_line_failure(result, 9, "larger than this machine's memory", "115.0 GiB", "smaller --input-shape")
+    monkeypatch.setattr(bnsurgeon.api, "convert_source", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
+    one_line_failure(run("convert", "tiny:build", "-o", tiny / "o.safetensors"), 9, "larger than this machine's memory")

@@ -266,7 +266,22 @@ def load_example_input(path: "str | Path") -> CheckInput:
                          "save only tensors, lists or dicts of tensors: torch.save(x, 'x.pt')") from None
     except Exception as error:  # truncated or not a torch file
         raise UsageError(f"{flag} cannot be read ({first_line(error, 'unknown error')[:120]})", save_hint) from None
-    return _structure_of(value, str(path))
+    structure = _structure_of(value, str(path))
+    _refuse_more_than_the_file_holds(value, path, flag)
+    return structure
+
+
+def _refuse_more_than_the_file_holds(value: Any, path: Path, flag: str) -> None:
+    """The checks allocate noise of the shapes an example declares: a small file must not declare big
+    tensors. Saved values take their bytes in the file, so every tensor's values together fit in it;
+    an expanded view (stride 0), many views of one storage, or compressed records declare more."""
+    items = list(value) if isinstance(value, (list, tuple)) else leaves(value)
+    declared = sum(leaf.numel() * leaf.element_size() for leaf in items)
+    size = path.stat().st_size
+    if declared > size:
+        raise UsageError(f"{flag} declares {declared:,} bytes of values but the file holds {size:,} bytes "
+                         "(expanded or shared views, or compressed records)",
+                         "save the example itself: torch.save(x.clone(), 'x.pt')")
 
 
 def _structure_of(value: Any, origin: str) -> CheckInput:

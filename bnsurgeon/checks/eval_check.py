@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from bnsurgeon.core.errors import ModelCannotRunError, NonFiniteWeightsError
 from bnsurgeon.core.running import preserved_modes, run_forward
+from bnsurgeon.files.weights import has_non_finite
 from bnsurgeon.core.layout import counted
 from bnsurgeon.checks.outputs import flatten_tensors
 from bnsurgeon.surgery.report import CheckResult
@@ -82,22 +83,6 @@ def first_runnable_shape(model: "nn.Module", shape: tuple[int, ...]) -> tuple[in
         except Exception:  # the model needs its own input size
             continue
     return candidates[-1]
-
-
-def has_non_finite(tensor: "torch.Tensor") -> bool:
-    """NaN or Inf anywhere in a floating-point tensor (meta tensors hold no values).
-
-    A sum is non-finite whenever an element is (IEEE: NaN and Inf propagate, Inf - Inf is NaN),
-    so one reduction without a mask allocation decides the common all-finite case; only a
-    non-finite sum (possibly a finite overflow) is checked element by element.
-    """
-    import torch
-
-    if not tensor.is_floating_point() or tensor.is_meta or tensor.numel() == 0:
-        return False
-    if bool(torch.isfinite(tensor.sum())):
-        return False
-    return not bool(torch.isfinite(tensor).all())
 
 
 def non_finite_tensors(model: "nn.Module") -> list[str]:

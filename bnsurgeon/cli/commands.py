@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -113,6 +114,25 @@ def _internal_error(error: Exception, verbose: bool) -> None:
           + ("" if verbose else " (run again with -v, or BNSURGEON_DEBUG=1, to see it)"), INTERNAL_ERROR)
 
 
+#: how torch and Python say an allocation failed (CPU allocator, CUDA caching allocator, MemoryError)
+OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory|not enough memory|Cannot allocate memory", re.IGNORECASE)
+
+
+def _out_of_memory(error: Exception) -> bool:
+    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and bool(OUT_OF_MEMORY.search(str(error))))
+
+
+def _memory_failure(error: Exception) -> None:
+    """Running out of memory is the size of what was asked for, not a crash: exit 9 with the size."""
+    from bnsurgeon.core.errors import first_line
+
+    asked = re.search(r"allocate (\d+) bytes", str(error))
+    size = f" (an allocation of {int(asked.group(1)) / 2**30:,.1f} GiB failed)" if asked else ""
+    _fail(f"the model and its check input are larger than this machine's memory{size}: {first_line(error)}",
+          "pass a smaller --input-shape or --example-input (the batch and spatial size do not change which BN code "
+          "runs), or use a machine with more memory", 9)
+
+
 def handle_errors(command: Callable) -> Callable:
     """Turn library errors into one-line messages and exit codes (traceback with BNSURGEON_DEBUG=1);
     anything else is an internal error (exit 70), never exit 1, which means a check failed."""
@@ -140,6 +160,8 @@ def handle_errors(command: Callable) -> Callable:
         except Exception as error:
             if debug:
                 raise
+            if _out_of_memory(error):
+                _memory_failure(error)
             _internal_error(error, bool(kwargs.get("verbose")))
 
     return wrapper

@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the loading stage's record of how to build the model, writt
 
 
 def _metadata(result: ConvertResult, architecture: Architecture, source: str, *, check_input: Any = None,
-              history: list | None = None) -> dict[str, Any]:
+              history: list | None = None, weights: str = "state_dict") -> dict[str, Any]:
     metadata = {
         "schema": 1,
         "version": __version__,
@@ -36,6 +36,8 @@ def _metadata(result: ConvertResult, architecture: Architecture, source: str, *,
         metadata["check_input"] = check_input.to_record()
     if result.report.fusion is not None:  # --to fused: which BN went into which producer, for load
         metadata["folds"] = result.report.fusion["folded"]
+    if weights != "state_dict":  # the source's state_dict is another state dict, carried under its own name
+        metadata["weights"] = weights
     return metadata
 
 
@@ -50,13 +52,13 @@ def save(result: ConvertResult, path: "str | Path", architecture: Architecture, 
 
 def write_conversion(result: ConvertResult, output: Path, architecture: Architecture, *, source: str = "",
                      force: bool = False, extras: dict[str, Any] | None = None, check_input: Any = None,
-                     history: list | None = None) -> tuple[Path, Path]:
+                     history: list | None = None, weights: str = "state_dict") -> tuple[Path, Path]:
     """The checkpoint (plus a training checkpoint's carried ``extras``) and its JSON and Markdown reports:
     all three written, or none changed."""
     json_path, md_path = report_paths(output)
     write_files({
         output: checkpoint_writer(output, result.model, _metadata(result, architecture, source, check_input=check_input,
-                                                                   history=history), extras),
+                                                                   history=history, weights=weights), extras),
         json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
         md_path: lambda temp: temp.write_text(result.report.to_markdown()),
     }, force=force)

@@ -77,6 +77,7 @@ def read_checkpoint(path: str | os.PathLike, *, trust_pickle: bool = False, mmap
     if path.suffix in SAFETENSORS_SUFFIXES or _looks_like_safetensors(path):
         raw = _read_safetensors(path, mmap)
     else:
+        refuse_compressed_records(path, str(path))
         raw = _read_torch(path, trust_pickle, mmap)
     if not mmap and file_identity(path) != before:
         from bnsurgeon.core.errors import InputChangedError
@@ -103,6 +104,41 @@ def _refuse_larger_than_memory(path: Path) -> None:
             "and its tensors are read into memory",
             "convert it on a machine with more memory",
         )
+
+
+#: torch.save stores every record uncompressed; an archive may compress small records (the pickle) by
+#: at most this much before it reads as a zip bomb
+MAX_EXPANSION = 16
+#: records up to this size may be compressed at any ratio (a few KB of pickle)
+SMALL_RECORD = 1 << 20
+
+
+def refuse_compressed_records(path: Path, what: str) -> None:
+    """A torch zip whose records are compressed expands in memory when read: 260 KB of deflated zeros is
+    a 256 MB tensor. torch.save never compresses, so a record that expands more than ``MAX_EXPANSION``
+    times (or beyond memory) is refused before anything is read."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # torch's own reader says what is wrong with it
+    declared = sum(record.file_size for record in records)
+    physical = physical_memory()
+    if physical is not None and declared > physical:
+        raise CheckpointError(
+            f"{what} declares {declared / 2**30:,.1f} GiB of records, more than this machine's "
+            f"{physical / 2**30:,.1f} GiB of memory", "convert it on a machine with more memory")
+    for record in records:
+        if record.file_size > SMALL_RECORD and record.file_size > MAX_EXPANSION * max(record.compress_size, 1):
+            raise CheckpointError(
+                f"{what} holds a compressed record {shown(record.filename, 80)} that expands "
+                f"{record.file_size / max(record.compress_size, 1):,.0f} times, to {record.file_size / 2**20:,.1f} MiB "
+                "(torch.save never compresses; a zip bomb would fill memory before the load fails)",
+                "save it again with torch.save (records stored, not compressed)")
 
 
 def file_identity(path: Path) -> tuple[int, ...]:

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bnsurgeon.core.errors import CheckpointError, UsageError
+from bnsurgeon.core.errors import CheckpointError, NonFiniteWeightsError, UsageError
 from bnsurgeon.core.layout import counted
 from bnsurgeon.files.reading import count_tensors, entry_name, nesting_depth, state_dict_candidates, strip_common_prefix
-from bnsurgeon.files.weights import load_weights
+from bnsurgeon.files.weights import has_non_finite, load_weights
 from bnsurgeon.surgery.walk import ConvertResult, convert
 
 if TYPE_CHECKING:
@@ -37,16 +37,14 @@ if TYPE_CHECKING:
 
     from bnsurgeon.loading.architecture import LoadedSource  # what the loading stage hands over
 
-#: entries a bnsurgeon checkpoint writes itself; regenerated, never carried
-OWN_ENTRIES = ("state_dict", "bnsurgeon")
-
-
 @dataclass
 class Carried:
     """What goes into the output besides the model (``entries``) and what the report says of each."""
 
     entries: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, str] = field(default_factory=dict)
+    #: the output entry holding the model's tensors (recorded as bnsurgeon.weights when not state_dict)
+    weights_key: str = "state_dict"
 
 
 def writes_extras(output: Path | None) -> bool:
@@ -84,8 +82,10 @@ def _describe(value: Any) -> str:
     return type(value).__name__ + (f", {counted(tensors, 'tensor')}" if tensors else "")
 
 
-def _converted_copy(result: ConvertResult, state: dict, origin: str) -> dict:
-    """``state`` (e.g. EMA weights) loaded into a copy of the source model, converted like the model."""
+def _converted_copy(result: ConvertResult, state: dict, origin: str, options: dict[str, Any]) -> dict:
+    """``state`` (e.g. EMA weights) loaded into a copy of the source model, converted like the model (the same
+    target, frozen policy, filters, input dims and, for ``fused``, the same folds), then checked for NaN/Inf
+    as the model's own weights are."""
     import torch
 
     expected = set(result.source.state_dict())
@@ -93,27 +93,61 @@ def _converted_copy(result: ConvertResult, state: dict, origin: str) -> dict:
     twin = copy.deepcopy(result.source)
     with torch.no_grad():
         load_weights(twin, state, origin)
-    options = result.report.options
-    converted = convert(twin, result.report.target, frozen=options.get("frozen", "keep"),
-                        allow_unhandled=bool(options.get("allow_unhandled", False)), inplace=True).model
-    return {key: value.detach() for key, value in converted.state_dict().items()}
+    fused = result.report.fusion
+    converted = convert(twin, result.report.target, inplace=True,
+                        folds=fused["folded"] if fused is not None else None, **options).model
+    tensors = {key: value.detach() for key, value in converted.state_dict().items()}
+    bad = [key for key, value in tensors.items() if has_non_finite(value)]
+    if bad:
+        listed = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in "
+                                    f"{counted(len(bad), 'tensor')}: {listed}")
+    return tensors
 
 
-def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | None) -> Carried:
-    """The source checkpoint's other entries, converted or copied for ``output`` (see the module doc)."""
+def output_weights_key(raw: Any, weights_key: str, output: Path | None) -> str:
+    """Where a .pt output keeps the model's (checked) tensors: ``state_dict``, unless the source's own
+    ``state_dict`` entry is another state dict (``--weights state_dict_ema``): then the chosen entry's own name,
+    so that every state dict stays under the name it had."""
+    entry = weights_key.split(".", 1)[0]
+    if not writes_extras(output) or not isinstance(raw.obj, dict) or "state_dict" not in raw.obj \
+            or entry in ("", "state_dict"):
+        return "state_dict"
+    if "." in weights_key:
+        raise UsageError(
+            f"{raw.path}: the chosen weights {weights_key!r} sit inside the entry {entry!r}, beside a state_dict "
+            "entry of its own; a .pt output cannot keep both under their names with the model's",
+            "write a .safetensors output (the chosen weights only), or save that state dict at the top level")
+    return entry
+
+
+def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | None,
+                  options: dict[str, Any] | None = None) -> Carried:
+    """The source checkpoint's other entries, converted or copied for ``output`` (see the module doc).
+
+    ``options`` are the keyword arguments the model was converted with (frozen, allow_unhandled,
+    include, exclude, input_dims): every other state dict is converted with the same ones.
+    """
     raw = loaded.checkpoint
+    options = dict(options or {"frozen": result.report.options.get("frozen", "keep"),
+                               "allow_unhandled": bool(result.report.options.get("allow_unhandled", False))})
     if raw is None or not isinstance(raw.obj, dict) or _is_bare_state_dict(raw.obj):
         return Carried()
     weights_key = loaded.weights_key or ("state_dict" if raw.is_bnsurgeon else "")
     weights_entry = weights_key.split(".", 1)[0]
-    others = {name: value for name, value in raw.obj.items()
-              if name != weights_entry and not (raw.is_bnsurgeon and name in OWN_ENTRIES)}
-    carried = Carried()
+    main = output_weights_key(raw, weights_key, output)
+    own = {"bnsurgeon", weights_entry} if raw.is_bnsurgeon else set()
+    others = {name: value for name, value in raw.obj.items() if name != weights_entry and name not in own}
+    carried = Carried(weights_key=main)
     if not writes_extras(output):
         reason = "not written: a .safetensors output holds the model's tensors only; write .pth/.pth.tar to carry it"
         carried.summary = {entry_name(name): f"{_describe(value)}; {reason}" for name, value in others.items()}
         return carried
 
+    if "bnsurgeon" in others:  # a .pt output keeps bnsurgeon's metadata under that name
+        raise UsageError(f"{raw.path} holds an entry named 'bnsurgeon', the name a .pt output keeps for bnsurgeon's "
+                         "metadata: carried, it would replace it and the file would not load back",
+                         "write a .safetensors output (the weights only), or rename that entry in the source")
     for name, value in others.items():
         if nesting_depth(value, MAX_CARRIED_NESTING) > MAX_CARRIED_NESTING:
             raise CheckpointError(
@@ -121,15 +155,18 @@ def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | No
                 "more than a training checkpoint does and more than a .pt output can be written with",
                 "write a .safetensors output (the weights only), or save the checkpoint without that entry")
     target = result.report.target
-    if weights_entry and weights_entry not in OWN_ENTRIES:
+    if weights_entry and weights_entry != main:
         weights = {k: v.detach() for k, v in result.model.state_dict().items()}
         carried.entries[weights_entry] = _nest(raw.obj[weights_entry], weights_key, weights)
-        carried.summary[weights_entry] = f"the converted weights (the same tensors as state_dict), {counted(len(weights), 'tensor')}"
+        carried.summary[weights_entry] = (f"the converted weights (the same tensors as {main}), "
+                                          f"{counted(len(weights), 'tensor')}")
+    elif weights_entry and weights_entry == main and main != "state_dict":
+        carried.summary[weights_entry] = "the converted and checked weights: what bnsurgeon.load returns"
     candidates = state_dict_candidates(raw.obj)
     for name, value in others.items():
         nested_keys = [key for key in candidates if isinstance(name, str) and key.split(".", 1)[0] == name]
         if nested_keys:
-            state = _converted_copy(result, candidates[nested_keys[0]], f"{raw.path} entry {nested_keys[0]!r}")
+            state = _converted_copy(result, candidates[nested_keys[0]], f"{raw.path} entry {nested_keys[0]!r}", options)
             carried.entries[name] = _nest(value, nested_keys[0], state)
             carried.summary[entry_name(name)] = f"converted to {target} like the model ({counted(len(state), 'tensor')})"
         elif is_optimizer_state(value):

@@ -157,3 +157,19 @@ def load_weights(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: A
     check_fit(model, state, origin)
     refuse_lossy_casts(state, model.state_dict(), origin)
     model.load_state_dict(state, strict=True)
+
+
+def has_non_finite(tensor: "torch.Tensor") -> bool:
+    """NaN or Inf anywhere in a floating-point tensor (meta tensors hold no values).
+
+    A sum is non-finite whenever an element is (IEEE: NaN and Inf propagate, Inf - Inf is NaN),
+    so one reduction without a mask allocation decides the common all-finite case; only a
+    non-finite sum (possibly a finite overflow) is checked element by element.
+    """
+    import torch
+
+    if not tensor.is_floating_point() or tensor.is_meta or tensor.numel() == 0:
+        return False
+    if bool(torch.isfinite(tensor.sum())):
+        return False
+    return not bool(torch.isfinite(tensor).all())

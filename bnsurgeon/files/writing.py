@@ -142,7 +142,11 @@ def unique_tensors(model: "nn.Module") -> tuple[dict[str, "torch.Tensor"], dict[
 
 def checkpoint_writer(path: Path, model: "nn.Module", metadata: dict[str, Any],
                       extras: dict[str, Any] | None = None) -> Callable[[Path], None]:
-    """A function writing the model's tensors plus ``bnsurgeon.*`` metadata (format from ``path``) to a temp path."""
+    """A function writing the model's tensors plus ``bnsurgeon.*`` metadata (format from ``path``) to a temp path.
+
+    In a .pt output the tensors go under ``metadata['weights']`` (default ``state_dict``); ``extras`` (a training
+    checkpoint's other entries) may not take that name or ``bnsurgeon``: the file would not load back.
+    """
     tensors, aliases = unique_tensors(model)
     flat = {"format": "pt"}
     flat.update({PREFIX + key: json.dumps(value) for key, value in metadata.items()})
@@ -152,8 +156,14 @@ def checkpoint_writer(path: Path, model: "nn.Module", metadata: dict[str, Any],
 
         # any temp file safetensors makes lands next to ``temp``: inside our staging directory
         return lambda temp: safetensors.torch.save_file(tensors, str(temp), metadata=flat)
-    payload = {"state_dict": tensors, "bnsurgeon": {k[len(PREFIX):]: v for k, v in flat.items() if k.startswith(PREFIX)}}
+    main = metadata.get("weights", "state_dict")
+    payload = {main: tensors, "bnsurgeon": {k[len(PREFIX):]: v for k, v in flat.items() if k.startswith(PREFIX)}}
     payload["bnsurgeon"]["format"] = "pt"
+    clash = sorted(set(extras or {}) & set(payload), key=str)
+    if clash:
+        raise OutputError(f"an entry to carry is named {clash[0]!r}, where the output keeps "
+                          + ("bnsurgeon's metadata" if clash[0] == "bnsurgeon" else "the model's weights"),
+                          "write a .safetensors output (the weights only), or rename that entry in the source")
     if extras:
         payload.update(extras)
     return lambda temp: _torch_save(payload, temp)

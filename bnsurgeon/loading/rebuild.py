@@ -52,6 +52,7 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
                           timm_input_shape(rebuilt), raw)
     loaded.history = history
     loaded.check_input = recorded.check_input
+    loaded.weights_key = weights or recorded.weights
     return loaded
 
 

@@ -44,6 +44,9 @@ class Recorded:
     history: list[dict[str, Any]] = field(default_factory=list)
     check_input: Any = None  # a CheckInput: the input the file's checks used, reused by later ones
     rules: list[str] = field(default_factory=list)  # --rules specs whose rules the conversion used
+    #: the entry of a .pt output holding the model's tensors: state_dict, or the chosen state dict's own name
+    #: when the source's state_dict was another one (--weights state_dict_ema)
+    weights: str = "state_dict"
 
 
 def _bad(raw: RawCheckpoint, key: str, problem: str) -> MetadataError:
@@ -134,12 +137,27 @@ def known_classes() -> set[str]:
     return produced | {qualname(cls) for rule in default_registry() for cls in rule.classes}
 
 
+def recorded_weights(raw: RawCheckpoint) -> str:
+    """The entry the file records as the model's tensors (``state_dict`` unless recorded otherwise), checked to
+    be a top-level state dict of the file."""
+    value = _field(raw, "weights", "state_dict")
+    if value == "state_dict":
+        return value
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME_CHARS or "." in value:
+        raise _bad(raw, "weights", f"is {shown(value)}, not the name of an entry of the file")
+    if value not in state_dict_candidates(raw.obj):
+        raise _bad(raw, "weights", f"names the entry {shown(value)}, which holds no state dict in the file")
+    return value
+
+
 def stored_tensors(raw: RawCheckpoint, weights: str | None = None) -> dict[str, "torch.Tensor"]:
-    """The model's tensors; ``weights`` names another state dict of the file (a training checkpoint's EMA)."""
+    """The model's tensors (the entry the file records); ``weights`` names another state dict of the file
+    (a training checkpoint's EMA)."""
     candidates = state_dict_candidates(raw.obj)
     if weights is not None:
         return candidates[pick_weights(raw.path, candidates, weights)]
-    found = candidates.get("state_dict") or candidates.get("")
+    key = recorded_weights(raw)
+    found = candidates.get(key) or (candidates.get("") if key == "state_dict" else None)
     if found is None:
         reason = why_not_a_state_dict(raw.obj)
         if reason:  # tensors are there: "missing every key" would misstate the file
@@ -228,7 +246,7 @@ def read_recorded(raw: RawCheckpoint) -> Recorded:
     history = _history(raw, target, options)
     check_input = _check_input(raw)
     return Recorded(schema, architecture, target, options, classes, aliases, source if isinstance(source, str) else "",
-                    folds, history, check_input, rules)
+                    folds, history, check_input, rules, recorded_weights(raw))
 
 
 def check_rebuilt(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") -> None:
