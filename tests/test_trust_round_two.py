@@ -336,3 +336,97 @@ def test_running_out_of_memory_is_exit_9_with_the_size_not_a_traceback(tiny, mon
     one_line_failure(result, 9, "larger than this machine's memory", "115.0 GiB", "smaller --input-shape")
     monkeypatch.setattr(bnsurgeon.api, "convert_source", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
     one_line_failure(run("convert", "tiny:build", "-o", tiny / "o.safetensors"), 9, "larger than this machine's memory")
+
+
+# ---- 5. writes and signals (continued) ----------------------------------------------------
+
+def test_two_force_writers_to_one_output_never_mix_their_files(tmp_path, monkeypatch):
+    """A commits slowly, B quickly and after A started: unlocked, the checkpoint came from B and the
+    reports from A. The unit is committed under a lock on the directory."""
+    import os
+    import threading
+    import time
+
+    from bnsurgeon.files import safewrite
+
+    finals = [tmp_path / "out.pth", tmp_path / "out.pth.report.json", tmp_path / "out.pth.report.md"]
+    real_replace = os.replace
+    a_committing = threading.Event()
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        if threading.current_thread().name == "A":
+            a_committing.set()
+            time.sleep(0.2)
+
+    monkeypatch.setattr(safewrite.os, "replace", replace)
+
+    def writer(tag):
+        def write(temp):
+            temp.write_text(tag)
+        return write
+
+    def run_writer(tag, wait=None):
+        if wait is not None:
+            wait.wait(5)
+        safewrite.write_files({final: writer(tag) for final in finals}, force=True)
+
+    a = threading.Thread(target=run_writer, args=("A",), name="A")
+    b = threading.Thread(target=run_writer, args=("B", a_committing), name="B")
+    a.start()
+    b.start()
+    a.join(10)
+    b.join(10)
+    contents = {final.read_text() for final in finals}
+    assert len(contents) == 1, [final.read_text() for final in finals]
+    assert not [p for p in tmp_path.iterdir() if ".bnsurgeon-tmp-" in p.name]
+
+
+def stray_temps(directory):
+    return [p.name for p in directory.iterdir() if ".bnsurgeon-tmp-" in p.name]
+
+
+def test_a_second_ctrl_c_during_cleanup_leaves_no_temp_directory(tiny, monkeypatch):
+    import os
+    import shutil
+    import signal
+    import time
+
+    import safetensors.torch
+
+    real_rmtree = shutil.rmtree
+
+    def interrupted_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C, while the checkpoint is written
+        time.sleep(1)
+
+    def rmtree_then_again(path, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # the second, as the cleanup starts
+        time.sleep(0.2)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted_save)
+    monkeypatch.setattr(shutil, "rmtree", rmtree_then_again)
+    result = run("convert", "tiny:build", "--input-shape", "2,3,8,8", "-o", tiny / "o.safetensors")
+    one_line_failure(result, 130, "interrupted (SIGINT)", "nothing was written")
+    assert stray_temps(tiny) == [] and not (tiny / "o.safetensors").exists()
+
+
+def test_a_ctrl_c_during_cleanup_after_the_commit_says_the_files_are_written(tiny, monkeypatch):
+    import os
+    import shutil
+    import signal
+    import time
+
+    real_rmtree = shutil.rmtree
+
+    def rmtree_interrupted(path, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_interrupted)
+    out = tiny / "o.safetensors"
+    result = run("convert", "tiny:build", "--input-shape", "2,3,8,8", "-o", out)
+    one_line_failure(result, 130, "interrupted (SIGINT)", "written completely")
+    assert out.exists() and stray_temps(tiny) == []

@@ -139,7 +139,7 @@ def handle_errors(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        from bnsurgeon.core.interrupts import signals_raise
+        from bnsurgeon.core.interrupts import signals_ignored, signals_raise
 
         debug = os.environ.get("BNSURGEON_DEBUG", "") not in ("", "0")
         try:
@@ -148,13 +148,15 @@ def handle_errors(command: Callable) -> Callable:
         except BnSurgeonError as error:
             if debug:
                 raise
-            _fail(error.message, error.hint, error.exit_code)
+            with signals_ignored():
+                _fail(error.message, error.hint, error.exit_code)
         except KeyboardInterrupt as interrupt:
             if debug:
                 raise
             name = str(interrupt) or "SIGINT"
             state = getattr(interrupt, "state", "nothing was written")
-            _fail(f"interrupted ({name})", f"{state}; run the command again", getattr(interrupt, "exit_code", 130))
+            with signals_ignored():
+                _fail(f"interrupted ({name})", f"{state}; run the command again", getattr(interrupt, "exit_code", 130))
         except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
             raise  # Typer's and Click's own ways out (an exit code the command chose, a usage error Click words)
         except Exception as error:

@@ -218,6 +218,8 @@ class Interrupted(KeyboardInterrupt):
         self.signum = int(signum)
         self.exit_code = 128 + self.signum
         self.state = state  # what is on disk, said exactly
+
+
 class NothingToConvertError(BnSurgeonError):
     """A model with no BatchNorm-family module: a conversion would only copy it."""
 

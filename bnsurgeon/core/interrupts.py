@@ -42,17 +42,39 @@ def signals_raise() -> Iterator[None]:
 
 
 @contextmanager
-def signals_deferred() -> Iterator[list[int]]:
-    """Hold the handled signals until the block ends, then raise the first one that arrived."""
-    if not _in_main_thread():
-        yield []
-        return
+def signals_collected() -> Iterator[list[int]]:
+    """Hold the handled signals while the block runs; the caller reads which arrived (nothing is raised)."""
     arrived: list[int] = []
+    if not _in_main_thread():
+        yield arrived
+        return
     previous = {signum: signal.signal(signum, lambda signum, frame: arrived.append(signum)) for signum in HANDLED}
     try:
         yield arrived
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[list[int]]:
+    """Hold the handled signals until the block ends, then raise the first one that arrived."""
+    with signals_collected() as arrived:
+        yield arrived
     if arrived:
         raise Interrupted(arrived[0])
+
+
+@contextmanager
+def signals_ignored() -> Iterator[None]:
+    """While the one line about an error or interruption is printed, a further Ctrl-C changes nothing: the
+    process exits with the code the line names, not killed by the signal halfway through it (exit -2)."""
+    if not _in_main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in HANDLED}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -17,11 +17,12 @@ import re
 import secrets
 import shutil
 import signal
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from bnsurgeon.core.errors import BnSurgeonError, Interrupted, OutputError
-from bnsurgeon.core.interrupts import signals_deferred
+from bnsurgeon.core.interrupts import signals_collected, signals_deferred
 
 TEMP_MARK = ".bnsurgeon-tmp-"
 #: errnos meaning "this filesystem has no hard links": fall back to an exclusive create
@@ -30,6 +31,27 @@ NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EN
 DISK_FULL = re.compile(r"no space left|quota|StorageFull|QuotaExceeded|file too large|FileTooLarge", re.IGNORECASE)
 #: the longest suffix bnsurgeon adds to an output's name (temp directory, report names)
 NAME_OVERHEAD = len(TEMP_MARK) + 1 + 10 + 1 + 8 + len(".report.json")
+
+
+@contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive flock on the output directory itself (no lock file to leave behind) while a unit is
+    committed; a filesystem without flock commits unlocked, as before."""
+    import fcntl
+
+    try:
+        handle = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(handle)  # releases the lock
 
 
 def new_file_mode() -> int:
@@ -133,6 +155,14 @@ def _roll_back(committed: list[Path], backups: dict[Path, Path | None], force: b
     return left
 
 
+def _remove_stage(stage: Path) -> int | None:
+    """Remove the staging directory with signals held, so that a second Ctrl-C cannot leave it behind;
+    returns the first signal that arrived meanwhile."""
+    with signals_collected() as arrived:
+        shutil.rmtree(stage, ignore_errors=True)
+    return arrived[0] if arrived else None
+
+
 def _names(paths: list[Path]) -> str:
     return ", ".join(str(p) for p in paths)
 
@@ -152,6 +182,7 @@ def write_files(writers: dict[Path, Callable[[Path], None]], *, force: bool) -> 
     untouched = f"nothing was written; {_names(existing)} unchanged" if existing else "nothing was written"
     committed: list[Path] = []
     current = finals[0]
+    succeeded = False
     try:
         os.mkdir(stage, 0o700)
         staged = {}
@@ -164,7 +195,9 @@ def write_files(writers: dict[Path, Callable[[Path], None]], *, force: bool) -> 
             mode = os.stat(final).st_mode & 0o7777 if force and final.exists() else default_mode
             os.chmod(temp, mode)
             staged[final] = (temp, mode)
-        with signals_deferred():
+        # held signals, and one writer at a time in this directory: of two --force runs to one output, the
+        # checkpoint and its reports all come from the same run
+        with signals_deferred(), _directory_lock(directory):
             backups = _keep_previous(staged, stage) if force else {}
             try:
                 for final, (temp, mode) in staged.items():
@@ -178,6 +211,7 @@ def write_files(writers: dict[Path, Callable[[Path], None]], *, force: bool) -> 
                 committed[:] = _roll_back(committed, backups, force)
                 raise
         _fsync(directory, directory=True)
+        succeeded = True
         return finals
     except FileExistsError:
         raise OutputError(f"{current} appeared while bnsurgeon was writing (another run?); "
@@ -204,4 +238,6 @@ def write_files(writers: dict[Path, Callable[[Path], None]], *, force: bool) -> 
     except KeyboardInterrupt as interrupt:
         raise Interrupted(signal.SIGINT, untouched) from interrupt
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        late = _remove_stage(stage)
+        if late is not None and succeeded:  # the files are in place: say so, not "nothing was written"
+            raise Interrupted(late, f"{_names(finals)} written completely")
