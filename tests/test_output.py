@@ -400,6 +400,8 @@ def test_the_static_rule_table_is_the_registry():
     conditional = {name for _, name, _ in OPTIONAL_CLASSES.values()}
     named = {name for names in _named_specs.values() for name in names}
     rows = registry_rows(default_registry())
+    # and transformers' frozen BN classes join once transformers has imported their model modules
+    conditional |= {row["name"] for row in rows if row["name"].startswith("transformers-")}
     assert [row for row in rows if row["name"] not in conditional | named] == BUILTIN_RULES
     assert not conditional & {row["name"] for row in BUILTIN_RULES}
 

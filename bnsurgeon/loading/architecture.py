@@ -23,7 +23,7 @@ SEED = 0
 class Architecture:
     """How to build the model again: a timm name or an importable factory, with kwargs."""
 
-    kind: str  # "timm" | "factory" | "unknown"
+    kind: str  # "timm" | "factory" | "transformers" | "unknown"
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -36,6 +36,8 @@ class Architecture:
 
     def describe(self) -> str:
         args = describe_kwargs(self.kwargs)
+        if self.kind == "transformers":  # its kwargs are the whole config: named, not listed
+            return f"transformers:{self.name}"
         prefix = "timm:" if self.kind == "timm" else ""
         return f"{prefix}{self.name}" + (f"({args})" if args else "")
 
@@ -48,6 +50,10 @@ class Architecture:
                 return _create_timm(self.name, self.kwargs)
             if self.kind == "factory":
                 return _call_factory(self.name, self.kwargs)
+            if self.kind == "transformers":
+                from bnsurgeon.loading.transformers_source import build
+
+                return build(self.name, self.kwargs)
         raise UsageError(
             "the checkpoint does not record an architecture bnsurgeon can rebuild",
             "pass the model (--model ARCH, or bnsurgeon.load(path, model=...))",

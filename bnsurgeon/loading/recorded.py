@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 #: metadata schema versions this bnsurgeon reads
 KNOWN_SCHEMAS = (1,)
-ARCHITECTURE_KINDS = ("timm", "factory", "unknown")
+ARCHITECTURE_KINDS = ("timm", "factory", "transformers", "unknown")
 MAX_NAME_CHARS = 200
 
 
@@ -120,6 +120,16 @@ def _architecture(raw: RawCheckpoint) -> Architecture:
         raise _bad(raw, "architecture", f"names {shown(name)}, not a factory of the form package.module:function")
     if kind == "timm" and not TIMM_NAME_PATTERN.match(name):
         raise _bad(raw, "architecture", f"names {shown(name)}, not a timm model name")
+    if kind == "transformers":
+        from bnsurgeon.loading.transformers_source import CLASS_PATTERN, check_config
+
+        if not CLASS_PATTERN.match(name) or set(kwargs) != {"config"}:
+            raise _bad(raw, "architecture", f"names {shown(name)} with {shown(sorted(kwargs))}: not a transformers "
+                                            "class and its config")
+        try:
+            check_config(kwargs["config"], f"{raw.path}: metadata {PREFIX}architecture's config")
+        except CheckpointError as error:
+            raise MetadataError(error.message, error.hint) from None
     if not isinstance(kwargs, dict) or not is_plain_literal(kwargs):
         raise _bad(raw, "architecture", "has kwargs that are not plain literals (str, number, bool, None, lists, dicts)")
     problem = size_args_problem(kwargs)
@@ -229,6 +239,10 @@ def read_recorded(raw: RawCheckpoint) -> Recorded:
     if not isinstance(options.get("allow_unhandled", False), bool):
         raise _bad(raw, "options", "has a non-boolean allow_unhandled")
     classes = _string_map(raw, "classes")
+    if architecture.kind == "transformers":  # its module holds its frozen BN classes: the registry finds them
+        from bnsurgeon.loading.transformers_source import model_class
+
+        model_class(architecture.name)
     unknown = sorted({cls for cls in classes.values()} - known_classes())
     if unknown and not options.get("allow_unhandled", False):
         raise _bad(raw, "classes", f"names classes no rule claims or produces: {', '.join(unknown[:3])}")

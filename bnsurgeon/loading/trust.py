@@ -180,6 +180,7 @@ def confirm_architecture(recorded: Architecture, origin: Any, named: str | None 
     unconfirmed = {
         key: value for key, value in recorded.kwargs.items()
         if not (recorded.kind == "timm" and key in TENSOR_CHECKED_TIMM_ARGS)
+        and recorded.kind != "transformers"  # the config is data, as config.json is to transformers itself
         and not (key in named_args and named_args[key] == value)
         and not (elsewhere is not None and key in elsewhere.kwargs and same_value(elsewhere.kwargs[key], value))
         and not accept_recorded_args

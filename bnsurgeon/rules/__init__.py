@@ -164,9 +164,9 @@ def default_registry() -> Registry:
         for rule in _entry_point_rules():
             registry.register(rule, replace=True)
         _default = registry
-    from bnsurgeon.rules.openmmlab import imported_rules
+    from bnsurgeon.rules import openmmlab, transformers_bn
 
-    for rule in imported_rules(_optional_loaded):
+    for rule in [*openmmlab.imported_rules(_optional_loaded), *transformers_bn.imported_rules(_optional_loaded)]:
         if all(_default.lookup(cls) is None for cls in rule.classes):
             _default.register(rule)
     return _default

@@ -4,6 +4,8 @@ time (``bnsurgeon_origin``), looked up in a fixed allow-list, never imported by 
 
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
 from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, attach_stats, qualname, read_fields
@@ -167,6 +169,16 @@ def thaw_or_keep(unfreeze):
     return build
 
 
+#: frozen classes a family registers at run time (transformers' *FrozenBatchNorm2d): origin -> builder
+_registered_frozen: dict[str, "Callable[[nn.Module], nn.Module]"] = {}
+
+
+def register_frozen_origin(origin: str, make: "Callable[[nn.Module], nn.Module]") -> None:
+    """Let ``--to frozen`` rebuild a layer thawed from ``origin`` (a frozen class a rule family found) with
+    ``make(module)``, which returns that class holding the module's tensors."""
+    _registered_frozen[origin] = make
+
+
 def frozen_origin_classes() -> dict[str, type]:
     """The frozen classes a layer can be thawed from, by qualified name (a fixed allow-list)."""
     from bnsurgeon.runtime import FrozenBatchNorm, FrozenBatchNormAct
@@ -195,6 +207,8 @@ def refreeze(module: nn.Module, origin: str) -> nn.Module | None:
     """
     from bnsurgeon.runtime import FrozenBatchNorm
 
+    if origin in _registered_frozen:
+        return _registered_frozen[origin](module)
     cls = frozen_origin_classes().get(origin)
     if cls is None:
         return None

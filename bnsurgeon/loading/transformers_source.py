@@ -1,0 +1,126 @@
+"""SOURCE kind: a Hugging Face transformers model directory (what ``save_pretrained`` writes:
+``config.json`` plus ``model.safetensors``, shards with an index, or ``pytorch_model.bin``).
+
+The config is data and transformers' own classes are library code, as a timm name is: the class
+named by the config's ``architectures`` is taken from the ``transformers`` package itself (never
+imported by a name from the file) and built with ``from_pretrained(local_files_only=True)``. A
+config that asks for remote code (``auto_map``) names code from the file: refused, because
+bnsurgeon runs code only when the user names it (a factory that calls ``from_pretrained(...,
+trust_remote_code=True)`` is how to name it). What rebuilds the model (class + config) is
+recorded in bnsurgeon's output, so ``bnsurgeon.load(out)`` needs no arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bnsurgeon.core.errors import CheckpointError, ConfirmationError, SourceNotFoundError, UsageError, first_line
+from bnsurgeon.core.layout import shown
+
+if TYPE_CHECKING:
+    from torch import nn
+
+CONFIG_NAME = "config.json"
+#: the weights files save_pretrained writes; one of them beside config.json makes the directory the SOURCE
+WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+#: a transformers model class name (DetrForObjectDetection): an identifier, nothing to import
+CLASS_PATTERN = re.compile(r"^[A-Z][A-Za-z0-9_]{0,99}$")
+#: a config.json is a few KB; a bigger one is not a config
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def model_directory(path: Path) -> Path | None:
+    """The model directory ``path`` names: itself (holding config.json), config.json's directory, or the
+    directory of a save_pretrained weights file; None otherwise."""
+    if path.is_dir():
+        return path if (path / CONFIG_NAME).is_file() else None
+    if path.name == CONFIG_NAME or path.name in WEIGHTS_NAMES or re.match(r"^model-\d+-of-\d+\.safetensors$", path.name):
+        return path.parent if (path.parent / CONFIG_NAME).is_file() else None
+    return None
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """config.json as data: a JSON object, bounded, naming a transformers class, asking for no remote code."""
+    path = directory / CONFIG_NAME
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path} is {path.stat().st_size:,} bytes, not a model config", "pass the model directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({first_line(error)})",
+                              "the file is truncated or corrupt; save the model again") from None
+    check_config(config, str(path))
+    return config
+
+
+def check_config(config: Any, origin: str) -> None:
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{origin} is not a JSON object", "pass a directory save_pretrained wrote")
+    if "auto_map" in config:
+        raise ConfirmationError(
+            f"{origin} asks for remote code (auto_map {shown(config['auto_map'], 80)}): importing it runs code from "
+            "the model directory, so bnsurgeon does not",
+            "if you trust that code, write a factory that calls from_pretrained(..., trust_remote_code=True) "
+            "and pass it as SOURCE (package.module:function)")
+    classes = config.get("architectures")
+    if not isinstance(classes, list) or not classes or not all(isinstance(name, str) for name in classes):
+        raise CheckpointError(f"{origin} names no model class (its 'architectures' list is missing or empty)",
+                              "save the model with save_pretrained (it records its class), or pass a factory")
+    if not CLASS_PATTERN.match(classes[0]):
+        raise CheckpointError(f"{origin} names the class {shown(classes[0], 80)}, not a transformers model class",
+                              "pass a factory that builds the model")
+
+
+def model_class(name: str) -> type:
+    """The transformers model class called ``name`` (from the package itself)."""
+    try:
+        import transformers
+    except ImportError:
+        raise SourceNotFoundError("a Hugging Face model directory needs transformers",
+                                  "pip install transformers") from None
+    cls = getattr(transformers, name, None) if CLASS_PATTERN.match(name) else None
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+        raise SourceNotFoundError(f"transformers {transformers.__version__} has no model class {shown(name, 80)}",
+                                  "upgrade transformers, or pass a factory that builds the model")
+    return cls
+
+
+def build(name: str, kwargs: dict[str, Any]) -> "nn.Module":
+    """``name`` built from the recorded ``config`` (seeded or meta per the caller's device context)."""
+    cls = model_class(name)
+    config = kwargs.get("config")
+    check_config(config, f"the recorded config of {name}")
+    try:
+        return cls(cls.config_class.from_dict(dict(config))).eval()
+    except Exception as error:
+        raise UsageError(f"transformers {name} cannot be built from its recorded config: "
+                         f"{type(error).__name__}: {first_line(error)}",
+                         "convert the original model directory again") from None
+
+
+def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str, dict[str, Any]]":
+    """(model with the directory's weights, class name, config) via transformers, local files only."""
+    config = read_config(directory)
+    name = config["architectures"][0]
+    cls = model_class(name)
+    if meta:
+        import torch
+
+        with torch.device("meta"):
+            return build(name, {"config": config}), name, config
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # bnsurgeon's output is its own lines; the caller's setting comes back
+    try:
+        model = cls.from_pretrained(str(directory), local_files_only=True)
+    except Exception as error:
+        raise CheckpointError(f"{directory}: transformers could not load {name}: {type(error).__name__}: "
+                              f"{first_line(error)}", "check the directory's weights files") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    return model.eval(), name, model.config.to_dict()

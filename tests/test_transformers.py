@@ -1,0 +1,138 @@
+"""Hugging Face transformers (issue 30): a save_pretrained directory as SOURCE, the output rebuilt with no
+arguments, transformers' own frozen BN classes found by what they are, unfrozen to sync and refrozen to
+their own class. Small configs, no weights, local files only."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e '.[test]')")
+
+import bnsurgeon  # noqa: E402
+from bnsurgeon.cli.commands import app  # noqa: E402
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200", "HF_HUB_OFFLINE": "1"})
+
+
+def one_line_failure(result, code, *phrases):
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    flat = " ".join(result.output.split())
+    for phrase in phrases:
+        assert phrase in flat, flat
+
+
+@pytest.fixture(scope="module")
+def resnet_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    directory = tmp_path_factory.mktemp("hf") / "resnet"
+    transformers.ResNetForImageClassification(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def detr_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    backbone = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1],
+                                         out_features=["stage4"])
+    config = transformers.DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
+                                     d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, num_queries=5,
+                                     num_labels=3)
+    directory = tmp_path_factory.mktemp("hf") / "detr"
+    transformers.DetrForObjectDetection(config).save_pretrained(directory)
+    return directory
+
+
+def test_a_model_directory_is_a_source_and_the_output_rebuilds_with_no_arguments(resnet_dir, tmp_path):
+    inspected = run("inspect", resnet_dir)
+    assert inspected.exit_code == 0 and "BatchNorm2d" in inspected.output, inspected.output
+    out = tmp_path / "r.sync.safetensors"
+    result = run("convert", resnet_dir, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "bit-identical" in result.output
+    report = json.loads((tmp_path / "r.sync.safetensors.report.json").read_text())
+    assert "transformers:ResNetForImageClassification" in report["source"]
+    model = bnsurgeon.load(out)  # class and config are recorded: nothing to name
+    assert type(model).__name__ == "ResNetForImageClassification"
+    assert {type(m).__name__ for m in model.modules()} >= {"SyncBatchNorm"}
+    source = transformers.ResNetForImageClassification.from_pretrained(resnet_dir).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x).logits, source(x).logits)
+    for named in (resnet_dir / "config.json", resnet_dir / "model.safetensors"):  # the files name their directory
+        assert run("inspect", named).exit_code == 0
+
+
+def test_verify_of_a_directory_against_its_conversion_on_two_ranks(resnet_dir, tmp_path):
+    out = tmp_path / "r.sync.safetensors"
+    assert run("convert", resnet_dir, "-o", out).exit_code == 0
+    result = run("verify", resnet_dir, out, "-w", "2")
+    assert result.exit_code == 0, result.output
+    assert "2 ranks" in result.output
+
+
+def test_detr_frozen_bn_unfreezes_to_sync_and_refreezes_to_its_own_class(detr_dir, tmp_path):
+    inspected = run("inspect", detr_dir)
+    assert inspected.exit_code == 0 and "transformers-DetrFrozenBatchNorm2d" in inspected.output, inspected.output
+    sync = tmp_path / "d.sync.safetensors"
+    result = run("convert", detr_dir, "--frozen", "unfreeze", "--input-shape", "1,3,64,64", "-o", sync)
+    assert result.exit_code == 0, result.output
+    thawed = bnsurgeon.load(sync)
+    assert sum(type(m).__name__ == "SyncBatchNorm" for m in thawed.modules()) == 16
+    frozen = tmp_path / "d.frozen.safetensors"
+    back = run("convert", sync, "--to", "frozen", "--input-shape", "1,3,64,64", "-o", frozen)
+    assert back.exit_code == 0 and "refrozen into its original class DetrFrozenBatchNorm2d" in back.output, back.output
+    refrozen = bnsurgeon.load(frozen)
+    assert sum(type(m).__name__ == "DetrFrozenBatchNorm2d" for m in refrozen.modules()) == 16
+    original = transformers.DetrForObjectDetection.from_pretrained(detr_dir)
+    assert set(refrozen.state_dict()) == set(original.state_dict())  # no num_batches_tracked left behind
+    for key, value in original.state_dict().items():
+        assert torch.equal(refrozen.state_dict()[key], value), key
+
+
+def test_a_frozen_bn_lookalike_that_computes_something_else_is_not_claimed(monkeypatch, tmp_path):
+    """Found by what they are: named like one, four buffers, but its forward is not the frozen BN map."""
+    module = types.ModuleType("transformers.models.lookalike.modeling_lookalike")
+
+    class LookalikeFrozenBatchNorm2d(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            for name in ("weight", "bias", "running_mean", "running_var"):
+                self.register_buffer(name, torch.ones(n))
+
+        def forward(self, x):
+            return x * self.weight.reshape(1, -1, 1, 1)  # no normalization
+
+    LookalikeFrozenBatchNorm2d.__module__ = module.__name__
+    module.LookalikeFrozenBatchNorm2d = LookalikeFrozenBatchNorm2d
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), LookalikeFrozenBatchNorm2d(4))
+    from bnsurgeon.core.errors import UnhandledModuleError
+
+    with pytest.raises(UnhandledModuleError, match="LookalikeFrozenBatchNorm2d"):
+        bnsurgeon.convert(model, "sync")
+
+
+def test_a_config_asking_for_remote_code_is_refused_and_nothing_runs(resnet_dir, tmp_path):
+    directory = tmp_path / "remote"
+    directory.mkdir()
+    config = json.loads((resnet_dir / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "modeling_evil.EvilModel"}
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").write_bytes((resnet_dir / "model.safetensors").read_bytes())
+    (directory / "modeling_evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('x')\n")
+    result = run("convert", directory, "-o", tmp_path / "o.safetensors")
+    one_line_failure(result, 10, "asks for remote code", "trust_remote_code=True")
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "o.safetensors").exists()
