@@ -430,3 +430,13 @@ def test_a_ctrl_c_during_cleanup_after_the_commit_says_the_files_are_written(tin
     result = run("convert", "tiny:build", "--input-shape", "2,3,8,8", "-o", out)
     one_line_failure(result, 130, "interrupted (SIGINT)", "written completely")
     assert out.exists() and stray_temps(tiny) == []
+
+
+def test_outputs_holding_a_bool_mask_are_compared_not_a_crash():
+    from bnsurgeon.checks.verify import Tolerance, _within  # noqa: F401  (the comparison verify uses)
+
+    mask = torch.tensor([True, False])
+    ok, _ = _within([torch.ones(2), mask], [torch.ones(2) + 1e-9, mask], Tolerance(rtol=1e-6))
+    assert ok
+    ok, _ = _within([mask], [~mask], Tolerance(rtol=1e-6))
+    assert not ok

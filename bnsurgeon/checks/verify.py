@@ -136,7 +136,8 @@ def _within(expected: list, actual: list, tol: Tolerance = EXACT) -> tuple[bool,
         return False, diff
     if tol.exact:
         return all(torch.equal(a, b) for a, b in zip(expected, actual)), diff
-    ok = all(
+    ok = all(  # masks and indices (bool, int) compare exactly; values within the tolerance
+        torch.equal(a, b) if not a.is_floating_point() and not a.is_complex() else
         torch.allclose(a.double(), b.double(), rtol=0.0, atol=tol.atol + tol.rtol * max(a.abs().max().item(), 1.0))
         for a, b in zip(expected, actual) if a.numel()
     )
