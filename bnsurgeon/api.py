@@ -22,3 +22,4 @@ from bnsurgeon.loading.rebuild import load, rebuild_from_checkpoint  # noqa: F40
 from bnsurgeon.surgery.walk import class_map  # noqa: F401
 from bnsurgeon.surgery.walk import ConvertResult, convert  # noqa: F401
 from bnsurgeon.files.conversion import save, write_reports  # noqa: F401
+from bnsurgeon.calibration.recalibrate import RecalibrationReport, recalibrate  # noqa: F401
