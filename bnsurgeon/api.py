@@ -18,6 +18,7 @@ from bnsurgeon.checks.eval_check import (  # noqa: F401
 )
 from bnsurgeon.core.running import preserved_modes  # noqa: F401
 from bnsurgeon.pipeline import ConvertOutcome, convert_source, inspect, verify  # noqa: F401
+from bnsurgeon.pipeline import RecalibrateOutcome, recalibrate_source  # noqa: F401
 from bnsurgeon.loading.rebuild import load, rebuild_from_checkpoint  # noqa: F401
 from bnsurgeon.surgery.walk import class_map  # noqa: F401
 from bnsurgeon.surgery.walk import ConvertResult, convert  # noqa: F401

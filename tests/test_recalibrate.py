@@ -174,3 +174,204 @@ def check_world(pool: RankPool, world: int, counts: tuple[int, ...]):
 def test_ranks_equal_one_process(ranks, world, counts):
     """Uneven shards (one rank with none), a different image size per rank: N ranks = one process."""
     check_world(ranks, world, counts)
+
+
+# the command line -------------------------------------------------------------------------------
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+from typer.testing import CliRunner  # noqa: E402
+
+from bnsurgeon.cli.commands import app  # noqa: E402
+
+runner = CliRunner()
+SIDE = 32
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+def listing(directory):
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir() if p.name != "__pycache__"}
+
+
+def timm_training_checkpoint(path):
+    """A timm train.py checkpoint: arch, args (a Namespace), weights, EMA weights (whose BN buffers are the
+    averages EMA leaves: not this model's), SGD state with momentum, epoch, metric."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_efficientnet", pretrained=False, num_classes=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3, SIDE, SIDE)).sum().backward()
+    optimizer.step()
+    ema = {k: (v.clone() * 0.9 + 0.01 if v.is_floating_point() else v.clone()) for k, v in model.state_dict().items()}
+    entries = {"epoch": 3, "arch": "test_efficientnet", "args": argparse.Namespace(num_classes=10, lr=0.1),
+               "state_dict": model.state_dict(), "state_dict_ema": ema, "optimizer": optimizer.state_dict(),
+               "metric": 0.5}
+    torch.save(entries, path)
+    return entries
+
+
+def same(a, b) -> bool:
+    """Equal all the way down: tensors by torch.equal (values, dtype, shape), containers entry by entry."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, argparse.Namespace):
+        return vars(a) == vars(b)
+    return a == b
+
+
+def test_cli_ema_training_checkpoint_only_ema_bn_buffers_change(tmp_path):
+    import timm
+
+    source = tmp_path / "last.pth.tar"
+    entries = timm_training_checkpoint(source)
+    data = torch.randn(20, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(5)) * 1.5 + 0.2
+    torch.save(data, tmp_path / "calib.pt")
+    out = tmp_path / "last.recal.pth.tar"
+    result = run("recalibrate", source, "--weights", "state_dict_ema", "--data", tmp_path / "calib.pt",
+                 "--batch-size", 8, "-o", out, "--json", "-q")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["samples"] == 20 and report["batches"] == 3 and report["ranks"] == 1
+
+    # the expected EMA statistics: the API on a model holding the EMA weights, the same three batches
+    reference = timm.create_model("test_efficientnet", pretrained=False, num_classes=10)
+    reference.load_state_dict(entries["state_dict_ema"])
+    expected = bnsurgeon.recalibrate(reference, list(data.split(8)))
+    changed = {f"{m.path}.{name}" for m in expected.modules for name in ("running_mean", "running_var")}
+    assert len(changed) == 2 * len([m for m in reference.modules() if isinstance(m, nn.BatchNorm2d)])
+
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        written = torch.load(out, weights_only=True)
+    assert list(written)[:len(entries)] == list(entries)
+    for name, value in entries.items():  # every entry but the EMA: identical, all the way down
+        if name != "state_dict_ema":
+            assert same(written[name], value), name
+    ema = written["state_dict_ema"]
+    assert list(ema) == list(entries["state_dict_ema"])
+    for key, value in entries["state_dict_ema"].items():
+        if key in changed:
+            assert ema[key].dtype == value.dtype and not torch.equal(ema[key], value), key
+            assert torch.equal(ema[key], reference.state_dict()[key]), key
+        else:  # weights, num_batches_tracked: untouched
+            assert torch.equal(ema[key], value), key
+    record = written["bnsurgeon_recalibrations"][-1]
+    assert record["weights"] == "state_dict_ema" and record["samples"] == 20 and record["batches"] == 3
+    assert record["ranks"] == 1 and len(record["data"]["sha256"]) == 64
+    assert json.loads((tmp_path / "last.recal.pth.tar.report.json").read_text())["data"]["sha256"] == record["data"]["sha256"]
+
+
+DATA_MODELS = '''
+import torch
+from torch import nn
+
+
+def small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1), nn.BatchNorm2d(2))
+
+
+class Bypass(nn.Module):
+    """Its BN sits on a branch the forward never takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def bypass():
+    torch.manual_seed(0)
+    return Bypass()
+
+
+def pairs():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(3, 3, 9, 9, generator=g), torch.zeros(3)) for _ in range(4)]
+'''
+
+
+@pytest.fixture
+def data_models(tmp_path, monkeypatch):
+    from _modules import install_module
+
+    return install_module(tmp_path, monkeypatch, "rmodels", DATA_MODELS)
+
+
+def test_cli_function_data_and_reports(data_models):
+    tmp = data_models
+    out = tmp / "small.safetensors"
+    result = run("recalibrate", "rmodels:small", "--data", "rmodels:pairs", "--samples", 10, "-o", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp / "small.safetensors.report.json").read_text())
+    assert report["samples"] == 10 and report["batches"] == 4  # the last batch cut to one sample
+    from safetensors.torch import load_file
+
+    written = load_file(out)
+    expected_model = __import__("rmodels").small()
+    batches = [x for x, _ in __import__("rmodels").pairs()]
+    bnsurgeon.recalibrate(expected_model, batches[:3] + [batches[3][:1]])
+    for key, value in expected_model.state_dict().items():
+        assert torch.equal(written[key], value), key
+
+
+@pytest.mark.parametrize("case", ["empty", "short", "shape", "nan", "unreached", "integers", "pickle", "missing"])
+def test_cli_bad_data_one_line_own_code_nothing_written(data_models, case):
+    tmp = data_models
+    data = tmp / "data.pt"
+    source, extra = "rmodels:small", []
+    code, message = {
+        "empty": (12, "holds no batch"),
+        "short": (13, "holds 6 samples in 3 batches, fewer than the 10 samples asked for"),
+        "shape": (9, "cannot run on batch 0 of shape (2, 5, 8, 8)"),
+        "nan": (14, "the input of 1 held NaN or Inf"),
+        "unreached": (15, "never called any of the model's 1 tracked BN module"),
+        "integers": (12, "is a uint8 tensor"),
+        "pickle": (12, "would run code"),
+        "missing": (12, "is no file, folder or package.module:function"),
+    }[case]
+    if case == "empty":
+        torch.save(torch.zeros(0, 3, 8, 8), data)
+    elif case == "short":
+        torch.save([torch.randn(2, 3, 8, 8) for _ in range(3)], data)
+        extra = ["--samples", 10]
+    elif case == "shape":
+        torch.save(torch.randn(2, 5, 8, 8), data)
+    elif case == "nan":
+        x = torch.randn(4, 3, 8, 8)
+        x[1, 0, 2, 2] = float("nan")
+        torch.save(x, data)
+    elif case == "unreached":
+        torch.save(torch.randn(4, 3, 8, 8), data)
+        source = "rmodels:bypass"
+    elif case == "integers":
+        torch.save(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), data)
+    elif case == "pickle":
+        class Evil:
+            def __reduce__(self):
+                import os
+
+                return (os.system, (f"touch {tmp / 'pwned'}",))
+
+        torch.save([torch.randn(2, 3, 8, 8), Evil()], data)
+    elif case == "missing":
+        data = tmp / "nowhere"
+    before = listing(tmp)
+    result = run("recalibrate", source, "--data", data, "-o", tmp / "out.safetensors", *extra)
+    assert result.exit_code == code, result.output
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output
+    assert result.output.count("error:") == 1 and len(result.output.strip().splitlines()) <= 3, result.output
+    assert listing(tmp) == before
+    assert not (tmp / "pwned").exists()

@@ -19,6 +19,8 @@ FLAG_KEYWORDS = {
     "--converted-model": "converted_model=", "--converted-model-arg": "converted_model_args=",
     "--converted-weights": "converted_weights=", "--compare-at": "compare_at=", "--atol": "atol=",
     "--no-perturb": "perturb=False",
+    "--data": "data=", "--batches": "batches=", "--samples": "samples=", "--batch-size": "batch_size=",
+    "--include-frozen": "include_frozen=True",
 }
 
 #: flags whose keyword argument takes the flag's value as a string
