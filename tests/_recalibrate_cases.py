@@ -114,3 +114,20 @@ def _global_batch_reference(counts: tuple[int, ...]) -> dict[str, list[torch.Ten
             else:
                 xs = [layer(x) for x in xs]
     return seen
+
+
+def rank_cli(rank: int, world_size: int, source: str, data: str, output: str, cwd: str) -> dict:
+    """``bnsurgeon recalibrate`` as torchrun runs it: RANK/WORLD_SIZE set, each rank reads its shard of DATA."""
+    import os
+    import sys
+
+    from bnsurgeon.pipeline import recalibrate_source
+
+    torch.set_num_threads(1)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    os.chdir(cwd)
+    sys.path.insert(0, cwd)
+    outcome = recalibrate_source(source, data, output, batch_size=3)
+    return {"output": str(outcome.output) if outcome.output else None, "rank_batches": outcome.report.rank_batches,
+            "samples": outcome.report.samples, "sha256": outcome.report.data["sha256"],
+            "statistics": outcome.report.statistics}

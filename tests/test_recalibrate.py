@@ -6,7 +6,7 @@ Every expected value is computed here, independently, from the activations thems
 
 from __future__ import annotations
 
-import copy
+import contextlib
 
 import pytest
 import torch
@@ -15,6 +15,18 @@ from torch import nn
 import bnsurgeon
 from tests import _recalibrate_cases as cases
 from bnsurgeon.checks.multiproc import RankPool
+
+
+@contextlib.contextmanager
+def one_thread():
+    """The ranks compute with one thread each; a reference that must match them bit for bit does too
+    (a different thread split may change a float32 sum's last bit)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def closed_form(activations: list[torch.Tensor]) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -37,7 +49,6 @@ def assert_population(statistics, seen, rtol=1e-10):
 
 
 def test_one_process_closed_form_and_state():
-    torch.set_num_threads(1)
     model = cases.make_model()
     before = cases.buffers(model)
     model.train()
@@ -131,11 +142,11 @@ def ranks():
 
 def check_world(pool: RankPool, world: int, counts: tuple[int, ...]):
     results = pool.run(world, cases.rank_plain_and_sync, counts, timeout=150)
-    torch.set_num_threads(1)
     # plain model under DDP: each rank normalises its own batches; one process runs them all in rank order
     reference = cases.make_model()
     seen = cases.capture(reference)
-    one = bnsurgeon.recalibrate(reference, [x for rank in range(world) for x in cases.shard(rank, counts)])
+    with one_thread():
+        one = bnsurgeon.recalibrate(reference, [x for rank in range(world) for x in cases.shard(rank, counts)])
     expected = cases.buffers(reference)
     for rank, result in enumerate(results):
         plain = result["plain"]
@@ -174,6 +185,50 @@ def check_world(pool: RankPool, world: int, counts: tuple[int, ...]):
 def test_ranks_equal_one_process(ranks, world, counts):
     """Uneven shards (one rank with none), a different image size per rank: N ranks = one process."""
     check_world(ranks, world, counts)
+
+
+CLI_MODEL = '''
+import torch
+from torch import nn
+
+
+def small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1), nn.BatchNorm2d(2))
+'''
+
+
+def test_cli_under_torchrun_shards_and_rank_zero_writes(ranks, tmp_path):
+    """RANK/WORLD_SIZE set: 3 ranks read batches i % 3 of 7 (20 samples cut into batches of 3: the last
+    holds 2; rank 0 gets 3), only rank 0 writes, and the file equals a one-process run."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "rcli.py").write_text(CLI_MODEL)
+    torch.save(torch.randn(20, 3, 7, 7, generator=torch.Generator().manual_seed(9)) + 4, tmp_path / "d.pt")
+    results = ranks.run(3, cases.rank_cli, "rcli:small", str(tmp_path / "d.pt"), str(tmp_path / "n.safetensors"),
+                        str(tmp_path), timeout=120)
+    assert [r["output"] for r in results] == [str(tmp_path / "n.safetensors"), None, None]
+    assert all(r["rank_batches"] == [3, 2, 2] and r["samples"] == 20 for r in results)
+    assert len({r["sha256"] for r in results}) == 1
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from bnsurgeon.pipeline import recalibrate_source
+
+        with one_thread():
+            one = recalibrate_source("rcli:small", str(tmp_path / "d.pt"), tmp_path / "one.safetensors", batch_size=3)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("rcli", None)
+    assert one.report.data["sha256"] == results[0]["sha256"]
+    for path, (n, mean, var) in one.report.statistics.items():
+        got_n, got_mean, got_var = results[0]["statistics"][path]
+        assert got_n == n and relative(got_mean, mean) < 1e-12 and relative(got_var, var) < 1e-12
+    written, expected = load_file(tmp_path / "n.safetensors"), load_file(tmp_path / "one.safetensors")
+    assert set(written) == set(expected)
+    for key in expected:
+        assert torch.allclose(written[key], expected[key], rtol=2.5e-7, atol=0), key
 
 
 # the command line -------------------------------------------------------------------------------
