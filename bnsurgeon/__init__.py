@@ -26,6 +26,7 @@ _API = {
     "FrozenBatchNormAct": ("bnsurgeon.runtime", "FrozenBatchNormAct"),
     "recalibrate": ("bnsurgeon.api", "recalibrate"),
     "recalibrate_source": ("bnsurgeon.api", "recalibrate_source"),
+    "recalibrate_averaged": ("bnsurgeon.api", "recalibrate_averaged"),
     "RecalibrationReport": ("bnsurgeon.api", "RecalibrationReport"),
 }
 

@@ -24,3 +24,4 @@ from bnsurgeon.surgery.walk import class_map  # noqa: F401
 from bnsurgeon.surgery.walk import ConvertResult, convert  # noqa: F401
 from bnsurgeon.files.conversion import save, write_reports  # noqa: F401
 from bnsurgeon.calibration.recalibrate import RecalibrationReport, recalibrate  # noqa: F401
+from bnsurgeon.calibration.training import averaged_module, recalibrate_averaged  # noqa: F401

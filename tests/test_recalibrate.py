@@ -7,6 +7,7 @@ Every expected value is computed here, independently, from the activations thems
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -430,3 +431,88 @@ def test_cli_bad_data_one_line_own_code_nothing_written(data_models, case):
     assert result.output.count("error:") == 1 and len(result.output.strip().splitlines()) <= 3, result.output
     assert listing(tmp) == before
     assert not (tmp / "pwned").exists()
+
+
+# in training ------------------------------------------------------------------------------------
+
+
+def test_recalibrate_averaged_unwraps_torch_and_timm_averages():
+    from timm.utils import ModelEmaV3
+    from torch.optim.swa_utils import AveragedModel
+
+    data = cases.shard(0, (3,))
+    for wrap in (AveragedModel, lambda m: ModelEmaV3(m, decay=0.9)):
+        averaged = wrap(cases.make_model())
+        expected = copy.deepcopy(averaged.module)
+        seen = cases.capture(expected)
+        expected_report = bnsurgeon.recalibrate(expected, data)
+        report = bnsurgeon.recalibrate_averaged(averaged, data)
+        assert_population(report.statistics, seen)
+        assert [m.path for m in report.modules] == [m.path for m in expected_report.modules]
+        for key, value in expected.state_dict().items():
+            assert torch.equal(averaged.module.state_dict()[key], value), key
+
+
+LIGHTNING_MODULE = '''
+import torch
+import lightning.pytorch as pl
+from timm.utils import ModelEmaV3
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests import _recalibrate_cases as cases
+
+
+class WithEma(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = cases.make_model()
+        self.ema = ModelEmaV3(self.net, decay=0.5)
+
+    def training_step(self, batch, index):
+        return self.net(batch[0]).square().mean()
+
+    def on_train_batch_end(self, *args):
+        self.ema.update(self.net)
+
+    def validation_step(self, batch, index):
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(8, 3, 8, 8)), batch_size=4)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(4, 3, 8, 8)), batch_size=4)
+'''
+
+
+def test_lightning_callback_recalibrates_the_ema_before_validation_and_at_fit_end(tmp_path, monkeypatch):
+    pl = pytest.importorskip("lightning.pytorch")
+    from _modules import install_module
+
+    from bnsurgeon.integrations.lightning import RecalibrateBN
+
+    install_module(tmp_path, monkeypatch, "lit_ema", LIGHTNING_MODULE)
+    import lit_ema
+
+    torch.manual_seed(0)
+    module = lit_ema.WithEma()
+    data = cases.shard(1, (0, 3))
+    calls = []
+    callback = RecalibrateBN(data, model="ema")
+    original = callback.recalibrate
+    callback.recalibrate = lambda trainer, pl_module: calls.append(trainer.state.stage) or original(trainer, pl_module)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[callback])
+    trainer.fit(module)
+    assert len(calls) == 2  # before the validation, and at the end of fit
+    expected = copy.deepcopy(module.ema.module)
+    bnsurgeon.recalibrate(expected, data)  # the same pass again: the same statistics
+    for key, value in expected.state_dict().items():
+        assert torch.equal(module.ema.module.state_dict()[key], value), key
+    assert callback.report.samples == sum(len(x) for x in data)
+    raw = {k: v for k, v in module.net.state_dict().items() if "running" in k}
+    assert any(not torch.equal(raw[k], v) for k, v in expected.state_dict().items() if k in raw)

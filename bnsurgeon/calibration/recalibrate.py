@@ -205,6 +205,24 @@ def _take(value: Any, count: int) -> Any:
     return value
 
 
+def _moved(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_moved(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: _moved(item, device) for key, item in value.items()}
+    return value
+
+
+def _on_device(forward, device: torch.device):
+    def call(model, value):
+        value = _moved(value, device)
+        return forward(model, value) if forward is not None else _call(model, value)
+
+    return call
+
+
 def _call(model: "nn.Module", value: Any) -> Any:
     if isinstance(value, dict):
         return model(**value)
@@ -214,7 +232,8 @@ def _call(model: "nn.Module", value: Any) -> Any:
 def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max_batches: int | None = None,
                 max_samples: int | None = None, include_frozen: bool = False, group: Any = None,
                 progress: "Callable[[int, int], None] | None" = None,
-                forward: "Callable[[nn.Module, Any], Any] | None" = None) -> RecalibrationReport:
+                forward: "Callable[[nn.Module, Any], Any] | None" = None,
+                device: "torch.device | str | None" = None) -> RecalibrationReport:
     """Write the exact population statistics of ``data`` into every BN-family module of ``model``.
 
     ``data``: an iterable of batches (a tensor; an ``(input, target)`` tuple/list, whose first
@@ -224,7 +243,8 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     ``max_samples``). Under an initialised process group (or ``group``) every rank passes its
     own data; all ranks get the same statistics, those of every element on every rank. Pass
     ``group=False`` to recalibrate this process alone. ``progress(batches, samples)`` is
-    called after each batch of this rank.
+    called after each batch of this rank. ``device``: move every batch's tensors there first
+    (e.g. an EMA copy kept on another device than the loader's batches).
 
     Frozen BN (normalises with its buffers in every mode) is left alone unless
     ``include_frozen``. Modules the forward never reached are listed and left unchanged;
@@ -256,6 +276,8 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
         for item in tracked:
             hooks.append(item.module.register_forward_pre_hook(_make_hook(item, call_order)))
         torch.set_grad_enabled(False)
+        if device is not None:
+            forward = _on_device(forward, torch.device(device))
         failure = _run_pass(model, data, max_batches, max_samples, progress, forward, report, lockstep, group, world,
                             counters)
         merged, totals = _merge(tracked, report, failure, group, world, counters)
