@@ -516,3 +516,34 @@ def test_lightning_callback_recalibrates_the_ema_before_validation_and_at_fit_en
     assert callback.report.samples == sum(len(x) for x in data)
     raw = {k: v for k, v in module.net.state_dict().items() if "running" in k}
     assert any(not torch.equal(raw[k], v) for k, v in expected.state_dict().items() if k in raw)
+
+
+def test_cli_image_folder_through_the_models_preprocessing(data_models):
+    """Images (any depth, path order) read with Pillow through timm's data config of the model."""
+    from PIL import Image
+    from safetensors.torch import load_file
+    from timm.data import create_transform, resolve_data_config
+
+    tmp = data_models
+    folder = tmp / "images"
+    (folder / "b").mkdir(parents=True)
+    generator = torch.Generator().manual_seed(4)
+    paths = [folder / "a.png", folder / "b" / "c.jpg", folder / "b" / "d.png"]
+    for index, path in enumerate(paths):
+        pixels = (torch.rand(40 + 8 * index, 50, 3, generator=generator) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(path)
+    out = tmp / "img.safetensors"
+    result = run("recalibrate", "rmodels:small", "--data", folder, "--batch-size", 2, "-o", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp / "img.safetensors.report.json").read_text())
+    assert report["samples"] == 3 and report["batches"] == 2 and report["data"]["kind"] == "image-folder"
+    model = __import__("rmodels").small()
+    transform = create_transform(**resolve_data_config({}, model=model), is_training=False)
+    images = []
+    for path in paths:
+        with Image.open(path) as image:
+            images.append(transform(image.convert("RGB")))
+    bnsurgeon.recalibrate(model, [torch.stack(images[:2]), torch.stack(images[2:])])
+    written = load_file(out)
+    for key, value in model.state_dict().items():
+        assert torch.equal(written[key], value), key

@@ -322,7 +322,6 @@ def _image_batches(images: list[Path], model: "nn.Module | None", batch_size: in
     for path in images:
         try:
             with Image.open(path) as image:
-                image.draft("RGB", tuple(config["input_size"][1:]))
                 chunk.append(transform(image.convert("RGB")))
         except Exception as error:
             raise DataError(f"{path} is not a readable image ({type(error).__name__}: {first_line(error)})",
