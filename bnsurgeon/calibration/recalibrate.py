@@ -59,7 +59,7 @@ class ModuleRecalibration:
     calls: int  # over every batch on every rank
     calls_per_batch: float
     mean_change_max: float  # max |new - old| over channels
-    mean_change_rel: float  # max |new - old| / max(|old|, |new|, 1e-12)... of the mean, relative to sqrt(var)
+    mean_change_rel: float  # max |new - old| / new std over channels
     var_change_max: float
     var_change_rel: float  # max |new - old| / old over channels
     aliases: list[str] = field(default_factory=list)
@@ -376,6 +376,8 @@ def _run_pass(model, data, max_batches, max_samples, progress, forward, report, 
     no other rank waits for this one), or None."""
     batches = samples = 0
     template = None
+    parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
+    empty_like = (parameter.dtype, parameter.device) if parameter is not None else (torch.float32, torch.device("cpu"))
     iterator = iter(data)
     failure = None
     while True:
@@ -399,7 +401,7 @@ def _run_pass(model, data, max_batches, max_samples, progress, forward, report, 
             except BnSurgeonError as error:
                 failure, value = error, None
         if lockstep:
-            value = _agree_step(value, template, group, world, counters, failure)
+            value = _agree_step(value, template, group, world, counters, failure, empty_like)
             if value is None:
                 break
             if batch is None:  # this rank is out of data: it joins the step with an empty batch
@@ -433,14 +435,16 @@ def _forward(model, value, forward, index: int, empty: bool = False) -> None:
         shape = tuple(tensor.shape) if tensor is not None else type(value).__name__
         what = "an empty batch (this rank's data ran out)" if empty else f"batch {index} of shape {shape}"
         raise ModelCannotRunError(f"the model cannot run on {what}: {type(error).__name__}: {first_line(error)}",
-                                  "pass batches the model takes (N, C, H, W in its input size and dtype)") from None
+                                  "pass batches the model takes (N, C, H, W in its input size and dtype; in training "
+                                  "mode a BN needs more than one value per channel, so no batch of one sample after "
+                                  "a pooling layer)") from None
 
 
 #: the step header of a lockstep pass: [has a batch, failed, dims, shape...] (shapes of up to this many dims)
 MAX_DIMS = 8
 
 
-def _agree_step(value, template, group, world, counters, failure):
+def _agree_step(value, template, group, world, counters, failure, empty_like):
     """Sync BN layers are collectives: every rank must run every step. One small all_gather per step
     says which ranks still have a batch; a rank without one runs an empty batch shaped like its last
     one (or, with none yet, like the first rank's, with zero samples). None: every rank is done."""
@@ -454,7 +458,8 @@ def _agree_step(value, template, group, world, counters, failure):
     elif value is not None:
         header[0] = 1
     header[1] = int(failure is not None)
-    rows = all_gather_rows(header, world, group, lambda: "bnsurgeon recalibrate's step header")
+    rows = all_gather_rows(header.to(_collective_device(group)), world, group,
+                           lambda: "bnsurgeon recalibrate's step header").cpu()
     counters["collectives"] += 1
     if bool(rows[:, 1].any()):  # a rank failed: every rank stops here, and the merge says so
         return None
@@ -468,7 +473,7 @@ def _agree_step(value, template, group, world, counters, failure):
         dims = int(row[2])
         if row[0] and dims:
             shape = [0, *[int(s) for s in row[4:3 + dims]]]
-            return torch.zeros(shape)
+            return torch.zeros(shape, dtype=empty_like[0], device=empty_like[1])
     raise DataError("a rank with no data cannot join a step of a model with sync BN layers whose batches are not "
                     "single tensors", "give every rank at least one batch, or pass tensor batches")
 

@@ -156,7 +156,8 @@ def _shard(stream: DataStream, batches: Iterable[Any], max_batches, max_samples,
         raise NotEnoughDataError(
             f"--data {stream.description} holds {counted(stream.samples, 'sample')} in "
             f"{stream.batches} batch{'' if stream.batches == 1 else 'es'}, fewer than the {' and '.join(short)}",
-            f"nothing was written; pass --samples {stream.samples} (or fewer) to use what there is, or more data")
+            "nothing was written; pass " + (f"--samples {stream.samples}" if max_samples is not None else
+                                            f"--batches {stream.batches}") + " (or fewer) to use what there is, or more data")
 
 
 def _cut(value, count):
@@ -232,7 +233,16 @@ def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
 
 
 def _file_batches(path: Path, batch_size: int | None) -> Iterator["torch.Tensor"]:
-    from bnsurgeon.files.reading import read_checkpoint
+    import zipfile
+
+    from bnsurgeon.files.reading import physical_memory, read_checkpoint
+
+    memory = physical_memory()
+    if memory is not None and path.suffix != ".safetensors" and not zipfile.is_zipfile(path) \
+            and path.stat().st_size > memory // 2:  # torch's legacy format cannot be memory-mapped: it is read whole
+        raise DataError(f"--data file {path} is {path.stat().st_size / 2**30:,.1f} GiB in torch's legacy format, "
+                        "which is read into memory whole (more than half of this machine's)",
+                        "save it with a current torch.save (memory-mapped) or as .safetensors")
 
     try:
         raw = read_checkpoint(path, mmap=True)  # weights_only (or safetensors); mapped, never code
