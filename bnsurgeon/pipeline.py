@@ -395,7 +395,7 @@ def recalibrate_source(
     each rank reads batch i of DATA when i % world == rank, and only rank 0 writes.
     """
     from bnsurgeon.calibration.recalibrate import recalibrate
-    from bnsurgeon.files.recalibrated import recalibrated_writers, write_recalibrated
+    from bnsurgeon.files.recalibrated import check_output_format, recalibrated_writers, write_recalibrated
     from bnsurgeon.loading.data import open_data
 
     phase = progress or (lambda text: None)
@@ -412,6 +412,8 @@ def recalibrate_source(
                          accept_recorded_args=accept_recorded_args)
     refuse_fused_source(loaded, "SOURCE")
     refuse_invalid_weights(loaded.model, loaded.description)
+    if out is not None:
+        check_output_format(out, loaded.checkpoint, loaded.weights_key)
     if device is not None:  # torchrun on GPUs (NCCL): the model and its batches on this rank's device
         loaded.model.to(device)
     parameter = next((p for p in loaded.model.parameters() if p.is_floating_point()), None)

@@ -547,3 +547,30 @@ def test_cli_image_folder_through_the_models_preprocessing(data_models):
     written = load_file(out)
     for key, value in model.state_dict().items():
         assert torch.equal(written[key], value), key
+
+
+def test_cli_bnsurgeon_checkpoint_round_trip_and_format_refused_before_work(data_models):
+    """A converted (sync) bnsurgeon checkpoint is written back as one: it loads, only the BN running
+    statistics differ, the run is in its metadata. An output format that cannot hold it is refused
+    before the pass, with nothing written."""
+    from safetensors import safe_open
+
+    tmp = data_models
+    converted = tmp / "small.sync.safetensors"
+    assert run("convert", "rmodels:small", "-o", converted, "--input-shape", "2,3,9,9", "-q").exit_code == 0
+    torch.save(torch.randn(6, 3, 9, 9, generator=torch.Generator().manual_seed(2)), tmp / "d.pt")
+    before = listing(tmp)
+    refused = run("recalibrate", converted, "--data", tmp / "d.pt", "-o", tmp / "out.pt", "--model", "rmodels:small")
+    assert refused.exit_code == 2 and "its recalibrated copy is one too" in refused.output, refused.output
+    assert listing(tmp) == before
+    out = tmp / "small.recal.safetensors"
+    result = run("recalibrate", converted, "--data", tmp / "d.pt", "-o", out, "--model", "rmodels:small")
+    assert result.exit_code == 0, result.output
+    model = bnsurgeon.load(out, model="rmodels:small")
+    assert type(model[1]).__name__ == "SyncBatchNorm"
+    with safe_open(str(converted), "pt") as a, safe_open(str(out), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        changed = {key for key in a.keys() if not torch.equal(a.get_tensor(key), b.get_tensor(key))}
+        metadata = b.metadata()
+    assert changed == {f"{m}.{s}" for m in ("1", "4") for s in ("running_mean", "running_var")}
+    assert json.loads(metadata["bnsurgeon.recalibrations"])[-1]["samples"] == 6

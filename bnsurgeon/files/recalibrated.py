@@ -68,6 +68,23 @@ def _nest(obj: Any, key: str, state: dict) -> Any:
     return copy
 
 
+def check_output_format(output: Path, raw: "RawCheckpoint | None", weights_key: str | None) -> None:
+    """Refuse, before any work, an output format that cannot hold the source written back."""
+    if raw is None or not isinstance(raw.obj, dict):
+        return
+    safetensors_out = output.suffix == ".safetensors"
+    candidates = state_dict_candidates(raw.obj)
+    key = weights_key if weights_key is not None else ("state_dict" if "state_dict" in candidates else "")
+    if raw.is_bnsurgeon:
+        if (raw.path.suffix == ".safetensors") != safetensors_out:
+            kind = ".safetensors" if raw.path.suffix == ".safetensors" else ".pt"
+            raise UsageError(f"{raw.path} is a {kind} checkpoint; its recalibrated copy is one too",
+                             "end the output with " + (".safetensors" if kind == ".safetensors" else ".pt or .pth"))
+    elif key != "" and safetensors_out:
+        raise UsageError(f"{raw.path} is a training checkpoint; a .safetensors output cannot hold its other entries",
+                         "end the output with .pth.tar, .pth or .pt (the whole checkpoint is written back)")
+
+
 def recalibrated_writers(output: Path, raw: "RawCheckpoint | None", weights_key: str | None, prefix: str,
                          model: "nn.Module", paths: list[str], record: dict[str, Any],
                          report_json: str, report_md: str) -> "dict[Path, Callable[[Path], None]]":
@@ -80,9 +97,13 @@ def recalibrated_writers(output: Path, raw: "RawCheckpoint | None", weights_key:
         json_path: lambda temp: temp.write_text(report_json + "\n"),
         md_path: lambda temp: temp.write_text(report_md),
     }
-    safetensors_out = output.suffix == ".safetensors"
     if raw is None or not isinstance(raw.obj, dict):  # a timm name or factory: the model's own state dict
-        state = {key: value.detach().cpu().contiguous() for key, value in model.state_dict().items()}
+        state, seen = {}, set()
+        for name, value in model.state_dict().items():
+            value = value.detach().cpu().contiguous()
+            shared = value.untyped_storage().data_ptr() in seen  # tied weights: safetensors stores each once
+            seen.add(value.untyped_storage().data_ptr())
+            state[name] = value.clone() if shared else value
         writers[output] = _bare_writer(output, state, {}, record)
         return writers
     aliases = _aliases(raw)
@@ -92,36 +113,23 @@ def recalibrated_writers(output: Path, raw: "RawCheckpoint | None", weights_key:
         raise UsageError(f"{raw.path} has no state dict {key!r} to write back", "pass --weights NAME")
     state = _replaced(candidates[key], new, prefix, aliases)
     obj = _nest(raw.obj, key, state)
+    check_output_format(output, raw, weights_key)
     if raw.is_bnsurgeon:
         previous = _previous_records(raw.metadata.get(PREFIX + "recalibrations"))
         metadata = {name: value for name, value in raw.metadata.items()}
         metadata[PREFIX + "recalibrations"] = json.dumps(previous + [record])
         if raw.path.suffix == ".safetensors":
-            if not safetensors_out:
-                raise UsageError(f"{raw.path} is a .safetensors checkpoint; its recalibrated copy is one too",
-                                 "end the output with .safetensors")
             writers[output] = _safetensors_writer(obj, metadata)
         else:
-            if safetensors_out:
-                raise UsageError(f"{raw.path} is a .pt checkpoint; its recalibrated copy is one too",
-                                 "end the output with .pt or .pth")
             obj = dict(obj)
             obj["bnsurgeon"] = {name[len(PREFIX):]: value for name, value in metadata.items() if name.startswith(PREFIX)}
             obj["bnsurgeon"].update({name: value for name, value in raw.obj["bnsurgeon"].items()
                                      if PREFIX + name not in metadata})
             writers[output] = lambda temp: torch.save(obj, temp)
         return writers
-    if key == "":  # a bare state dict
-        if safetensors_out:
-            writers[output] = _bare_writer(output, obj, dict(raw.metadata), record)
-        elif raw.path.suffix == ".safetensors":
-            writers[output] = lambda temp: torch.save(obj, temp)
-        else:
-            writers[output] = lambda temp: torch.save(obj, temp)
+    if key == "":  # a bare state dict stays one (a .safetensors output records the run in its metadata)
+        writers[output] = _bare_writer(output, obj, dict(raw.metadata), record)
         return writers
-    if safetensors_out:  # a training checkpoint holds more than tensors
-        raise UsageError(f"{raw.path} is a training checkpoint; a .safetensors output cannot hold its other entries",
-                         "end the output with .pth.tar, .pth or .pt (the whole checkpoint is written back)")
     obj = dict(obj)
     previous = obj.get(RECORD_ENTRY)
     obj[RECORD_ENTRY] = (list(previous) if isinstance(previous, list) else []) + [record]
