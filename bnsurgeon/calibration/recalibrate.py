@@ -479,7 +479,13 @@ def _agree_step(value, template, group, world, counters, failure, empty_like):
 
 
 def _merge(tracked: list[_Tracked], report: RecalibrationReport, failure, group, world, counters):
-    """Every tracked module's moments over every rank, merged in rank order: ONE all_gather."""
+    """Every tracked module's moments over every rank, merged in rank order: ONE all_gather.
+    One process: its own moments as they are (no packing)."""
+    if world == 1:
+        report.batches, report.samples = report.rank_batches[0], report.rank_samples[0]
+        for item in tracked:
+            item.moments.settle()
+        return ([(item.calls, item.first_call, item.moments) for item in tracked], {"failed": failure is not None})
     width = [3 + 2 * item.channels for item in tracked]
     local = torch.cat([torch.tensor([float(report.rank_batches[0]), float(report.rank_samples[0]),
                                      float(failure is not None)], dtype=torch.float64)] +

@@ -9,9 +9,12 @@ way, so the order of merging changes the result only at float64 round-off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+#: batches whose moments wait to be folded in at once (one vectorised merge instead of one per call)
+PENDING = 64
 
 
 def batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -50,13 +53,30 @@ def merge_moments(count_a: float, mean_a: torch.Tensor, m2_a: torch.Tensor,
     return total, mean, m2
 
 
+def fold_moments(counts: list[int], means: torch.Tensor, m2s: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The moments of the union of K sets at once, from their (K,) counts and (K, C) means and M2s:
+    n = sum n_k, mean = sum n_k mean_k / n, M2 = sum M2_k + sum n_k (mean_k - mean)^2. The same
+    terms as Chan's pairwise update (the between-set term from the deviations of the set means
+    from the union's mean, never from raw second moments), in one vectorised step."""
+    total = sum(counts)
+    if total == 0:
+        return 0, torch.zeros_like(means[0]), torch.zeros_like(m2s[0])
+    weights = torch.tensor(counts, dtype=torch.float64, device=means.device)
+    mean = (weights[:, None] * means).sum(0) / total
+    deviation = means - mean
+    m2 = m2s.sum(0) + (weights[:, None] * deviation.square()).sum(0)
+    return total, mean, m2
+
+
 @dataclass
 class Moments:
-    """Running float64 moments of one module's input, per channel."""
+    """Running float64 moments of one module's input, per channel. ``add`` keeps each batch's moments
+    and folds them in every ``PENDING`` batches (``settle``); every read settles first."""
 
     count: int
     mean: torch.Tensor
     m2: torch.Tensor
+    pending: list = field(default_factory=list, repr=False)
 
     @classmethod
     def empty(cls, channels: int, device: "torch.device | str" = "cpu") -> "Moments":
@@ -65,9 +85,23 @@ class Moments:
 
     def add(self, x: torch.Tensor) -> None:
         count, mean, m2 = batch_moments(x)
-        self.merge(count, mean, m2)
+        if count:
+            self.pending.append((count, mean, m2))
+        if len(self.pending) >= PENDING:
+            self.settle()
+
+    def settle(self) -> None:
+        """Fold the waiting batches in (with the moments so far as one more set)."""
+        if not self.pending:
+            return
+        sets = ([(self.count, self.mean, self.m2)] if self.count else []) + self.pending
+        self.pending = []
+        total, mean, m2 = fold_moments([n for n, _, _ in sets], torch.stack([m for _, m, _ in sets]),
+                                       torch.stack([q for _, _, q in sets]))
+        self.count, self.mean, self.m2 = int(total), mean, m2
 
     def merge(self, count: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        self.settle()
         total, self.mean, self.m2 = merge_moments(self.count, self.mean, self.m2, count, mean.to(self.mean.device),
                                                   m2.to(self.m2.device))
         self.count = int(total)
@@ -75,15 +109,18 @@ class Moments:
     @property
     def population_var(self) -> torch.Tensor:
         """The biased (population) variance: M2 / n."""
+        self.settle()
         return self.m2 / max(self.count, 1)
 
     @property
     def unbiased_var(self) -> torch.Tensor:
         """What torch stores in ``running_var``: M2 / (n - 1) (M2 / 1 = 0 for a single element)."""
+        self.settle()
         return self.m2 / max(self.count - 1, 1)
 
     def row(self) -> torch.Tensor:
         """[n, mean..., M2...] as one float64 row (counts are exact in float64 up to 2**53)."""
+        self.settle()
         head = torch.tensor([float(self.count)], dtype=torch.float64, device=self.mean.device)
         return torch.cat([head, self.mean, self.m2])
 
