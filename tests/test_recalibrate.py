@@ -55,21 +55,28 @@ def test_one_process_closed_form_and_state():
     model.train()
     model[3].training = False  # a mixed set of flags, restored exactly
     flags = [m.training for m in model.modules()]
-    reference = cases.make_model()
-    seen = cases.capture(reference)
+    seen = cases.capture(model)  # the BN inputs of the recalibration pass itself, in float64
     data = cases.shard(0, (5,)) + cases.shard(1, (0, 3))
     torch.set_grad_enabled(True)
     report = bnsurgeon.recalibrate(model, data)
     assert torch.is_grad_enabled()
     assert [m.training for m in model.modules()] == flags
-    # the reference run: the same semantics written out (BN in train, everything else in eval)
+    assert_population(report.statistics, seen)
+    # the pass normalises as training does: a reference with BN in train mode and everything else in eval
+    # sees the same BN inputs (to float32 rounding: the pass normalises with the exact batch statistics)
+    reference = cases.make_model()
+    trained = cases.capture(reference)
     reference.eval()
     for path in cases.BN_PATHS:
         reference.get_submodule(path).training = True
     with torch.no_grad():
         for x in data:
             reference(x)
-    assert_population(report.statistics, seen)
+    for path in cases.BN_PATHS:
+        for got, expected in zip(seen[path], trained[path]):
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), path
+    assert_population(report.statistics, trained, rtol=1e-6)
+    assert not torch.allclose(seen["9"][0], cases.make_model()[:9].eval()(data[0]).double(), rtol=1e-3)  # not eval
     after = cases.buffers(model)
     for key, value in before.items():
         module_path, name = key.rsplit(".", 1)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from bnsurgeon.calibration.statistics import Moments, merge_rows
+from bnsurgeon.calibration.statistics import Moments, batch_moments, merge_rows
 from bnsurgeon.core.anatomy import is_uninitialized_lazy, qualname
 from bnsurgeon.core.errors import (
     BnSurgeonError,
@@ -131,6 +131,28 @@ class _Tracked:
     moments: Moments
     calls: int = 0
     first_call: int = -1
+    batch_stats_in_eval: bool = False  # normalised in eval mode with the batch's exact statistics in its buffers
+
+
+def _normalises_with_buffers(module: "nn.Module") -> bool:
+    """Classes whose eval forward is F.batch_norm with the running buffers (then drop and act for the
+    norm-act ones): in eval mode, with the batch's own statistics put in those buffers by the hook,
+    they normalise exactly as training mode does (with the exact statistics rounded once to the
+    buffers' dtype, where training mode rounds its own), without computing the statistics a second
+    time. Any other class (a user's subclass, a rule's library class) runs its own training mode."""
+    from torch import nn
+
+    exact = {nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm}
+    from bnsurgeon.runtime import SyncBatchNorm, SyncBatchNormAct
+
+    exact |= {SyncBatchNorm, SyncBatchNormAct}
+    try:
+        from timm.layers import BatchNormAct2d
+
+        exact.add(BatchNormAct2d)
+    except ImportError:  # pragma: no cover - timm is a dependency
+        pass
+    return type(module) in exact and getattr(module, "track_running_stats", True)
 
 
 def _unwrap(model: "nn.Module") -> "nn.Module":
@@ -270,7 +292,8 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     try:
         model.eval()
         for item in tracked:
-            if not _is_frozen(item.module):
+            item.batch_stats_in_eval = not lockstep and _normalises_with_buffers(item.module)
+            if not _is_frozen(item.module) and not item.batch_stats_in_eval:
                 item.module.training = True  # the BN module alone: its act/drop children stay in eval
         call_order = [0]
         for item in tracked:
@@ -342,7 +365,12 @@ def _make_hook(item: _Tracked, call_order: list[int]):
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor):
             raise DataError(f"{item.path} was called with {type(x).__name__}, not a tensor")
-        item.moments.add(x)
+        count, mean, m2 = batch_moments(x)
+        item.moments.push(count, mean, m2)
+        if item.batch_stats_in_eval and count:
+            buffers = module._buffers
+            buffers["running_mean"].copy_(mean)
+            buffers["running_var"].copy_(m2 / count)  # the biased variance, as training mode normalises with
         item.calls += 1
         if item.first_call < 0:
             item.first_call = call_order[0]

@@ -84,7 +84,10 @@ class Moments:
                    torch.zeros(channels, dtype=torch.float64, device=device))
 
     def add(self, x: torch.Tensor) -> None:
-        count, mean, m2 = batch_moments(x)
+        self.push(*batch_moments(x))
+
+    def push(self, count: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        """One batch's moments (``batch_moments``), folded in with the next ``settle``."""
         if count:
             self.pending.append((count, mean, m2))
         if len(self.pending) >= PENDING:
