@@ -30,12 +30,20 @@ def batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     if count == 0:
         zeros = torch.zeros(channels, dtype=torch.float64, device=x.device)
         return 0, zeros, zeros.clone()
+    if x.dim() == 2 or x[0, 0].numel() <= 16:  # little or no spatial extent: reduce rows of a channel-major copy
+        wide = torch.empty((channels, x.shape[0], x[0, 0].numel()), dtype=torch.float64, device=x.device)
+        wide.copy_(x.detach().reshape(x.shape[0], channels, -1).transpose(0, 1))
+        wide = wide.view(channels, -1)
+        mean = wide.sum(1).div_(count)
+        wide.sub_(mean[:, None])
+        return count, mean, wide.mul_(wide).sum(1)
     dims = [0, *range(2, x.dim())]
     wide = x.detach().to(torch.float64)
-    mean = wide.mean(dims)
-    shape = [1, channels] + [1] * (x.dim() - 2)
-    centered = wide.sub_(mean.view(shape)) if wide.data_ptr() != x.data_ptr() else wide - mean.view(shape)
-    m2 = centered.square_().sum(dims)
+    if wide.data_ptr() == x.data_ptr():  # already float64: never centre the caller's tensor in place
+        wide = wide.clone()
+    mean = wide.sum(dims).div_(count)
+    wide.sub_(mean.view([1, channels] + [1] * (x.dim() - 2)))
+    m2 = wide.mul_(wide).sum(dims)
     return count, mean, m2
 
 
