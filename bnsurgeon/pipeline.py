@@ -376,6 +376,7 @@ def recalibrate_source(
     samples: int | None = None,
     batch_size: int | None = None,
     include_frozen: bool = False,
+    fast_normalization: bool = False,
     model: str | None = None,
     model_args: dict[str, Any] | None = None,
     weights: str | None = None,
@@ -420,12 +421,13 @@ def recalibrate_source(
     stream = open_data(data, model=loaded.model, batch_size=batch_size, max_batches=batches, max_samples=samples,
                        rank=rank, world=world, dtype=parameter.dtype if parameter is not None else None, device=device)
     phase(f"recalibrating on {stream.description}" + (f" (rank {rank} of {world})" if world > 1 else ""))
-    report = recalibrate(loaded.model, stream, include_frozen=include_frozen, progress=on_batch)
+    report = recalibrate(loaded.model, stream, include_frozen=include_frozen, progress=on_batch,
+                         fast_normalization=fast_normalization)
     report.source = loaded.description
     report.data = stream.record()
     record = {"command": "recalibrate", "version": __version__, "weights": loaded.weights_key or "",
               "samples": report.samples, "batches": report.batches, "ranks": report.ranks,
-              "data": report.data, "include_frozen": include_frozen,
+              "data": report.data, "include_frozen": include_frozen, "fast_normalization": fast_normalization,
               "modules": len(report.modules), "unreached": list(report.unreached)}
     if rank != 0 or out is None:
         return RecalibrateOutcome(report, loaded, None, None, rank)

@@ -392,6 +392,7 @@ def recalibrate(
     samples: Optional[int] = typer.Option(None, "--samples", metavar="N", help="Use the first N samples, the last batch cut (DATA must hold them)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", metavar="N", help="Cut tensors of samples (and image folders) into batches of N (default 32)."),
     include_frozen: bool = typer.Option(False, "--include-frozen", help="Also recalibrate frozen BN (default: left as it is)."),
+    fast_normalization: bool = typer.Option(False, "--fast-normalization", help="Plain BN and BN+act layers normalise in eval mode with the batch's exact statistics instead of computing them again in training mode (faster; activations equal training mode's to float32 rounding)."),
     model: Optional[str] = ModelOption,
     model_arg: Optional[List[str]] = ModelArgOption,
     weights: Optional[str] = WeightsOption,
@@ -419,7 +420,7 @@ def recalibrate(
         with phases(out, enabled=False) as progress, batch_progress(out, enabled=not quiet) as on_batch:
             outcome = api.recalibrate_source(
                 source, data, output, batches=batches, samples=samples, batch_size=batch_size,
-                include_frozen=include_frozen, model=model, model_args=parse_model_args(model_arg), weights=weights,
+                include_frozen=include_frozen, fast_normalization=fast_normalization, model=model, model_args=parse_model_args(model_arg), weights=weights,
                 trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args, force=force,
                 progress=progress, on_batch=on_batch)
         if outcome.rank != 0:

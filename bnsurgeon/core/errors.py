@@ -20,7 +20,7 @@ FLAG_KEYWORDS = {
     "--converted-weights": "converted_weights=", "--compare-at": "compare_at=", "--atol": "atol=",
     "--no-perturb": "perturb=False",
     "--data": "data=", "--batches": "batches=", "--samples": "samples=", "--batch-size": "batch_size=",
-    "--include-frozen": "include_frozen=True",
+    "--include-frozen": "include_frozen=True", "--fast-normalization": "fast_normalization=True",
 }
 
 #: flags whose keyword argument takes the flag's value as a string
