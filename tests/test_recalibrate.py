@@ -390,8 +390,9 @@ def test_cli_function_data_and_reports(data_models):
         assert torch.equal(written[key], value), key
 
 
-@pytest.mark.parametrize("case", ["empty", "short", "shape", "nan", "unreached", "integers", "pickle", "missing"])
-def test_cli_bad_data_one_line_own_code_nothing_written(data_models, case):
+@pytest.mark.parametrize("case", ["empty", "short", "shape", "nan", "unreached", "integers", "pickle", "missing",
+                                  "too-large"])
+def test_cli_bad_data_one_line_own_code_nothing_written(data_models, case, monkeypatch):
     tmp = data_models
     data = tmp / "data.pt"
     source, extra = "rmodels:small", []
@@ -404,6 +405,7 @@ def test_cli_bad_data_one_line_own_code_nothing_written(data_models, case):
         "integers": (12, "is a uint8 tensor"),
         "pickle": (12, "would run code"),
         "missing": (12, "is no file, folder or package.module:function"),
+        "too-large": (12, "is a batch of 3,072 bytes, more than 1,000 bytes (BNSURGEON_MAX_BATCH_BYTES)"),
     }[case]
     if case == "empty":
         torch.save(torch.zeros(0, 3, 8, 8), data)
@@ -431,6 +433,11 @@ def test_cli_bad_data_one_line_own_code_nothing_written(data_models, case):
         torch.save([torch.randn(2, 3, 8, 8), Evil()], data)
     elif case == "missing":
         data = tmp / "nowhere"
+    elif case == "too-large":  # a file's batch bounded before the model sees it (the bound made small here)
+        import bnsurgeon.loading.data as reading
+
+        monkeypatch.setattr(reading, "MAX_BATCH_BYTES", 1000)
+        torch.save([torch.randn(4, 3, 8, 8)], data)
     before = listing(tmp)
     result = run("recalibrate", source, "--data", data, "-o", tmp / "out.safetensors", *extra)
     assert result.exit_code == code, result.output

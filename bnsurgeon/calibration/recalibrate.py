@@ -287,6 +287,8 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
         raise UsageError(f"max_samples must be at least 1 (got {max_samples})", "pass --samples 1 or more")
     if isinstance(data, torch.Tensor):
         data = [data]
+    if group is None:  # a DDP wrapper names the group its ranks train in
+        group = getattr(model, "process_group", None) if type(model).__name__ == "DistributedDataParallel" else None
     model = _unwrap(model)
     group, world, rank = _resolve_group(group)
     report = RecalibrationReport(ranks=world)

@@ -226,10 +226,14 @@ def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
         raise DataError(f"{origin} has shape {tuple(tensor.shape)}; a batch has a batch dimension and at least one more",
                         "save batches shaped (N, C, H, W)")
     if tensor.numel() * tensor.element_size() > MAX_BATCH_BYTES:
-        raise DataError(f"{origin} is a batch of {tensor.numel() * tensor.element_size() / 2**20:,.0f} MiB, more than "
-                        f"{MAX_BATCH_BYTES / 2**20:,.0f} MiB (BNSURGEON_MAX_BATCH_BYTES)",
+        raise DataError(f"{origin} is a batch of {_size(tensor.numel() * tensor.element_size())}, more than "
+                        f"{_size(MAX_BATCH_BYTES)} (BNSURGEON_MAX_BATCH_BYTES)",
                         "pass --batch-size to cut it, or save smaller batches")
     return tensor
+
+
+def _size(count: int) -> str:
+    return f"{count:,} bytes" if count < 2**20 else f"{count / 2**20:,.1f} MiB"
 
 
 def _file_batches(path: Path, batch_size: int | None) -> Iterator["torch.Tensor"]:
