@@ -589,3 +589,30 @@ def test_cli_bnsurgeon_checkpoint_round_trip_and_format_refused_before_work(data
         metadata = b.metadata()
     assert changed == {f"{m}.{s}" for m in ("1", "4") for s in ("running_mean", "running_var")}
     assert json.loads(metadata["bnsurgeon.recalibrations"])[-1]["samples"] == 6
+
+
+def test_cli_folder_of_tensor_files_in_name_order(data_models):
+    """A folder: every tensor file in name order; a list's tensors and a safetensors file's tensors (key
+    order) are batches as they are; one tensor of samples is cut by --batch-size."""
+    from safetensors.torch import load_file, save_file
+
+    tmp = data_models
+    folder = tmp / "calib"
+    folder.mkdir()
+    generator = torch.Generator().manual_seed(8)
+    listed = [torch.randn(3, 3, 9, 9, generator=generator) for _ in range(2)]
+    named = {"b": torch.randn(2, 3, 9, 9, generator=generator), "a": torch.randn(4, 3, 9, 9, generator=generator)}
+    samples = torch.randn(5, 3, 9, 9, generator=generator)
+    torch.save(listed, folder / "1_list.pt")
+    save_file(named, str(folder / "2_named.safetensors"))
+    torch.save(samples, folder / "3_samples.pth")
+    out = tmp / "folder.safetensors"
+    result = run("recalibrate", "rmodels:small", "--data", folder, "-o", out, "--json", "-q")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["batches"] == 5 and report["samples"] == 3 + 3 + 4 + 2 + 5  # samples cut by the default 32
+    expected = __import__("rmodels").small()
+    bnsurgeon.recalibrate(expected, listed + [named["a"], named["b"], samples])
+    written = load_file(out)
+    for key, value in expected.state_dict().items():
+        assert torch.equal(written[key], value), key
