@@ -26,7 +26,6 @@ plain ``no_grad`` eval forward over the same batches, per rank (one thread each)
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
