@@ -24,6 +24,10 @@ _API = {
     "SyncBatchNormAct": ("bnsurgeon.runtime", "SyncBatchNormAct"),
     "FrozenBatchNorm": ("bnsurgeon.runtime", "FrozenBatchNorm"),
     "FrozenBatchNormAct": ("bnsurgeon.runtime", "FrozenBatchNormAct"),
+    "recalibrate": ("bnsurgeon.api", "recalibrate"),
+    "recalibrate_source": ("bnsurgeon.api", "recalibrate_source"),
+    "recalibrate_averaged": ("bnsurgeon.api", "recalibrate_averaged"),
+    "RecalibrationReport": ("bnsurgeon.api", "RecalibrationReport"),
 }
 
 __all__ = ["__version__", *_API]

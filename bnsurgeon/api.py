@@ -18,7 +18,10 @@ from bnsurgeon.checks.eval_check import (  # noqa: F401
 )
 from bnsurgeon.core.running import preserved_modes  # noqa: F401
 from bnsurgeon.pipeline import ConvertOutcome, convert_source, inspect, verify  # noqa: F401
+from bnsurgeon.pipeline import RecalibrateOutcome, recalibrate_source  # noqa: F401
 from bnsurgeon.loading.rebuild import load, rebuild_from_checkpoint  # noqa: F401
 from bnsurgeon.surgery.walk import class_map  # noqa: F401
 from bnsurgeon.surgery.walk import ConvertResult, convert  # noqa: F401
 from bnsurgeon.files.conversion import save, write_reports  # noqa: F401
+from bnsurgeon.calibration.recalibrate import RecalibrationReport, recalibrate  # noqa: F401
+from bnsurgeon.calibration.training import averaged_module, recalibrate_averaged  # noqa: F401

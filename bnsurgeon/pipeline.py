@@ -362,3 +362,98 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
                          exact=not is_inexact(left.model, right.model), source_name=left.description,
                          converted_name=right.description, collective_timeout=timeout, on_check=on_check,
                          compare_at=compare_at)
+
+
+@dataclass
+class RecalibrateOutcome:
+    report: Any  # calibration.recalibrate.RecalibrationReport
+    loaded: LoadedSource
+    output: Path | None  # None on ranks other than 0 (only rank 0 writes)
+    reports: tuple[Path, Path] | None
+    rank: int = 0
+
+
+def recalibrate_source(
+    source: str,
+    data: str,
+    output: "str | Path | None",
+    *,
+    batches: int | None = None,
+    samples: int | None = None,
+    batch_size: int | None = None,
+    include_frozen: bool = False,
+    fast_normalization: bool = False,
+    model: str | None = None,
+    model_args: dict[str, Any] | None = None,
+    weights: str | None = None,
+    trust_pickle: bool = False,
+    accept_recorded_args: bool = False,
+    force: bool = False,
+    progress: "Callable[[str], None] | None" = None,
+    on_batch: "Callable[[int, int], None] | None" = None,
+) -> RecalibrateOutcome:
+    """The ``bnsurgeon recalibrate`` pipeline: load SOURCE (any kind convert takes), read DATA
+    (``loading.data``), compute the exact population BN statistics (``calibration``), write OUT
+    (the source file again with only the chosen weights' BN running statistics changed, see
+    ``files.recalibrated``) and its reports. Writes nothing unless every step succeeded.
+
+    ``batches``/``samples`` are required amounts: data that holds fewer is an error saying how
+    much it holds. Under torchrun (WORLD_SIZE > 1) the default process group is initialised,
+    each rank reads batch i of DATA when i % world == rank, and only rank 0 writes.
+    """
+    from bnsurgeon.calibration.recalibrate import recalibrate
+    from bnsurgeon.files.recalibrated import check_output_format, recalibrated_writers, write_recalibrated
+    from bnsurgeon.loading.data import open_data
+
+    phase = progress or (lambda text: None)
+    if batches is not None and batches < 1:
+        raise UsageError(f"--batches must be at least 1 (got {batches})", "pass --batches 1 or more")
+    if samples is not None and samples < 1:
+        raise UsageError(f"--samples must be at least 1 (got {samples})", "pass --samples 1 or more")
+    rank, world, device = _torchrun_rank()
+    data_path = Path(data)
+    inputs = [source] + ([(data_path, "the --data file")] if data_path.exists() else [])
+    out = check_output_path(output, inputs, force=force) if output is not None else None
+    phase(f"loading {source}")
+    loaded = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
+                         accept_recorded_args=accept_recorded_args)
+    refuse_fused_source(loaded, "SOURCE")
+    refuse_invalid_weights(loaded.model, loaded.description)
+    if out is not None:
+        check_output_format(out, loaded.checkpoint, loaded.weights_key)
+    if device is not None:  # torchrun on GPUs (NCCL): the model and its batches on this rank's device
+        loaded.model.to(device)
+    parameter = next((p for p in loaded.model.parameters() if p.is_floating_point()), None)
+    stream = open_data(data, model=loaded.model, batch_size=batch_size, max_batches=batches, max_samples=samples,
+                       rank=rank, world=world, dtype=parameter.dtype if parameter is not None else None, device=device)
+    phase(f"recalibrating on {stream.description}" + (f" (rank {rank} of {world})" if world > 1 else ""))
+    report = recalibrate(loaded.model, stream, include_frozen=include_frozen, progress=on_batch,
+                         fast_normalization=fast_normalization)
+    report.source = loaded.description
+    report.data = stream.record()
+    record = {"command": "recalibrate", "version": __version__, "weights": loaded.weights_key or "",
+              "samples": report.samples, "batches": report.batches, "ranks": report.ranks,
+              "data": report.data, "include_frozen": include_frozen, "fast_normalization": fast_normalization,
+              "modules": len(report.modules), "unreached": list(report.unreached)}
+    if rank != 0 or out is None:
+        return RecalibrateOutcome(report, loaded, None, None, rank)
+    report.output = str(out)
+    phase(f"writing {out}")
+    writers = recalibrated_writers(out, loaded.checkpoint, loaded.weights_key, loaded.stripped_prefix, loaded.model,
+                                   [m.path for m in report.modules], record, report.to_json(), report.to_markdown())
+    write_recalibrated(writers, force=force)
+    from bnsurgeon.files.writing import report_paths
+
+    return RecalibrateOutcome(report, loaded, out, report_paths(out), rank)
+
+
+def _torchrun_rank():
+    """(rank, world, device or None) under torchrun (the default process group initialised here),
+    else (0, 1, None). The device is set only for a GPU rank (NCCL)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return 0, 1, None
+    from bnsurgeon.runtime import init_distributed
+
+    info = init_distributed()
+    return info.rank, info.world_size, info.device if info.device.type != "cpu" else None

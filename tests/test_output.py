@@ -305,7 +305,7 @@ def test_inspect_counts_the_tensors_nested_in_an_optimizer_state(models):
 
 # 5. the help and the README tell the truth -------------------------------------------------
 
-COMMANDS = ("inspect", "convert", "verify", "rules")
+COMMANDS = ("inspect", "convert", "verify", "rules", "recalibrate")
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -33,6 +33,10 @@ EXIT_CODES = {  # the README's table, in short
     9: "the model cannot run on the check input (it raised, the check failed on NaN outputs, or the input cannot be allocated)",
     10: "the file names code or constructor arguments you have not confirmed (see --model, --accept-recorded-args)",
     11: "the model has no BatchNorm-family module: nothing to convert, nothing written (see --allow-no-bn)",
+    12: "recalibrate: DATA missing, unreadable, malformed, too large, or empty (nothing written)",
+    13: "recalibrate: DATA holds fewer samples/batches than --samples/--batches asked for (the message says how many)",
+    14: "recalibrate: a BN module's input held NaN/Inf (the message names it; nothing written)",
+    15: "recalibrate: the forward over DATA reached no BN module (nothing written)",
     70: "internal error: a bug in bnsurgeon, not in the input (the traceback with -v or BNSURGEON_DEBUG=1)",
     129: "interrupted by SIGHUP; the message says what is on disk (nothing partial)",
     130: "interrupted by Ctrl-C (SIGINT); the message says what is on disk (nothing partial)",
@@ -423,6 +427,66 @@ def rules(
         emit_json(data)
     if not quiet:
         render_rules(data, console(), verbose=verbose)
+
+
+@app.command(cls=_Command)
+@handle_errors
+def recalibrate(
+    source: str = SourceArgument,
+    data: str = typer.Option(..., "--data", "-d", metavar="DATA",
+                             help="A tensor file (.pt/.pth/.safetensors: one (N,C,H,W) tensor cut into batches, or a list of batches), "
+                                  "a folder of them, a folder of images (read with the model's timm preprocessing), or "
+                                  "package.module:function returning an iterable of batches (RUNS ITS CODE)."),
+    output: Path = typer.Option(..., "--output", "-o", metavar="OUT",
+                                help="Output: the source file again with only the BN running statistics changed "
+                                     "(a training checkpoint is written back whole); reports go next to it."),
+    batches: Optional[int] = typer.Option(None, "--batches", metavar="N", help="Use the first N batches (DATA must hold them)."),
+    samples: Optional[int] = typer.Option(None, "--samples", metavar="N", help="Use the first N samples, the last batch cut (DATA must hold them)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", metavar="N", help="Cut tensors of samples (and image folders) into batches of N (default 32)."),
+    include_frozen: bool = typer.Option(False, "--include-frozen", help="Also recalibrate frozen BN (default: left as it is)."),
+    fast_normalization: bool = typer.Option(False, "--fast-normalization", help="Plain BN and BN+act layers normalise in eval mode with the batch's exact statistics instead of computing them again in training mode (faster; activations equal training mode's to float32 rounding)."),
+    model: Optional[str] = ModelOption,
+    model_arg: Optional[List[str]] = ModelArgOption,
+    weights: Optional[str] = WeightsOption,
+    trust_pickle: bool = TrustOption,
+    accept_recorded_args: bool = AcceptArgsOption,
+    rules: Optional[List[str]] = RulesOption,
+    force: bool = typer.Option(False, "--force", help="Replace OUTPUT and its reports if they exist (never an input)."),
+    verbose: bool = VerboseOption,
+    quiet: bool = QuietOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """Write exact BN running statistics (precise BN) computed over DATA: one process, or N ranks under torchrun, same result.
+
+    Examples: `bnsurgeon recalibrate last.pth.tar --weights state_dict_ema --data calib.pt -o last.recal.pth.tar`;
+    `torchrun --nproc-per-node 4 -m bnsurgeon recalibrate model.safetensors --data mypkg.data:calibration_batches -o out.safetensors`
+    """
+    from bnsurgeon import api
+    from bnsurgeon.cli.render import batch_progress, console, emit_json, phases, render_recalibration, say
+    from bnsurgeon.loading.architecture import parse_model_args
+
+    _use_rules(rules)
+    outcome = None
+    try:
+        out = console()
+        with phases(out, enabled=False) as progress, batch_progress(out, enabled=not quiet) as on_batch:
+            outcome = api.recalibrate_source(
+                source, data, output, batches=batches, samples=samples, batch_size=batch_size,
+                include_frozen=include_frozen, fast_normalization=fast_normalization, model=model, model_args=parse_model_args(model_arg), weights=weights,
+                trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args, force=force,
+                progress=progress, on_batch=on_batch)
+        if outcome.rank != 0:
+            return
+        if as_json:
+            emit_json(outcome.report.to_dict())
+        if not quiet:
+            render_recalibration(outcome.report, out, verbose=verbose)
+            say(out, f"wrote {outcome.output}" + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})"
+                                                   if outcome.reports else ""), indent="  ")
+    except KeyboardInterrupt as interrupt:
+        if outcome is not None and outcome.output is not None:
+            interrupt.state = f"{outcome.output} and its reports were written completely"
+        raise
 
 
 def main() -> None:

@@ -278,3 +278,46 @@ def render_verification(verification, out: Console) -> None:
     for check in verification.checks:
         stream(check)
     render_verification_summary(verification, out)
+
+
+@contextmanager
+def batch_progress(out: Console, enabled: bool = True):
+    """A progress line on stderr (a terminal only): batches, samples and samples/s; yields the updater."""
+    if not enabled or not out.is_terminal:
+        yield lambda batches, samples: None
+        return
+    import time
+
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    started = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=out, transient=True) as progress:
+        task = progress.add_task("recalibrating")
+
+        def update(batches: int, samples: int) -> None:
+            rate = samples / max(time.perf_counter() - started, 1e-9)
+            progress.update(task, description=f"recalibrating: {batches} batches, {samples} samples, {rate:,.0f} samples/s")
+
+        yield update
+
+
+def render_recalibration(report, out: Console, *, verbose: bool = False) -> None:
+    """The pass in one line, then each module's change (the largest few without -v)."""
+    say(out, f"recalibrated {len(report.modules)} BN modules of {report.source} on {report.samples} samples "
+             f"({report.batches} batches, {report.ranks} rank{'s' if report.ranks != 1 else ''}, "
+             f"{report.seconds:.1f} s)", indent="")
+    if report.data:
+        say(out, f"data: {report.data.get('description', '')}, sha256 {report.data.get('sha256', '')}")
+    for item in report.skipped:
+        say(out, f"skipped {item['path']}: {item['reason']}")
+    for note in report.notes:
+        say(out, note)
+    modules = report.modules if verbose else sorted(report.modules, key=lambda m: -m.var_change_rel)[:8]
+    rows = [[m.path, str(m.elements), f"{m.calls_per_batch:g}", f"{m.mean_change_rel:.3g}", f"{m.var_change_rel:.3g}"]
+            for m in modules]
+    if rows:
+        say(out, ("every module" if verbose or len(modules) == len(report.modules) else
+                  f"the {len(modules)} whose variance moved most (-v: all)") +
+            ": path, elements per channel, calls per batch, max |d mean|/std, max |d var|/var")
+        for row in rows:
+            say(out, "  ".join(row), indent="    ")

@@ -19,6 +19,8 @@ FLAG_KEYWORDS = {
     "--converted-model": "converted_model=", "--converted-model-arg": "converted_model_args=",
     "--converted-weights": "converted_weights=", "--compare-at": "compare_at=", "--atol": "atol=",
     "--no-perturb": "perturb=False",
+    "--data": "data=", "--batches": "batches=", "--samples": "samples=", "--batch-size": "batch_size=",
+    "--include-frozen": "include_frozen=True", "--fast-normalization": "fast_normalization=True",
 }
 
 #: flags whose keyword argument takes the flag's value as a string
@@ -247,3 +249,32 @@ def first_line(error: "BaseException | str", default: str = "no message") -> str
     error quotes of a third party's message."""
     text = str(error).strip()
     return (text.splitlines()[0] if text else default)[:200]
+
+
+class DataError(BnSurgeonError):
+    """Recalibration data that cannot be used: missing, unreadable, malformed, too large, or empty."""
+
+    exit_code = 12
+    default_hint = "nothing was written; pass --data with batches the model takes (a tensor file, a folder of them, or pkg.mod:function)"
+
+
+class NotEnoughDataError(DataError):
+    """The data holds fewer samples or batches than --samples/--batches asked for (the message says how many)."""
+
+    exit_code = 13
+
+
+class NonFiniteActivationsError(BnSurgeonError):
+    """A BN module's input held NaN or Inf during recalibration: its statistics would be meaningless."""
+
+    exit_code = 14
+    default_hint = ("nothing was written; check the data (normalised? NaN pixels?) and the weights feeding the "
+                    "module named here")
+
+
+class NoBatchNormReachedError(BnSurgeonError):
+    """The forward passes over the data never called any BN module that recalibration tracks."""
+
+    exit_code = 15
+    default_hint = ("nothing was written; the data must go through the BN layers (a backbone's input, not its "
+                    "features), or check which BN modules the forward calls")

@@ -54,3 +54,58 @@ class BNSurgeonLayerSync(TorchSyncBatchNorm):
                 parent, _, name = path.rpartition(".")
                 setattr(model.get_submodule(parent), name, restored)
         return model
+
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # the older package name
+    from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+
+
+class RecalibrateBN(Callback):
+    """Give averaged weights (EMA, SWA) exact BN statistics before each validation and at the end of fit.
+
+    ``Trainer(callbacks=[RecalibrateBN(lambda trainer: trainer.datamodule.train_dataloader(),
+    model="ema", max_batches=50)])``. ``data``: an iterable of batches, or a function of the
+    trainer returning one (each rank's loader: its DistributedSampler shard). ``model``: the
+    attribute of the LightningModule holding the averaged weights (a timm ModelEma*, a torch
+    AveragedModel or a plain module), or a function of the LightningModule returning it; None:
+    the LightningModule itself. Under DDP every rank runs the pass (Lightning calls the hooks on
+    all of them) and the statistics are merged over every rank in one collective. The last
+    report is kept in ``self.report``.
+    """
+
+    def __init__(self, data: Any, model: Any = "ema", *, max_batches: int | None = None,
+                 max_samples: int | None = None, include_frozen: bool = False, before_validation: bool = True,
+                 at_fit_end: bool = True) -> None:
+        self.data = data
+        self.model = model
+        self.options = {"max_batches": max_batches, "max_samples": max_samples, "include_frozen": include_frozen}
+        self.before_validation = before_validation
+        self.at_fit_end = at_fit_end
+        self.report = None
+
+    def _averaged(self, pl_module: Module) -> Any:
+        if self.model is None:
+            return pl_module
+        if callable(self.model) and not isinstance(self.model, Module):
+            return self.model(pl_module)
+        if isinstance(self.model, str):
+            return getattr(pl_module, self.model)
+        return self.model
+
+    def recalibrate(self, trainer: Any, pl_module: Module):
+        """One pass now (what the hooks call)."""
+        from bnsurgeon.calibration.training import recalibrate_averaged
+
+        data = self.data(trainer) if callable(self.data) else self.data
+        self.report = recalibrate_averaged(self._averaged(pl_module), data, **self.options)
+        return self.report
+
+    def on_validation_start(self, trainer: Any, pl_module: Module) -> None:
+        if self.before_validation and not trainer.sanity_checking:
+            self.recalibrate(trainer, pl_module)
+
+    def on_fit_end(self, trainer: Any, pl_module: Module) -> None:
+        if self.at_fit_end:
+            self.recalibrate(trainer, pl_module)

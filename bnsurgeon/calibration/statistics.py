@@ -1,0 +1,146 @@
+"""Per-channel float64 moments (count, mean, M2) and their exact merge.
+
+M2 is the sum of squared deviations from the mean. Two sets of moments merge with Chan et
+al.'s pairwise update, which is count-weighted and includes the between-set term; it never
+forms E[x^2] - E[x]^2, which cancels catastrophically when |mean| >> std (1e4 + N(0, 1) in
+float32 has no correct digit left in that form). Batches, calls and ranks all merge the same
+way, so the order of merging changes the result only at float64 round-off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+#: batches whose moments wait to be folded in at once (one vectorised merge instead of one per call)
+PENDING = 64
+
+
+def batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(elements per channel, mean, M2) of a (N, C, ...) or (N, C) input, computed in float64.
+
+    The two-pass form (mean first, then the squared deviations from it) in float64: exact to
+    float64 round-off whatever the input's offset.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"a batch norm input has at least 2 dimensions (N, C, ...), not shape {tuple(x.shape)}")
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    if count == 0:
+        zeros = torch.zeros(channels, dtype=torch.float64, device=x.device)
+        return 0, zeros, zeros.clone()
+    if x.dim() == 2 or x[0, 0].numel() <= 16:  # little or no spatial extent: reduce rows of a channel-major copy
+        wide = torch.empty((channels, x.shape[0], x[0, 0].numel()), dtype=torch.float64, device=x.device)
+        wide.copy_(x.detach().reshape(x.shape[0], channels, -1).transpose(0, 1))
+        wide = wide.view(channels, -1)
+        mean = wide.sum(1).div_(count)
+        wide.sub_(mean[:, None])
+        return count, mean, wide.mul_(wide).sum(1)
+    dims = [0, *range(2, x.dim())]
+    wide = x.detach().to(torch.float64)
+    if wide.data_ptr() == x.data_ptr():  # already float64: never centre the caller's tensor in place
+        wide = wide.clone()
+    mean = wide.sum(dims).div_(count)
+    wide.sub_(mean.view([1, channels] + [1] * (x.dim() - 2)))
+    m2 = wide.mul_(wide).sum(dims)
+    return count, mean, m2
+
+
+def merge_moments(count_a: float, mean_a: torch.Tensor, m2_a: torch.Tensor,
+                  count_b: float, mean_b: torch.Tensor, m2_b: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Chan et al.: the moments of the union of two sets, weighted by their counts."""
+    if count_b == 0:
+        return count_a, mean_a, m2_a
+    if count_a == 0:
+        return count_b, mean_b.clone(), m2_b.clone()
+    total = count_a + count_b
+    delta = mean_b - mean_a
+    mean = mean_a + delta * (count_b / total)
+    m2 = m2_a + m2_b + delta.square() * (count_a * count_b / total)
+    return total, mean, m2
+
+
+def fold_moments(counts: list[int], means: torch.Tensor, m2s: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The moments of the union of K sets at once, from their (K,) counts and (K, C) means and M2s:
+    n = sum n_k, mean = sum n_k mean_k / n, M2 = sum M2_k + sum n_k (mean_k - mean)^2. The same
+    terms as Chan's pairwise update (the between-set term from the deviations of the set means
+    from the union's mean, never from raw second moments), in one vectorised step."""
+    total = sum(counts)
+    if total == 0:
+        return 0, torch.zeros_like(means[0]), torch.zeros_like(m2s[0])
+    weights = torch.tensor(counts, dtype=torch.float64, device=means.device)
+    mean = (weights[:, None] * means).sum(0) / total
+    deviation = means - mean
+    m2 = m2s.sum(0) + (weights[:, None] * deviation.square()).sum(0)
+    return total, mean, m2
+
+
+@dataclass
+class Moments:
+    """Running float64 moments of one module's input, per channel. ``add`` keeps each batch's moments
+    and folds them in every ``PENDING`` batches (``settle``); every read settles first."""
+
+    count: int
+    mean: torch.Tensor
+    m2: torch.Tensor
+    pending: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def empty(cls, channels: int, device: "torch.device | str" = "cpu") -> "Moments":
+        return cls(0, torch.zeros(channels, dtype=torch.float64, device=device),
+                   torch.zeros(channels, dtype=torch.float64, device=device))
+
+    def add(self, x: torch.Tensor) -> None:
+        self.push(*batch_moments(x))
+
+    def push(self, count: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        """One batch's moments (``batch_moments``), folded in with the next ``settle``."""
+        if count:
+            self.pending.append((count, mean, m2))
+        if len(self.pending) >= PENDING:
+            self.settle()
+
+    def settle(self) -> None:
+        """Fold the waiting batches in (with the moments so far as one more set)."""
+        if not self.pending:
+            return
+        sets = ([(self.count, self.mean, self.m2)] if self.count else []) + self.pending
+        self.pending = []
+        total, mean, m2 = fold_moments([n for n, _, _ in sets], torch.stack([m for _, m, _ in sets]),
+                                       torch.stack([q for _, _, q in sets]))
+        self.count, self.mean, self.m2 = int(total), mean, m2
+
+    def merge(self, count: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
+        self.settle()
+        total, self.mean, self.m2 = merge_moments(self.count, self.mean, self.m2, count, mean.to(self.mean.device),
+                                                  m2.to(self.m2.device))
+        self.count = int(total)
+
+    @property
+    def population_var(self) -> torch.Tensor:
+        """The biased (population) variance: M2 / n."""
+        self.settle()
+        return self.m2 / max(self.count, 1)
+
+    @property
+    def unbiased_var(self) -> torch.Tensor:
+        """What torch stores in ``running_var``: M2 / (n - 1) (M2 / 1 = 0 for a single element)."""
+        self.settle()
+        return self.m2 / max(self.count - 1, 1)
+
+    def row(self) -> torch.Tensor:
+        """[n, mean..., M2...] as one float64 row (counts are exact in float64 up to 2**53)."""
+        self.settle()
+        head = torch.tensor([float(self.count)], dtype=torch.float64, device=self.mean.device)
+        return torch.cat([head, self.mean, self.m2])
+
+
+def merge_rows(rows: torch.Tensor, channels: int) -> Moments:
+    """The moments of the union of the sets whose [n, mean, M2] rows are ``rows`` (W, 1 + 2C),
+    merged in row order (the same order on every rank, so every rank gets the same bits)."""
+    result = Moments.empty(channels, rows.device)
+    for row in rows:
+        count = int(row[0].item())
+        result.merge(count, row[1:1 + channels], row[1 + channels:1 + 2 * channels])
+    return result

@@ -1,0 +1,347 @@
+"""DATA for ``bnsurgeon recalibrate``: batches read from untrusted files, or made by code the user named.
+
+Kinds, told apart by what DATA is:
+
+- a tensor file (``.pt``, ``.pth``, ``.safetensors``): read with ``weights_only=True`` (or
+  safetensors), memory-mapped, through the same reader as checkpoints. One tensor holds samples
+  (N, C, ...) and is cut into batches of ``batch_size``; a list/tuple of tensors, or a
+  safetensors file's tensors in key order, are batches as they are;
+- a folder of tensor files: every file, in name order, as above;
+- a folder of images (``.jpg``, ``.png``, ...; any depth, in path order): read with Pillow through
+  the model's own preprocessing (timm's data config of the model: size, crop, mean, std);
+- ``package.module:function``: code, imported and called (no arguments) only because the user
+  named it; it returns an iterable of batches (tensors, ``(input, target)`` pairs, or dicts).
+
+Everything read from a file is checked before use: each batch is a floating tensor with a batch
+dimension, at most ``MAX_BATCH_BYTES`` (``BNSURGEON_MAX_BATCH_BYTES``), and a file nests no
+deeper than a list of tensors. Under torchrun, batch i of the whole stream goes to rank
+i % world; ``max_batches``/``max_samples`` count the whole stream (the last batch is cut), so
+every rank sees the same totals and the same fingerprint: a sha256 over the dtype, shape and
+bytes of every batch used, in stream order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+from bnsurgeon.core.errors import (
+    BnSurgeonError,
+    CheckpointError,
+    DataError,
+    NotEnoughDataError,
+    UnsafeCheckpointError,
+    first_line,
+)
+from bnsurgeon.core.layout import counted, shown
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
+DEFAULT_BATCH_SIZE = 32
+#: the most one batch may hold; a file could otherwise declare (or an image folder build) any size
+MAX_BATCH_BYTES = int(os.environ.get("BNSURGEON_MAX_BATCH_BYTES", str(2 * 2**30)))
+MAX_FILES = 100_000
+
+
+@dataclass
+class DataStream:
+    """The batches of this rank, and what the whole stream held (filled in as it is read)."""
+
+    description: str
+    kind: str
+    batches: int = 0  # the whole stream's, every rank
+    samples: int = 0
+    sha256: str = ""
+    _hash: Any = field(default=None, repr=False)
+    _iterable: Any = field(default=None, repr=False)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._iterable)
+
+    def record(self) -> dict[str, Any]:
+        return {"description": self.description, "kind": self.kind, "batches": self.batches,
+                "samples": self.samples, "sha256": self.sha256}
+
+
+def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | None = None,
+              max_batches: int | None = None, max_samples: int | None = None, rank: int = 0, world: int = 1,
+              dtype: "torch.dtype | None" = None, device: "torch.device | str | None" = None) -> DataStream:
+    """DATA as this rank's batches (see the module doc). Nothing is read until it is iterated."""
+    from bnsurgeon.core.user_code import FACTORY_PATTERN
+
+    if batch_size is not None and batch_size < 1:
+        raise DataError(f"--batch-size must be at least 1 (got {batch_size})", "pass --batch-size 32, for example")
+    path = Path(spec)
+    if path.is_dir():
+        files = _listed(path, TENSOR_SUFFIXES)
+        if files:
+            stream = DataStream(f"{counted(len(files), 'tensor file')} in {path}", "tensor-folder")
+            batches = (b for file in files for b in _file_batches(file, batch_size))
+        else:
+            images = _listed(path, IMAGE_SUFFIXES)
+            if not images:
+                raise DataError(f"--data {path} holds no tensor file ({', '.join(TENSOR_SUFFIXES)}) and no image")
+            stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder")
+            batches = _image_batches(images, model, batch_size or DEFAULT_BATCH_SIZE)
+    elif path.exists():
+        if path.suffix not in TENSOR_SUFFIXES and not path.name.endswith(".pth.tar"):
+            raise DataError(f"--data {path} is not a tensor file ({', '.join(TENSOR_SUFFIXES)}) or a folder")
+        stream = DataStream(str(path), "tensor-file")
+        batches = _file_batches(path, batch_size)
+    elif FACTORY_PATTERN.match(spec):
+        stream = DataStream(spec, "function")
+        batches = _function_batches(spec)
+    else:
+        raise DataError(f"--data {shown(spec, 200)} is no file, folder or package.module:function",
+                        "pass a tensor file, a folder of tensor files or images, or pkg.mod:function")
+    stream._hash = hashlib.sha256()
+    stream._iterable = _shard(stream, batches, max_batches, max_samples, rank, world, dtype, device)
+    return stream
+
+
+def _listed(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        for name in sorted(names):
+            if name.lower().endswith(suffixes) and not name.startswith("."):
+                found.append(Path(root) / name)
+                if len(found) > MAX_FILES:
+                    raise DataError(f"--data {folder} holds more than {MAX_FILES:,} files",
+                                    "pass a folder with fewer files, or --data pkg.mod:function")
+        if suffixes == TENSOR_SUFFIXES:  # tensor files: the folder itself only
+            break
+    return found
+
+
+def _shard(stream: DataStream, batches: Iterable[Any], max_batches, max_samples, rank, world, dtype, device):
+    """The whole stream, counted and hashed on every rank; this rank keeps batch i when i % world == rank."""
+    from bnsurgeon.calibration.recalibrate import batch_input, batch_size
+
+    for index, batch in enumerate(batches):
+        if max_batches is not None and index >= max_batches:
+            break
+        if max_samples is not None and stream.samples >= max_samples:
+            break
+        value = batch_input(batch)
+        size = batch_size(value)
+        if max_samples is not None and stream.samples + size > max_samples:
+            value = _cut(value, max_samples - stream.samples)
+            size = max_samples - stream.samples
+        if dtype is not None:
+            value = _cast(value, dtype)
+        _hash(stream._hash, value)
+        if device is not None:
+            value = _to_device(value, device)
+        stream.batches += 1
+        stream.samples += size
+        if index % world == rank:
+            yield value
+    stream.sha256 = stream._hash.hexdigest()
+    if stream.batches == 0:
+        raise DataError(f"--data {stream.description} holds no batch", "pass data with at least one sample")
+    short = []
+    if max_batches is not None and stream.batches < max_batches:
+        short.append(f"{counted(max_batches, 'batch')} asked for")
+    if max_samples is not None and stream.samples < max_samples:
+        short.append(f"{counted(max_samples, 'sample')} asked for")
+    if short:
+        raise NotEnoughDataError(
+            f"--data {stream.description} holds {counted(stream.samples, 'sample')} in "
+            f"{stream.batches} batch{'' if stream.batches == 1 else 'es'}, fewer than the {' and '.join(short)}",
+            "nothing was written; pass " + (f"--samples {stream.samples}" if max_samples is not None else
+                                            f"--batches {stream.batches}") + " (or fewer) to use what there is, or more data")
+
+
+def _cut(value, count):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value[:count]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cut(v, count) for v in value)
+    if isinstance(value, dict):
+        return {k: _cut(v, count) for k, v in value.items()}
+    return value
+
+
+def _cast(value, dtype):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _to_device(value, device):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _hash(digest, value) -> None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _hash(digest, item)
+    elif isinstance(value, dict):
+        for key in value:
+            digest.update(str(key).encode())
+            _hash(digest, value[key])
+
+
+def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise DataError(f"{origin} holds {type(tensor).__name__}, not a tensor",
+                        "save a tensor (N, C, H, W) or a list of them with torch.save")
+    if not tensor.is_floating_point():
+        raise DataError(f"{origin} is a {str(tensor.dtype).replace('torch.', '')} tensor; batches must be floating point "
+                        "(normalised as the model expects)",
+                        "save the preprocessed float tensors, or pass a folder of images (read with the model's preprocessing)")
+    if tensor.dim() < 2:
+        raise DataError(f"{origin} has shape {tuple(tensor.shape)}; a batch has a batch dimension and at least one more",
+                        "save batches shaped (N, C, H, W)")
+    if tensor.numel() * tensor.element_size() > MAX_BATCH_BYTES:
+        raise DataError(f"{origin} is a batch of {_size(tensor.numel() * tensor.element_size())}, more than "
+                        f"{_size(MAX_BATCH_BYTES)} (BNSURGEON_MAX_BATCH_BYTES)",
+                        "pass --batch-size to cut it, or save smaller batches")
+    return tensor
+
+
+def _size(count: int) -> str:
+    return f"{count:,} bytes" if count < 2**20 else f"{count / 2**20:,.1f} MiB"
+
+
+def _file_batches(path: Path, batch_size: int | None) -> Iterator["torch.Tensor"]:
+    import zipfile
+
+    from bnsurgeon.files.reading import physical_memory, read_checkpoint
+
+    memory = physical_memory()
+    if memory is not None and path.suffix != ".safetensors" and not zipfile.is_zipfile(path) \
+            and path.stat().st_size > memory // 2:  # torch's legacy format cannot be memory-mapped: it is read whole
+        raise DataError(f"--data file {path} is {path.stat().st_size / 2**30:,.1f} GiB in torch's legacy format, "
+                        "which is read into memory whole (more than half of this machine's)",
+                        "save it with a current torch.save (memory-mapped) or as .safetensors")
+
+    try:
+        raw = read_checkpoint(path, mmap=True)  # weights_only (or safetensors); mapped, never code
+    except UnsafeCheckpointError as error:  # data is never unpickled with code: there is no --trust-pickle for it
+        raise DataError(f"--data file {error.message}",
+                        "save tensors only (torch.save of a tensor or a list of tensors), or use .safetensors") from None
+    except CheckpointError as error:
+        raise DataError(f"--data file {error.message}", error.hint) from None
+    obj = raw.obj
+    if isinstance(obj, dict):  # safetensors: its tensors in key order; a torch dict: its tensor values
+        if not obj or not all(isinstance(key, str) for key in obj):
+            raise DataError(f"{path} holds a dict that is not a set of named batches")
+        items = [(f"{path} [{key!r}]", obj[key]) for key in sorted(obj)]
+    elif isinstance(obj, (list, tuple)):
+        items = [(f"{path} [{index}]", value) for index, value in enumerate(obj)]
+    else:
+        items = [(str(path), obj)]
+    single = len(items) == 1 and not isinstance(obj, (list, tuple))
+    for origin, value in items:
+        if single or batch_size is not None:
+            tensor = _check_batch_shape_only(value, origin)
+            size = batch_size or DEFAULT_BATCH_SIZE
+            for start in range(0, tensor.shape[0], size):
+                yield _check_batch(tensor[start:start + size], f"{origin} samples {start}:{start + size}")
+        else:
+            yield _check_batch(value, origin)
+
+
+def _check_batch_shape_only(value: Any, origin: str) -> "torch.Tensor":
+    """A tensor of samples to be cut into batches: its type, dtype and dims (its size is the cut's)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return _check_batch(value, origin)
+    if value.dim() < 2 or not value.is_floating_point():
+        return _check_batch(value, origin)
+    return value
+
+
+def _function_batches(spec: str) -> Iterator[Any]:
+    from bnsurgeon.core.user_code import check_factory_spec, import_named_module
+
+    check_factory_spec(spec)
+    try:
+        module, attribute = import_named_module(spec)
+    except ImportError as error:
+        raise DataError(f"--data {spec}: cannot import it ({first_line(error)})",
+                        "check the module is importable from here (the working directory is on sys.path)") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise DataError(f"--data {spec}: {attribute!r} is not a function of {module.__name__}")
+    try:
+        batches = function()
+        iterator = iter(batches)
+    except BnSurgeonError:
+        raise
+    except Exception as error:
+        raise DataError(f"--data {spec} raised {type(error).__name__}: {first_line(error)}",
+                        "make it return an iterable of batches (a list, a DataLoader, a generator)") from None
+    index = 0
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except BnSurgeonError:
+            raise
+        except Exception as error:
+            raise DataError(f"--data {spec} raised {type(error).__name__} at batch {index}: {first_line(error)}",
+                            "fix the function's data") from None
+        yield batch
+        index += 1
+
+
+def _image_batches(images: list[Path], model: "nn.Module | None", batch_size: int) -> Iterator["torch.Tensor"]:
+    """Images through the model's own eval preprocessing (timm's data config: resize, crop, normalise)."""
+    import torch
+
+    try:
+        from PIL import Image
+        from timm.data import create_transform, resolve_data_config
+    except ImportError as error:  # pragma: no cover - timm and Pillow are dependencies
+        raise DataError(f"reading an image folder needs Pillow and timm ({first_line(error)})") from None
+    config = resolve_data_config({}, model=model)
+    transform = create_transform(**config, is_training=False)
+    chunk: list[torch.Tensor] = []
+    for path in images:
+        try:
+            with Image.open(path) as image:
+                chunk.append(transform(image.convert("RGB")))
+        except Exception as error:
+            raise DataError(f"{path} is not a readable image ({type(error).__name__}: {first_line(error)})",
+                            "remove it from the folder, or pass tensors") from None
+        if len(chunk) == batch_size:
+            yield _check_batch(torch.stack(chunk), f"images ending at {path}")
+            chunk = []
+    if chunk:
+        yield _check_batch(torch.stack(chunk), f"images ending at {path}")
