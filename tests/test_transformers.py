@@ -136,3 +136,18 @@ def test_a_config_asking_for_remote_code_is_refused_and_nothing_runs(resnet_dir,
     result = run("convert", directory, "-o", tmp_path / "o.safetensors")
     one_line_failure(result, 10, "asks for remote code", "trust_remote_code=True")
     assert not (tmp_path / "ran").exists() and not (tmp_path / "o.safetensors").exists()
+
+
+def test_the_trainer_callback_keeps_bn_statistics_identical_on_two_gloo_ranks(tmp_path):
+    """Two ranks train 3 steps with the HF Trainer (DDP, gloo): with BNSurgeonCallback every BN buffer and
+    parameter is identical on both ranks; the plain-BN control's running statistics differ."""
+    from _dist import run_world
+    from _transformers_cases import trainer_rank
+
+    synced = run_world(2, trainer_rank, True, str(tmp_path / "synced"), timeout=400)
+    assert synced[0]["kinds"] == ["SyncBatchNorm"]
+    for key, value in synced[0]["state"].items():
+        assert torch.equal(value, synced[1]["state"][key]), key
+    control = run_world(2, trainer_rank, False, str(tmp_path / "control"), timeout=400)
+    assert control[0]["kinds"] == ["BatchNorm2d"]
+    assert not torch.equal(control[0]["state"]["body.1.running_mean"], control[1]["state"]["body.1.running_mean"])

@@ -1,0 +1,51 @@
+"""Rank functions for the Hugging Face Trainer integration test (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+N, STEPS, PER_DEVICE = 8, 3, 2
+
+
+class Net(nn.Module):
+    """What the Trainer expects of a model: forward(pixel_values, labels) -> {"loss", "logits"}."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten(), nn.Linear(4, 2))
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.body(pixel_values)
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+def dataset():
+    generator = torch.Generator().manual_seed(7)
+    # samples with different scales: per-rank batch statistics differ, so plain BN ranks drift apart
+    return [{"pixel_values": torch.randn(3, 8, 8, generator=generator) * (1 + i), "labels": torch.tensor(i % 2)}
+            for i in range(N)]
+
+
+def trainer_rank(rank, world_size, use_callback, output_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    from transformers import Trainer, TrainingArguments
+
+    from bnsurgeon.integrations.transformers import BNSurgeonCallback
+
+    model = Net()
+    args = TrainingArguments(output_dir=os.path.join(output_dir, f"rank{rank}"), per_device_train_batch_size=PER_DEVICE,
+                             max_steps=STEPS, learning_rate=0.05, use_cpu=True, ddp_backend="gloo", report_to=[],
+                             save_strategy="no", logging_strategy="no", seed=0, dataloader_num_workers=0,
+                             disable_tqdm=True)
+    callbacks = [BNSurgeonCallback()] if use_callback else []
+    trainer = Trainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks)
+    kinds = sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__})
+    trainer.train()
+    return {"kinds": kinds, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
