@@ -16,20 +16,13 @@ transformers = pytest.importorskip("transformers", reason="transformers is in th
 
 import bnsurgeon  # noqa: E402
 from bnsurgeon.cli.commands import app  # noqa: E402
+from test_untrusted import one_line_failure  # noqa: E402
 
 runner = CliRunner()
 
 
 def run(*args):
     return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200", "HF_HUB_OFFLINE": "1"})
-
-
-def one_line_failure(result, code, *phrases):
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output
-    flat = " ".join(result.output.split())
-    for phrase in phrases:
-        assert phrase in flat, flat
 
 
 @pytest.fixture(scope="module")

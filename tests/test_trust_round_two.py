@@ -10,18 +10,9 @@ import pytest
 import torch
 
 import bnsurgeon
-from test_untrusted import TINY, one_line_failure, run
+from test_untrusted import one_line_failure, run, tiny  # noqa: F401 (tiny: the fixture, shared)
 
 
-@pytest.fixture
-def tiny(tmp_path, monkeypatch):
-    (tmp_path / "tiny.py").write_text(TINY)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("TINY_MARK", str(tmp_path / "called.txt"))
-    sys.modules.pop("tiny", None)
-    yield tmp_path
-    sys.modules.pop("tiny", None)
 
 
 def converted(tiny, name, *args):

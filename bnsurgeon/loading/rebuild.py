@@ -52,7 +52,8 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
                           timm_input_shape(rebuilt), raw)
     loaded.history = history
     loaded.check_input = recorded.check_input
-    loaded.weights_key = weights or recorded.weights
+    # the entry the model came from: the chosen one, or one the file records other than its state_dict
+    loaded.weights_key = weights or (recorded.weights if recorded.weights != "state_dict" else None)
     return loaded
 
 
