@@ -87,6 +87,9 @@ def test_detr_frozen_bn_unfreezes_to_sync_and_refreezes_to_its_own_class(detr_di
     frozen = tmp_path / "d.frozen.safetensors"
     back = run("convert", sync, "--to", "frozen", "--input-shape", "1,3,64,64", "-o", frozen)
     assert back.exit_code == 0 and "refrozen into its original class DetrFrozenBatchNorm2d" in back.output, back.output
+    # from_pretrained leaves the backbone trainable, a rebuild from config would not: the file records which train
+    verified = run("verify", detr_dir, sync, "-w", "2", "--input-shape", "1,3,64,64", "--no-perturb")
+    assert verified.exit_code == 0, verified.output
     refrozen = bnsurgeon.load(frozen)
     assert sum(type(m).__name__ == "DetrFrozenBatchNorm2d" for m in refrozen.modules()) == 16
     original = transformers.DetrForObjectDetection.from_pretrained(detr_dir)

@@ -431,3 +431,15 @@ def test_outputs_holding_a_bool_mask_are_compared_not_a_crash():
     assert ok
     ok, _ = _within([mask], [~mask], Tolerance(rtol=1e-6))
     assert not ok
+
+
+def test_load_restores_which_parameters_train_and_refuses_names_it_does_not_have(tiny):
+    from test_untrusted import edited
+
+    out = converted(tiny, "out.safetensors", "tiny:build")
+    assert all(p.requires_grad for p in bnsurgeon.load(out, model="tiny:build").parameters())
+    frozen = edited(out, tiny / "frozen.safetensors", frozen_parameters=["0.weight"])
+    model = bnsurgeon.load(frozen, model="tiny:build")
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["0.weight"]
+    bad = edited(out, tiny / "bad.safetensors", frozen_parameters=["nowhere.weight"])
+    one_line_failure(run("inspect", bad, "--model", "tiny:build"), 4, "frozen_parameters", "nowhere.weight")

@@ -38,6 +38,10 @@ def _metadata(result: ConvertResult, architecture: Architecture, source: str, *,
         metadata["folds"] = result.report.fusion["folded"]
     if weights != "state_dict":  # the source's state_dict is another state dict, carried under its own name
         metadata["weights"] = weights
+    # requires_grad is not in a state dict, and a class rebuilt from its config may freeze other parameters than
+    # the source had (transformers' from_pretrained leaves DETR's backbone trainable, its constructor does not)
+    metadata["frozen_parameters"] = [name for name, parameter in result.model.named_parameters()
+                                     if not parameter.requires_grad]
     return metadata
 
 

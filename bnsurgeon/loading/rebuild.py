@@ -9,7 +9,7 @@ from bnsurgeon.loading.architecture import Architecture, LoadedSource, timm_inpu
 from bnsurgeon.files.reading import RawCheckpoint, read_checkpoint
 from bnsurgeon.core.errors import CheckpointError
 from bnsurgeon.files.history import replay
-from bnsurgeon.loading.recorded import check_rebuilt, read_recorded, state_from_checkpoint
+from bnsurgeon.loading.recorded import apply_trainability, check_rebuilt, read_recorded, state_from_checkpoint
 from bnsurgeon.surgery.walk import name_sync_layers
 from bnsurgeon.loading.trust import confirm_architecture
 from bnsurgeon.files.weights import check_fit, load_weights, materialize
@@ -47,6 +47,7 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
     else:
         rebuilt = materialize(build, state_from_checkpoint(raw, recorded, weights), raw.path)
     check_rebuilt(raw, recorded, rebuilt)
+    apply_trainability(raw, recorded, rebuilt)
     name_sync_layers(rebuilt)
     loaded = LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",
                           timm_input_shape(rebuilt), raw)

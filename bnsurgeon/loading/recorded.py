@@ -47,6 +47,8 @@ class Recorded:
     #: the entry of a .pt output holding the model's tensors: state_dict, or the chosen state dict's own name
     #: when the source's state_dict was another one (--weights state_dict_ema)
     weights: str = "state_dict"
+    #: parameters that did not require grad in the converted model (None: the file does not say)
+    frozen_parameters: list[str] | None = None
 
 
 def _bad(raw: RawCheckpoint, key: str, problem: str) -> MetadataError:
@@ -260,7 +262,30 @@ def read_recorded(raw: RawCheckpoint) -> Recorded:
     history = _history(raw, target, options)
     check_input = _check_input(raw)
     return Recorded(schema, architecture, target, options, classes, aliases, source if isinstance(source, str) else "",
-                    folds, history, check_input, rules, recorded_weights(raw))
+                    folds, history, check_input, rules, recorded_weights(raw), _frozen_parameters(raw))
+
+
+def _frozen_parameters(raw: RawCheckpoint) -> list[str] | None:
+    value = _field(raw, "frozen_parameters", None)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(name, str) and len(name) <= 1000 for name in value):
+        raise _bad(raw, "frozen_parameters", "must be a JSON list of parameter names")
+    return value
+
+
+def apply_trainability(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") -> None:
+    """Each parameter requires grad exactly as it did in the model that was written (when the file says)."""
+    if recorded.frozen_parameters is None:
+        return
+    parameters = dict(model.named_parameters())
+    unknown = sorted(set(recorded.frozen_parameters) - set(parameters))
+    if unknown:
+        raise _bad(raw, "frozen_parameters", f"names {shown(unknown[0])}, which the rebuilt model has no "
+                                             f"parameter for ({counted(len(unknown), 'name')})")
+    frozen = set(recorded.frozen_parameters)
+    for name, parameter in parameters.items():
+        parameter.requires_grad_(name not in frozen)
 
 
 def check_rebuilt(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") -> None:
