@@ -33,14 +33,17 @@ PROBE_TOLERANCE = 1e-10
 
 #: class -> measured eps (None: probed, not a frozen BN)
 _probed: dict[type, float | None] = {}
+#: model modules already searched: the registry asks on every conversion, each module is read once
+_searched: set[str] = set()
 
 
 def candidate_classes() -> list[type]:
-    """Classes named like a frozen batch norm in the transformers model modules imported so far."""
+    """Classes named like a frozen batch norm in the transformers model modules imported since the last call."""
     found = []
     for name, module in list(sys.modules.items()):
-        if not name.startswith(MODELS_PREFIX) or module is None:
+        if not name.startswith(MODELS_PREFIX) or module is None or name in _searched:
             continue
+        _searched.add(name)
         for attribute, value in list(vars(module).items()):
             if isinstance(value, type) and "FrozenBatchNorm" in attribute and value.__module__ == name:
                 found.append(value)

@@ -115,7 +115,6 @@ def convert(
     report = Report(target=to, options={"frozen": frozen, "allow_unhandled": allow_unhandled, "inplace": inplace,
                                         "include": list(include), "exclude": list(exclude)})
     replacements: dict[int, nn.Module] = {}
-    builtin = builtin_rules()
     exact = True
     fold_plan = None
     if to == "fused":
@@ -138,7 +137,7 @@ def convert(
         context = BuildContext(target=to, frozen=frozen, process_group=process_group, input_dims=dims)
         if fold_plan is not None:
             fold_plan.prepare(context, model, entry.path, entry.rule)
-        new = _build(entry, context, builtin) if to in entry.rule.targets else entry.module
+        new = _build(entry, context) if to in entry.rule.targets else entry.module
         if new is entry.module:
             report.kept.append(
                 ModuleKept(entry.path, entry.paths[1:], entry.cls_name, entry.rule.name, context.kept_reason or "unchanged")
@@ -271,14 +270,14 @@ def _refuse_compiled_copy(model: "nn.Module", inplace: bool) -> None:
         )
 
 
-def _build(entry: PlanEntry, context: BuildContext, builtin: list[Rule]) -> "nn.Module":
+def _build(entry: PlanEntry, context: BuildContext) -> "nn.Module":
     """The rule's replacement; a user rule that raises is named with its error (a built-in one is a bug)."""
     try:
         return entry.rule.build(entry.module, context)
     except BnSurgeonError:
         raise
     except Exception as error:
-        if entry.rule in builtin:
+        if entry.rule in builtin_rules():  # bnsurgeon's own rule: a bug, not the user's
             raise
         raise RuleRaisedError(
             f"rule {shown(entry.rule.name, 60)} raised {type(error).__name__} building --to {context.target} for "
