@@ -102,6 +102,7 @@ def test_a_user_rule_whose_builder_raises_is_one_line_naming_the_rule(tiny, monk
 
     (tiny / "odd_rules.py").write_text(RAISING_RULE)
     monkeypatch.setattr(rules_module, "_named_specs", {})
+    monkeypatch.setattr(rules_module, "_default", None)  # the rule registers into a registry this test discards
     monkeypatch.delitem(sys.modules, "odd_rules", raising=False)
     before = listing(tiny)
     result = run("convert", "odd_rules:build", "--rules", "odd_rules:RULE", "--input-shape", "2,3,8,8",
