@@ -27,11 +27,13 @@ from bnsurgeon.checks.eval_check import (
 from bnsurgeon.core.running import preserved_modes, run_forward
 from bnsurgeon.core.errors import ConfirmationError, HookedModelError, NothingToConvertError, UsageError, VerificationError
 from bnsurgeon.surgery.inspection import Inspection, inspect_model
+from bnsurgeon.loading.rebuild import recipe
 from bnsurgeon.loading.recorded import read_recorded
 from bnsurgeon.loading.sources import load_source, looks_like_file
 from bnsurgeon.loading.transformers_source import model_directory
-from bnsurgeon.surgery.walk import ConvertResult, convert
+from bnsurgeon.surgery.walk import ConvertResult, class_map, convert
 from bnsurgeon.files.conversion import write_conversion
+from bnsurgeon.files.history import step
 
 if TYPE_CHECKING:
     from torch import nn
@@ -268,9 +270,11 @@ def convert_source(
                 verification = verify_fused(loaded.model, result.model, result.report.fusion["folded"], shape,
                                             source_name=loaded.description)
             else:
+                rebuild = recipe(loaded.architecture, [*loaded.history, step(to, result.report.options)],
+                                 class_map(result.model))
                 verification = verify_models(loaded.model, result.model, check_input, world_sizes=verify_world_sizes,
                                              exact=result.exact, source_name=loaded.description,
-                                             collective_timeout=timeout)
+                                             collective_timeout=timeout, rebuild_converted=rebuild)
             result.report.verification = verification.to_dict()
             if not verification.passed:
                 failed = verification.first_failure
@@ -361,7 +365,9 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     return verify_models(left.model, right.model, check_input, world_sizes=world_sizes, atol=atol, perturb=perturb,
                          exact=not is_inexact(left.model, right.model), source_name=left.description,
                          converted_name=right.description, collective_timeout=timeout, on_check=on_check,
-                         compare_at=compare_at)
+                         compare_at=compare_at,
+                         rebuild_converted=recipe(right.architecture, right.history,
+                                                  recorded.classes if recorded is not None else None))
 
 
 @dataclass

@@ -48,6 +48,47 @@ def detr_dir(tmp_path_factory):
     return directory
 
 
+def hooked_family(name: str):
+    """transformers 5 models whose forward needs its output-capturing hooks (local closures: they do not pickle)."""
+    if name == "segformer":
+        config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                                              num_attention_heads=[1, 2], decoder_hidden_size=16, num_labels=3,
+                                              mlp_ratios=[2, 2], strides=[4, 2], patch_sizes=[7, 3])
+        return transformers.SegformerForSemanticSegmentation(config)
+    if name == "dpt":  # image_size is the input: bnsurgeon reads it from the config
+        config = transformers.DPTConfig(hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=16,
+                                        image_size=32, patch_size=8, neck_hidden_sizes=[8, 8, 8, 8],
+                                        fusion_hidden_size=8, backbone_out_indices=[0, 1, 2, 3], num_labels=3,
+                                        head_hidden_size=8, use_batch_norm_in_fusion_residual=True)
+        return transformers.DPTForSemanticSegmentation(config)
+    backbone = transformers.ConvNextConfig(hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1],
+                                           out_features=["stage1", "stage2", "stage3", "stage4"])
+    config = transformers.UperNetConfig(backbone_config=backbone, hidden_size=16, auxiliary_in_channels=16,
+                                        auxiliary_channels=8, num_labels=3, use_pretrained_backbone=False)
+    return transformers.UperNetForSemanticSegmentation(config)
+
+
+@pytest.mark.parametrize("family", ["segformer", "dpt", "upernet"])
+def test_models_with_output_capturing_hooks_verify_on_two_ranks(family, tmp_path):
+    """The ranks build the model from its recipe and load the parent's tensors: pickling it fails."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = hooked_family(family)
+    model.save_pretrained(tmp_path / family)
+    with torch.no_grad():
+        model.eval()(torch.randn(1, 3, 32, 32))  # the hooks are installed on the first forward
+    with pytest.raises((AttributeError, pickle.PicklingError)):
+        pickle.dumps(model)  # what the ranks used to be sent
+    out = tmp_path / f"{family}.sync.safetensors"
+    converted = run("convert", tmp_path / family, "-o", out)
+    assert converted.exit_code == 0, converted.output
+    result = run("verify", tmp_path / family, out, "-w", "2")
+    assert result.exit_code == 0, result.output
+    report = [line for line in result.output.splitlines() if "2 ranks" in line]
+    assert len(report) == 2 and all(" pass " in line for line in report), result.output
+
+
 def test_a_model_directory_is_a_source_and_the_output_rebuilds_with_no_arguments(resnet_dir, tmp_path):
     inspected = run("inspect", resnet_dir)
     assert inspected.exit_code == 0 and "BatchNorm2d" in inspected.output, inspected.output

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 def flatten_tensors(output: Any) -> list:
     """Tensors of ``output`` (a tensor, or dicts/lists/tuples of them) in a fixed order."""
+    return [tensor for _, tensor in named_tensors(output)]
+
+
+def named_tensors(output: Any, prefix: str = "") -> "list[tuple[str, torch.Tensor]]":
+    """(path, tensor) for each tensor of ``output``: ``logits``, ``hidden_states[2]``, ``[0].boxes``.
+
+    A transformers ``ModelOutput`` is a dict holding only the fields that are set, so two outputs
+    are lined up by these names, not by position: a field one side lacks is named, not compared
+    with whatever came next.
+    """
     import torch
 
     if isinstance(output, torch.Tensor):
-        return [output]
+        return [(prefix or "output", output)]
     if isinstance(output, dict):
-        return [t for value in output.values() for t in flatten_tensors(value)]
+        return [item for key, value in output.items()
+                for item in named_tensors(value, f"{prefix}.{key}" if prefix else str(key))]
     if isinstance(output, (list, tuple)):
-        return [t for value in output for t in flatten_tensors(value)]
+        return [item for index, value in enumerate(output) for item in named_tensors(value, f"{prefix}[{index}]")]
     return []
 
 

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from bnsurgeon.checks.check_input import CheckInput, clone_value, leaves
 from bnsurgeon.checks.eval_check import vacuous_reason
-from bnsurgeon.checks.outputs import flatten_tensors, per_sample
+from bnsurgeon.checks.outputs import flatten_tensors, named_tensors, per_sample
 from bnsurgeon.core.anatomy import is_bn_like
+from bnsurgeon.core.errors import UnshippableModelError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -142,6 +143,24 @@ def _within(expected: list, actual: list, tol: Tolerance = EXACT) -> tuple[bool,
         for a, b in zip(expected, actual) if a.numel()
     )
     return ok, diff
+
+
+def compare_outputs(expected: Any, actual: Any, tol: Tolerance = EXACT) -> tuple[bool, float, str]:
+    """Two model outputs field by field, by name: (within ``tol``, max |diff|, which fields differ or are
+    missing on one side, "" when none)."""
+    ours, theirs = dict(named_tensors(expected)), dict(named_tensors(actual))
+    if list(ours) != list(theirs):
+        missing, extra = [n for n in ours if n not in theirs], [n for n in theirs if n not in ours]
+        if missing or extra:
+            parts = ([f"only the source has {', '.join(missing[:3])}"] if missing else []) + \
+                    ([f"only the converted model has {', '.join(extra[:3])}"] if extra else [])
+            return False, float("inf"), "; ".join(parts)
+        theirs = {name: theirs[name] for name in ours}  # same fields in another order: by name
+    ok, diff = _within(list(ours.values()), list(theirs.values()), tol)
+    if ok:
+        return True, diff, ""
+    differing = [name for name in ours if not _within([ours[name]], [theirs[name]], tol)[0]]
+    return False, diff, "differs: " + ", ".join(differing[:4]) + (f" (+{len(differing) - 4})" if len(differing) > 4 else "")
 
 
 def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torch.Tensor",
@@ -276,9 +295,9 @@ def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, l
         converted.eval()
         raw = run_model(source, clone_value(x), compare_at)
         expected = flatten_tensors(raw)
-        ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
+        ok, diff, fields = compare_outputs(raw, run_model(converted, clone_value(x), compare_at), tol)
         where = None if ok else first_divergent_module(source, converted, x, tol)
-    detail = tol.describe()
+    detail = tol.describe() + (f"; {fields}" if fields else "")
     if not ok and not tol.exact and _is_detections(raw):
         detail += ("; the outputs are detections: top-k and NMS can turn a rounding-level difference into "
                    "different boxes, so compare before the head (--compare-at backbone)")
@@ -302,15 +321,17 @@ def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, 
     source, converted = only_bn_trains(copy.deepcopy(source)), only_bn_trains(copy.deepcopy(converted))
     x = _input(shape, source, seed)
     with torch.no_grad():
-        expected = flatten_tensors(run_model(source, clone_value(x), compare_at))
-        ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
+        raw = run_model(source, clone_value(x), compare_at)
+        expected = flatten_tensors(raw)
+        ok, diff, fields = compare_outputs(raw, run_model(converted, clone_value(x), compare_at), tol)
     stats_expected, actual = _running_stats(source), _running_stats(converted)
     stats_ok, stats_diff = _within(list(stats_expected.values()),
                                    [actual.get(n, torch.empty(0)) for n in stats_expected], tol)
     where = None
     if not ok:
         where = first_divergent_module(source, converted, x, tol)
-    detail = "outputs and running statistics" + ("" if stats_ok else "; running statistics differ")
+    detail = "outputs and running statistics" + (f"; {fields}" if fields else "") + \
+        ("" if stats_ok else "; running statistics differ")
     return _vacuous(label, expected) or CheckOutcome(label, ok and stats_ok, max(diff, stats_diff), detail, where)
 
 
@@ -324,10 +345,11 @@ def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
     with preserved_modes(source, converted), torch.no_grad():
         source.eval()
         only_bn_trains(converted)
-        expected = flatten_tensors(run_model(source, clone_value(x), compare_at))
-        ok, diff = _within(expected, flatten_tensors(run_model(converted, clone_value(x), compare_at)), tol)
-    return _vacuous(label, expected) or CheckOutcome(label, ok, diff,
-                                                     f"{tol.describe()}; frozen BN ignores batch statistics")
+        raw = run_model(source, clone_value(x), compare_at)
+        expected = flatten_tensors(raw)
+        ok, diff, fields = compare_outputs(raw, run_model(converted, clone_value(x), compare_at), tol)
+    return _vacuous(label, expected) or CheckOutcome(
+        label, ok, diff, f"{tol.describe()}; frozen BN ignores batch statistics" + (f"; {fields}" if fields else ""))
 
 
 def _loss(samples: list, grads: list):
@@ -337,12 +359,21 @@ def _loss(samples: list, grads: list):
     return sum(terms) if terms else None
 
 
+def _rank_model(bundle: dict) -> "nn.Module":
+    """The converted model in float64: as sent, or built here from its recipe and given the sent tensors."""
+    if "converted" in bundle:
+        return bundle["converted"]
+    model = bundle["rebuild"]().double()
+    model.load_state_dict(bundle["state"], strict=True)
+    return model
+
+
 def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], seed: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
     bundle = torch.load(io.BytesIO(payload), weights_only=False)  # written by this process's parent
-    model = only_bn_trains(bundle["converted"])
+    model = only_bn_trains(_rank_model(bundle))
     check_input: CheckInput = bundle["input"]
     first = sum(splits[:rank])
     xs = clone_value(check_input.split(bundle["x"], splits)[rank])
@@ -397,7 +428,35 @@ class RankReference:
     problem: "tuple[float, str] | None" = None
 
 
-def rank_reference(source, converted, shape, batch: int, *, seed=SEED, compare_at: str | None = None) -> RankReference:
+def ship_model(model: "nn.Module", rebuild: "Callable[[], nn.Module] | None", rest: dict) -> bytes:
+    """The bytes each rank loads: the model pickled with ``rest``, or, where the model does not pickle,
+    its recipe (``rebuild``, built in the rank) and its tensors.
+
+    Pickling sends the very object that was checked, so it is the first choice. Models whose Python
+    objects are not picklable (transformers 5 installs output-capturing hooks that are local closures,
+    and a fresh process also needs transformers' per-instance capture registry) are built in each rank
+    by the same code that built them here, then given exactly these tensors.
+    """
+    import pickle
+
+    import torch
+
+    buffer = io.BytesIO()
+    try:
+        torch.save({"converted": model, **rest}, buffer)
+        return buffer.getvalue()
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        if rebuild is None:
+            raise UnshippableModelError(
+                f"the converted model cannot be sent to the rank processes ({type(error).__name__}: "
+                f"{first_line(error)}) and was not built from a recipe bnsurgeon can repeat in them") from None
+    buffer = io.BytesIO()
+    torch.save({"rebuild": rebuild, "state": model.state_dict(), **rest}, buffer)
+    return buffer.getvalue()
+
+
+def rank_reference(source, converted, shape, batch: int, *, seed=SEED, compare_at: str | None = None,
+                   rebuild: "Callable[[], nn.Module] | None" = None) -> RankReference:
     import torch
 
     check_input = CheckInput.of_shape(shape).with_batch(batch, uniform=True)  # same-size images: same padding
@@ -421,11 +480,10 @@ def rank_reference(source, converted, shape, batch: int, *, seed=SEED, compare_a
     loss = _loss(samples, grad)
     if loss is not None and loss.requires_grad:
         loss.backward()
-    buffer = io.BytesIO()
-    torch.save({"converted": converted64, "x": x, "grad": grad, "input": check_input, "compare_at": compare_at}, buffer)
+    payload = ship_model(converted64, rebuild, {"x": x, "grad": grad, "input": check_input, "compare_at": compare_at})
     input_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves(xr)]
     return RankReference(
-        batch, buffer.getvalue(), [[o.detach() for o in sample] for sample in samples], input_grads,
+        batch, payload, [[o.detach() for o in sample] for sample in samples], input_grads,
         {n: p.grad for n, p in source64.named_parameters() if p.grad is not None},
         {n: b.double() for n, b in source64.named_buffers()
          if n.endswith(("running_mean", "running_var", "num_batches_tracked"))},
@@ -435,7 +493,8 @@ def rank_reference(source, converted, shape, batch: int, *, seed=SEED, compare_a
 
 def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
                 label: str | None = None, pool=None, reference: RankReference | None = None,
-                collective_timeout: float = 120.0, compare_at: str | None = None) -> CheckOutcome:
+                collective_timeout: float = 120.0, compare_at: str | None = None,
+                rebuild: "Callable[[], nn.Module] | None" = None) -> CheckOutcome:
     """W gloo ranks of the converted model on slices == the source on the whole batch (float64).
 
     Outputs are compared per sample: a batch-first tensor is cut along its first dimension,
@@ -443,7 +502,8 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     2 images line up with the source's 5. ``pool`` (a ``multiproc.RankPool`` of at least
     W processes) runs the ranks in processes that are already started; without one, W
     processes are started for this check alone. ``reference`` (from ``rank_reference``)
-    is reused when given.
+    is reused when given. ``rebuild`` builds the converted model's structure again in a rank where the
+    model itself does not pickle (``ship_model``).
     """
     import torch
 
@@ -454,7 +514,7 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
         return CheckOutcome(label, None, detail="not applicable: the converted model has no sync layers")
     if reference is None:
         reference = rank_reference(source, converted, shape, rank_batch([world_size]), seed=seed,
-                                   compare_at=compare_at)
+                                   compare_at=compare_at, rebuild=rebuild)
     if reference.problem is not None:
         diff, detail = reference.problem
         return CheckOutcome(label, False, diff, detail)
@@ -506,7 +566,8 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
                   atol: float | None = None, perturb: bool = True, exact: bool = True,
                   source_name: str = "", converted_name: str = "", collective_timeout: float = 120.0,
                   on_check: Callable[[CheckOutcome], None] | None = None,
-                  share_work: bool = True, compare_at: str | None = None) -> Verification:
+                  share_work: bool = True, compare_at: str | None = None,
+                  rebuild_converted: "Callable[[], nn.Module] | None" = None) -> Verification:
     """Run every check, then all of them again with identically perturbed BN state.
 
     ``input_shape`` is a tensor shape or a ``CheckInput`` (list/dict inputs);
@@ -518,7 +579,8 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
     overlap with the one-process checks, and one float64 reference per variant (one batch
     for every N). ``share_work=False`` starts fresh processes and recomputes the reference
     for every N-rank check, as verify did before: the benchmark's yardstick
-    (``scripts/bench_verify.py``).
+    (``scripts/bench_verify.py``). ``rebuild_converted`` (a picklable callable) builds the converted
+    model's structure in each rank when the model itself does not pickle.
     """
     from bnsurgeon.checks.multiproc import RankPool
 
@@ -563,11 +625,12 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
                                     world_size=world_size) -> CheckOutcome:
                         if suffix not in references and distributed and share_work:
                             references[suffix] = rank_reference(ref_model, conv, check_input, batch,
-                                                                compare_at=compare_at)
+                                                                compare_at=compare_at, rebuild=rebuild_converted)
                         return check_ranks(ref_model, conv, check_input, world_size,
                                            label=f"{world_size} ranks" + against + suffix,
                                            pool=pool, reference=references.get(suffix),
-                                           collective_timeout=collective_timeout, compare_at=compare_at)
+                                           collective_timeout=collective_timeout, compare_at=compare_at,
+                                           rebuild=rebuild_converted)
 
                     add(ranks_check)
     return result

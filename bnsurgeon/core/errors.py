@@ -128,6 +128,14 @@ class RuleRaisedError(UsageError):
     rule that raises is a bug in bnsurgeon and is not wrapped)."""
 
 
+class UnshippableModelError(UsageError):
+    """The N-rank check cannot give the ranks the converted model: it does not pickle, and it was not
+    built from a recipe (timm name, factory, model directory, bnsurgeon file) a rank can repeat."""
+
+    default_hint = ("pass SOURCE as something a process can build again: a timm name, a model directory "
+                    "or a factory (package.module:function) that builds it")
+
+
 class SourceNotFoundError(BnSurgeonError):
     """A SOURCE that names no file, timm model or importable factory."""
 

@@ -164,10 +164,22 @@ def parse_architecture(spec: str, kwargs: dict[str, Any] | None = None) -> Archi
     return Architecture("factory", spec, kwargs)
 
 
-def timm_input_shape(model: "nn.Module", batch: int = 2) -> tuple[int, ...] | None:
+def own_input_shape(model: "nn.Module", batch: int = 2) -> tuple[int, ...] | None:
+    """The input the model says it takes: timm's pretrained_cfg input_size, or a transformers vision
+    config's num_channels and image_size (the size position embeddings are made for)."""
     cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
-    size = cfg.get("input_size")
-    return (batch, *size) if size else None
+    size = cfg.get("input_size") if isinstance(cfg, dict) else None
+    if size:
+        return (batch, *size)
+    config = getattr(model, "config", None)
+    channels, image = getattr(config, "num_channels", None), getattr(config, "image_size", None)
+    if isinstance(image, int):
+        image = (image, image)
+    sizes = (channels, *image) if isinstance(image, (list, tuple)) and len(image) == 2 else ()
+    if sizes and all(isinstance(v, int) and not isinstance(v, bool) for v in sizes) \
+            and 1 <= sizes[0] <= 64 and all(8 <= v <= 4096 for v in sizes[1:]):
+        return (batch, *sizes)
+    return None
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from bnsurgeon.loading.architecture import Architecture, LoadedSource, timm_input_shape
+from bnsurgeon.loading.architecture import Architecture, LoadedSource, own_input_shape
 from bnsurgeon.files.reading import RawCheckpoint, read_checkpoint
 from bnsurgeon.core.errors import CheckpointError
 from bnsurgeon.files.history import replay
@@ -50,7 +51,7 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
     apply_trainability(raw, recorded, rebuilt)
     name_sync_layers(rebuilt)
     loaded = LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",
-                          timm_input_shape(rebuilt), raw)
+                          own_input_shape(rebuilt), raw)
     loaded.history = history
     loaded.check_input = recorded.check_input
     # the entry the model came from: the chosen one, or one the file records other than its state_dict
@@ -83,3 +84,27 @@ def load(path: "str | Path", *, model: "str | nn.Module | None" = None, model_ar
                                             accept_recorded_args=accept_recorded_args)
         rebuilt = rebuild_from_checkpoint(raw, architecture=architecture).model
     return rebuilt
+
+
+#: architectures another process can build again from their record alone
+REPEATABLE_KINDS = ("timm", "factory", "transformers")
+
+
+def recipe(architecture: Architecture, history: list[dict[str, Any]], classes: dict[str, str] | None = None
+           ) -> "Callable[[], nn.Module] | None":
+    """A picklable callable that builds this model's structure again in another process (verify's ranks),
+    or None where the architecture is not recorded. Its tensors are the caller's to send: the build is seeded,
+    not the model's weights."""
+    if architecture.kind not in REPEATABLE_KINDS:
+        return None
+    return functools.partial(build_from_recipe, architecture.to_dict(), list(history), dict(classes or {}))
+
+
+def build_from_recipe(architecture: dict[str, Any], history: list[dict[str, Any]],
+                      classes: dict[str, str]) -> "nn.Module":
+    """What ``recipe`` sends: the architecture built, then every recorded conversion replayed."""
+    model = Architecture.from_dict(architecture).build()
+    if history:
+        model = replay(model, history, classes, origin="the model's recipe")
+    name_sync_layers(model)
+    return model

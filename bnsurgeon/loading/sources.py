@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bnsurgeon.loading.architecture import Architecture, LoadedSource, parse_architecture, timm_input_shape
+from bnsurgeon.loading.architecture import Architecture, LoadedSource, parse_architecture, own_input_shape
 from bnsurgeon.files.reading import (
     SAFETENSORS_SUFFIXES,
     TORCH_SUFFIXES,
@@ -69,7 +69,7 @@ def load_source(
                          "drop --model, or pass a checkpoint file")
     architecture = parse_architecture(source, model_args)
     built = architecture.build(meta=meta)
-    return LoadedSource(built, architecture, architecture.describe(), timm_input_shape(built))
+    return LoadedSource(built, architecture, architecture.describe(), own_input_shape(built))
 
 
 def _is_bnsurgeon_file(path: Path) -> bool:
@@ -83,7 +83,8 @@ def _load_model_directory(directory: Path, meta: bool) -> LoadedSource:
     """A Hugging Face model directory: transformers' own class, from local files (loading.transformers_source)."""
     model, name, config = load_directory(directory, meta=meta)
     architecture = Architecture("transformers", name, {"config": config})
-    return LoadedSource(model, architecture, f"{directory} ({architecture.describe()})", None)
+    return LoadedSource(model, architecture, f"{directory} ({architecture.describe()})",
+                        None if meta else own_input_shape(model))
 
 
 def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_recorded_args, flag,
@@ -130,7 +131,7 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_reco
         built = materialize(build, state, path, adapt=fit)
         prefix = prefix_found[-1] if prefix_found else ""
     carried = _carried(raw, key)
-    return LoadedSource(built, architecture, f"{path} ({architecture.describe()})", timm_input_shape(built), raw,
+    return LoadedSource(built, architecture, f"{path} ({architecture.describe()})", own_input_shape(built), raw,
                         key or None, prefix, carried)
 
 
