@@ -32,7 +32,8 @@ from bnsurgeon.loading.recorded import read_recorded
 from bnsurgeon.loading.sources import load_source, looks_like_file
 from bnsurgeon.loading.transformers_source import model_directory
 from bnsurgeon.surgery.walk import ConvertResult, class_map, convert
-from bnsurgeon.files.conversion import write_conversion
+from bnsurgeon.files.conversion import write_conversion, write_model_directory
+from bnsurgeon.files.model_directory import check_directory_output, is_directory_output
 from bnsurgeon.files.history import step
 
 if TYPE_CHECKING:
@@ -212,7 +213,14 @@ def convert_source(
     timeout = verify_timeout_s() if verify_world_sizes else None
     example_file = example_input if isinstance(example_input, (str, os.PathLike)) else None
     inputs = [source] + ([(example_file, "the --example-input file")] if example_file is not None else [])
-    out = check_output_path(output, inputs, force=force) if output is not None else None
+    directory_output = output is not None and is_directory_output(output)
+    if directory_output and to == "fused":
+        raise UsageError("a fused model is not the class its config.json names, so it cannot be a model directory",
+                         "write a file instead (-o OUT.safetensors)")
+    if directory_output:
+        out = check_directory_output(Path(output), inputs, force=force)
+    else:
+        out = check_output_path(output, inputs, force=force) if output is not None else None
     if example_file is not None:
         from bnsurgeon.checks.check_input import load_example_input
 
@@ -221,6 +229,9 @@ def convert_source(
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
     refuse_fused_source(loaded, "SOURCE")
+    if directory_output and loaded.architecture.kind != "transformers":
+        raise UsageError(f"a directory output is what save_pretrained writes, for Hugging Face models; "
+                         f"{loaded.description} is not one", "write a file instead (-o OUT.safetensors)")
     refuse_invalid_weights(loaded.model, loaded.description)  # the written file must be one verify accepts
     fused = to == "fused"
     # fused finds producers on it before converting; otherwise chosen after the surgery, which
@@ -283,7 +294,15 @@ def convert_source(
                     + (f", first divergent module {failed.first_divergence}" if failed.first_divergence else "")
                 )
     reports = None
-    if out is not None:
+    if out is not None and directory_output:
+        result.report.output = str(out.parent)
+        phase(f"writing {out.parent}")
+        expected = set(loaded.architecture.build(meta=True).state_dict())  # what from_pretrained(DIR) loads
+        reports = write_model_directory(result, out.parent, loaded.architecture, expected, source=loaded.description,
+                                        force=force, check_input=check_input or loaded.check_input,
+                                        history=loaded.history)
+        out = out.parent
+    elif out is not None:
         result.report.output = str(out)
         phase(f"writing {out}")
         reports = write_conversion(result, out, loaded.architecture, source=loaded.description, force=force,

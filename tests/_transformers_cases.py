@@ -49,3 +49,25 @@ def trainer_rank(rank, world_size, use_callback, output_dir):
     kinds = sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__})
     trainer.train()
     return {"kinds": kinds, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train_detr_rank(rank, world_size, directory, trained):
+    """Two DDP steps of a DETR that bnsurgeon wrote as a model directory (-o DIR), then rank 0 saves it as
+    a transformers user would (save_pretrained). Returns each rank's BN state."""
+    import bnsurgeon
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = bnsurgeon.load(directory).train()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own images
+    for _ in range(2):
+        out = ddp(pixel_values=torch.randn(2, 3, 64, 64, generator=generator) * (1 + rank))
+        (out.logits.sum() + out.pred_boxes.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if rank == 0:
+        model.save_pretrained(trained)
+    return {key: value.detach().clone() for key, value in model.state_dict().items()
+            if key.endswith(("running_mean", "running_var", "num_batches_tracked"))}

@@ -6,7 +6,6 @@ each rank from its recipe and given the parent's tensors; one with no recipe is 
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch

@@ -139,6 +139,81 @@ def test_detr_frozen_bn_unfreezes_to_sync_and_refreezes_to_its_own_class(detr_di
         assert torch.equal(refrozen.state_dict()[key], value), key
 
 
+def test_detr_as_a_model_directory_trains_synced_and_refreezes_for_from_pretrained(detr_dir, tmp_path):
+    """unfreeze -> -o DIR -> 2 gloo ranks of DDP training -> save_pretrained -> --to frozen -o DIR ->
+    from_pretrained with nothing missing or unexpected, holding what the ranks learned."""
+    from _transformers_cases import train_detr_rank
+    from bnsurgeon.checks.multiproc import run_world
+
+    sync = tmp_path / "detr-sync"
+    result = run("convert", detr_dir, "--frozen", "unfreeze", "-o", sync)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in sync.iterdir()) == ["config.json", "model.safetensors", "model.safetensors.report.json",
+                                                       "model.safetensors.report.md"]
+    plain, info = transformers.DetrForObjectDetection.from_pretrained(sync, output_loading_info=True)
+    assert not any(info.values()), info  # 16 num_batches_tracked were unexpected when written as they are
+    converted = bnsurgeon.load(sync)
+    assert sum(type(m).__name__ == "SyncBatchNorm" for m in converted.modules()) == 16
+    verified = run("verify", detr_dir, sync, "-w", "2", "--no-perturb")
+    assert verified.exit_code == 0, verified.output
+
+    trained = tmp_path / "trained"
+    ranks = run_world(2, train_detr_rank, str(sync), str(trained), timeout=300)
+    for key, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][key]), key  # synced: the ranks agree
+    counters = [k for k in ranks[0] if k.endswith("num_batches_tracked")]
+    assert len(counters) == 16 and all(int(ranks[0][k]) == 2 for k in counters)
+
+    back = tmp_path / "detr-frozen"
+    result = run("convert", trained, "--to", "frozen", "-o", back)  # a save_pretrained directory: no recipe needed
+    assert result.exit_code == 0, result.output
+    refrozen, info = transformers.DetrForObjectDetection.from_pretrained(back, output_loading_info=True)
+    assert not any(info.values()), info
+    state = refrozen.state_dict()
+    assert sum(type(m).__name__ == "DetrFrozenBatchNorm2d" for m in refrozen.modules()) == 16
+    for key, value in ranks[0].items():
+        if not key.endswith("num_batches_tracked"):
+            assert torch.equal(state[key], value), key
+            assert not torch.equal(value, plain.state_dict()[key]), key  # training moved it
+
+
+def test_directory_outputs_refuse_what_from_pretrained_could_not_load(resnet_dir, detr_dir, tmp_path):
+    out = tmp_path / "r"
+    assert run("convert", resnet_dir, "-o", out).exit_code == 0
+    model = transformers.ResNetForImageClassification.from_pretrained(out).eval()
+    source = transformers.ResNetForImageClassification.from_pretrained(resnet_dir).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, source(x).logits)
+    assert type(bnsurgeon.load(out).resnet.embedder.embedder.normalization).__name__ == "SyncBatchNorm"
+    one_line_failure(run("convert", resnet_dir, "-o", out), 8, "already exists")  # --force replaces, nothing else
+    assert run("convert", resnet_dir, "-o", out, "--force").exit_code == 0
+    cases = [
+        (("convert", "resnet18", "-o", tmp_path / "timm-dir"), 2, "for Hugging Face models"),
+        (("convert", resnet_dir, "--to", "fused", "-o", tmp_path / "fused-dir"), 2, "cannot be a model directory"),
+        (("convert", resnet_dir, "-o", resnet_dir), 8, "holds the input"),
+        (("convert", resnet_dir, "-o", tmp_path / "missing" / "dir"), 8, "does not exist"),
+    ]
+    (tmp_path / "stale").mkdir()
+    (tmp_path / "stale" / "pytorch_model.bin").write_bytes(b"old weights")
+    cases.append((("convert", resnet_dir, "-o", tmp_path / "stale"), 8, "holds other weights"))
+    for args, code, text in cases:
+        one_line_failure(run(*args), code, text)
+    assert not (tmp_path / "timm-dir").exists() and not (tmp_path / "fused-dir").exists()
+    assert sorted(p.name for p in (tmp_path / "stale").iterdir()) == ["pytorch_model.bin"]
+    assert sorted(p.name for p in resnet_dir.iterdir()) == ["config.json", "model.safetensors"]
+
+    broken = tmp_path / "broken"  # a weight missing: from_pretrained would initialize it at random and warn
+    broken.mkdir()
+    (broken / "config.json").write_text((detr_dir / "config.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(detr_dir / "model.safetensors")
+    tensors.pop("class_labels_classifier.bias")
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    one_line_failure(run("convert", broken, "-o", tmp_path / "b.safetensors"), 6, "class_labels_classifier.bias")
+
+
 def test_a_frozen_bn_lookalike_that_computes_something_else_is_not_claimed(monkeypatch, tmp_path):
     """Found by what they are: named like one, four buffers, but its forward is not the frozen BN map."""
     module = types.ModuleType("transformers.models.lookalike.modeling_lookalike")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bnsurgeon import __version__
 from bnsurgeon.files.history import step
+from bnsurgeon.files.model_directory import CONFIG_FILE, WEIGHTS_FILE, pretrained_layout
 from bnsurgeon.files.safewrite import write_files
 from bnsurgeon.files.writing import checkpoint_writer, report_paths, write_checkpoint
 from bnsurgeon.surgery.walk import ConvertResult, class_map
@@ -66,6 +69,38 @@ def write_conversion(result: ConvertResult, output: Path, architecture: Architec
         json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
         md_path: lambda temp: temp.write_text(result.report.to_markdown()),
     }, force=force)
+    return json_path, md_path
+
+
+def write_model_directory(result: ConvertResult, directory: Path, architecture: Architecture,
+                          expected_keys: "set[str]", *, source: str = "", force: bool = False, check_input: Any = None,
+                          history: list | None = None) -> tuple[Path, Path]:
+    """``-o DIR``: config.json, model.safetensors with the keys of the class config.json names (plus bnsurgeon's
+    metadata) and the two reports, written as one unit; the directory is created only for them."""
+    weights, config = directory / WEIGHTS_FILE, directory / CONFIG_FILE
+    leave_out, counts = pretrained_layout(result.model, expected_keys)
+    metadata = _metadata(result, architecture, source, check_input=check_input, history=history)
+    if counts:
+        metadata["counts"] = counts
+    json_path, md_path = report_paths(weights)
+    text = json.dumps(architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
+    created = not directory.exists()
+    if created:
+        os.mkdir(directory)
+    try:
+        write_files({
+            weights: checkpoint_writer(weights, result.model, metadata, leave_out=leave_out),
+            config: lambda temp: temp.write_text(text),
+            json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
+            md_path: lambda temp: temp.write_text(result.report.to_markdown()),
+        }, force=force)
+    except BaseException:
+        if created:  # nothing of this run is left behind: not even an empty directory
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+        raise
     return json_path, md_path
 
 

@@ -141,13 +141,16 @@ def unique_tensors(model: "nn.Module") -> tuple[dict[str, "torch.Tensor"], dict[
 
 
 def checkpoint_writer(path: Path, model: "nn.Module", metadata: dict[str, Any],
-                      extras: dict[str, Any] | None = None) -> Callable[[Path], None]:
+                      extras: dict[str, Any] | None = None, leave_out: "set[str] | frozenset[str]" = frozenset()
+                      ) -> Callable[[Path], None]:
     """A function writing the model's tensors plus ``bnsurgeon.*`` metadata (format from ``path``) to a temp path.
 
     In a .pt output the tensors go under ``metadata['weights']`` (default ``state_dict``); ``extras`` (a training
     checkpoint's other entries) may not take that name or ``bnsurgeon``: the file would not load back.
+    ``leave_out``: keys whose values the metadata holds instead (``model_directory.pretrained_layout``).
     """
     tensors, aliases = unique_tensors(model)
+    tensors = {key: tensor for key, tensor in tensors.items() if key not in leave_out}
     flat = {"format": "pt"}
     flat.update({PREFIX + key: json.dumps(value) for key, value in metadata.items()})
     flat[PREFIX + "aliases"] = json.dumps(aliases)

@@ -13,6 +13,7 @@ from bnsurgeon.files.history import replay
 from bnsurgeon.loading.recorded import apply_trainability, check_rebuilt, read_recorded, state_from_checkpoint
 from bnsurgeon.surgery.walk import name_sync_layers
 from bnsurgeon.loading.trust import confirm_architecture
+from bnsurgeon.loading.transformers_source import bnsurgeon_weights_of
 from bnsurgeon.files.weights import check_fit, load_weights, materialize
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ def load(path: "str | Path", *, model: "str | nn.Module | None" = None, model_ar
     """
     from torch import nn
 
+    path = bnsurgeon_weights_of(Path(path)) or path  # a model directory bnsurgeon wrote (-o DIR)
     raw = read_checkpoint(path, mmap=mmap)
     if not raw.is_bnsurgeon:
         raise CheckpointError(f"{path} is not a bnsurgeon checkpoint (no bnsurgeon metadata)",

@@ -49,6 +49,9 @@ class Recorded:
     weights: str = "state_dict"
     #: parameters that did not require grad in the converted model (None: the file does not say)
     frozen_parameters: list[str] | None = None
+    #: BN batch counters (``num_batches_tracked``) kept as metadata, not tensors: a model directory's weights
+    #: have the keys its config's class loads (``files.model_directory``), and a frozen BN class has none
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 def _bad(raw: RawCheckpoint, key: str, problem: str) -> MetadataError:
@@ -261,8 +264,27 @@ def read_recorded(raw: RawCheckpoint) -> Recorded:
         raise _bad(raw, "folds", "must be a JSON list of objects")
     history = _history(raw, target, options)
     check_input = _check_input(raw)
+    counts = _counts(raw, stored)
     return Recorded(schema, architecture, target, options, classes, aliases, source if isinstance(source, str) else "",
-                    folds, history, check_input, rules, recorded_weights(raw), _frozen_parameters(raw))
+                    folds, history, check_input, rules, recorded_weights(raw), _frozen_parameters(raw), counts)
+
+
+#: a counter is a non-negative int64; more entries than this is not a model's BN
+MAX_COUNTS = 100_000
+
+
+def _counts(raw: RawCheckpoint, stored: dict[str, Any]) -> dict[str, int]:
+    value = _field(raw, "counts", {}) or {}
+    if not isinstance(value, dict) or len(value) > MAX_COUNTS:
+        raise _bad(raw, "counts", f"must be a JSON object of at most {MAX_COUNTS:,} counters")
+    for key, count in value.items():
+        if not isinstance(key, str) or not key.endswith("num_batches_tracked") or len(key) > 4096:
+            raise _bad(raw, "counts", f"names {shown(key)}, not a BN batch counter")
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 2 ** 63:
+            raise _bad(raw, "counts", f"gives {shown(key)} the count {shown(count)}, not a non-negative int64")
+        if key in stored:
+            raise _bad(raw, "counts", f"gives {shown(key)}, which the file stores as a tensor")
+    return dict(value)
 
 
 def _frozen_parameters(raw: RawCheckpoint) -> list[str] | None:
@@ -312,8 +334,13 @@ def check_rebuilt(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") ->
 
 def state_from_checkpoint(raw: RawCheckpoint, recorded: Recorded | None = None,
                           weights: str | None = None) -> dict[str, "torch.Tensor"]:
-    aliases = recorded.aliases if recorded is not None else _string_map(raw, "aliases")
-    return expand_aliases(stored_tensors(raw, weights), aliases)
+    import torch
+
+    recorded = recorded or read_recorded(raw)
+    state = expand_aliases(stored_tensors(raw, weights), recorded.aliases)
+    if weights is None or weights == recorded.weights:  # the counters are the recorded weights' own
+        state.update({key: torch.tensor(count, dtype=torch.long) for key, count in recorded.counts.items()})
+    return state
 
 
 def architecture_from_checkpoint(raw: RawCheckpoint) -> Architecture:

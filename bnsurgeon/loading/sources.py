@@ -25,7 +25,7 @@ from bnsurgeon.files.reading import (
 from bnsurgeon.core.errors import FLAG_KEYWORDS, CheckpointError, UsageError
 from bnsurgeon.loading.rebuild import rebuild_from_checkpoint
 from bnsurgeon.loading.recorded import MAX_NAME_CHARS, read_recorded
-from bnsurgeon.loading.transformers_source import load_directory, model_directory
+from bnsurgeon.loading.transformers_source import bnsurgeon_weights_of, is_bnsurgeon_file, load_directory, model_directory
 from bnsurgeon.loading.trust import TIMM_NAME_PATTERN, confirm_architecture, is_plain_literal, python_args_hint, size_arg_problem
 from bnsurgeon.files.weights import check_fit, materialize
 
@@ -58,8 +58,11 @@ def load_source(
     ``named_elsewhere``: a model the user named for another argument of the same command
     (``trust.confirm_architecture``).
     """
+    written = bnsurgeon_weights_of(Path(source)) if raw is None else None
+    if written is not None:
+        source = str(written)
     directory = model_directory(Path(source)) if not model else None
-    if directory is not None and not (raw.is_bnsurgeon if raw is not None else _is_bnsurgeon_file(Path(source))):
+    if directory is not None and not (raw.is_bnsurgeon if raw is not None else is_bnsurgeon_file(Path(source))):
         return _load_model_directory(directory, meta)
     if raw is not None or looks_like_file(source):
         raw = raw or read_checkpoint(Path(source), trust_pickle=trust_pickle, mmap=meta)
@@ -70,13 +73,6 @@ def load_source(
     architecture = parse_architecture(source, model_args)
     built = architecture.build(meta=meta)
     return LoadedSource(built, architecture, architecture.describe(), own_input_shape(built))
-
-
-def _is_bnsurgeon_file(path: Path) -> bool:
-    """A bnsurgeon output saved inside a model directory describes itself: its own metadata wins."""
-    if path.is_dir() or path.name == "config.json":
-        return False
-    return read_checkpoint(path, mmap=True).is_bnsurgeon
 
 
 def _load_model_directory(directory: Path, meta: bool) -> LoadedSource:

@@ -17,8 +17,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bnsurgeon.core.errors import CheckpointError, ConfirmationError, SourceNotFoundError, UsageError, first_line
+from bnsurgeon.core.errors import (CheckpointError, ConfirmationError, SourceNotFoundError, UsageError,
+                                   WeightsMismatchError, first_line)
 from bnsurgeon.core.layout import shown
+from bnsurgeon.files.model_directory import WEIGHTS_FILE
+from bnsurgeon.files.reading import read_checkpoint
 
 if TYPE_CHECKING:
     from torch import nn
@@ -113,14 +116,52 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
             return build(name, {"config": config}), name, config
     from transformers.utils import logging as hf_logging
 
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # bnsurgeon's output is its own lines; the caller's setting comes back
+    bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()  # bnsurgeon's output is its own lines; the caller's settings come back
+    hf_logging.set_verbosity_error()  # its load report: check_loading_info says what matters, in one line
     try:
-        model = cls.from_pretrained(str(directory), local_files_only=True)
+        model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True)
     except Exception as error:
         raise CheckpointError(f"{directory}: transformers could not load {name}: {type(error).__name__}: "
                               f"{first_line(error)}", "check the directory's weights files") from None
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bar:
             hf_logging.enable_progress_bar()
+    check_loading_info(directory, name, info)
     return model.eval(), name, model.config.to_dict()
+
+
+def check_loading_info(directory: Path, name: str, info: dict[str, Any]) -> None:
+    """from_pretrained only warns where weights do not fit: a missing key is a tensor left at its random
+    initial value, an unexpected one a trained tensor dropped. Both are refused; the one exception is the BN
+    batch counters of a model saved after training synced (a frozen BN class has no ``num_batches_tracked``,
+    and it does not change what frozen BN computes)."""
+    missing = sorted(info.get("missing_keys") or ())
+    unexpected = sorted(key for key in info.get("unexpected_keys") or () if not key.endswith("num_batches_tracked"))
+    mismatched = sorted(str(item[0]) if isinstance(item, (tuple, list)) else str(item)
+                        for item in info.get("mismatched_keys") or ())
+    for keys, what in ((missing, "lacks"), (mismatched, "has another shape for"), (unexpected, "has weights")):
+        if keys:
+            detail = "it does not define" if what == "has weights" else "it defines"
+            raise WeightsMismatchError(
+                f"{directory} {what} {len(keys)} of the weights {name} {detail} ({shown(keys[0], 120)}"
+                f"{', ...' if len(keys) > 1 else ''}): from_pretrained would only warn",
+                "save the model again with save_pretrained, or check that config.json belongs to these weights")
+
+
+def is_bnsurgeon_file(path: Path) -> bool:
+    """A bnsurgeon output saved inside a model directory describes itself: its own metadata wins."""
+    if path.is_dir() or path.name == CONFIG_NAME:
+        return False
+    return read_checkpoint(path, mmap=True).is_bnsurgeon
+
+
+def bnsurgeon_weights_of(path: Path) -> Path | None:
+    """The bnsurgeon-written weights of the model directory ``path`` names (``-o DIR`` wrote it), or None: such a
+    directory is the converted model, rebuilt from its metadata, not its config's class."""
+    directory = model_directory(path)
+    if directory is None or path.is_file() and path.name != CONFIG_NAME:
+        return None
+    weights = directory / WEIGHTS_FILE
+    return weights if weights.is_file() and is_bnsurgeon_file(weights) else None
