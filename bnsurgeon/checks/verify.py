@@ -163,42 +163,88 @@ def compare_outputs(expected: Any, actual: Any, tol: Tolerance = EXACT) -> tuple
     return False, diff, "differs: " + ", ".join(differing[:4]) + (f" (+{len(differing) - 4})" if len(differing) > 4 else "")
 
 
+class _Snapshots:
+    """Copies of module outputs taken when each module returns.
+
+    A tensor returned again by the module around it (``return self.act(x)``, a Sequential)
+    is copied once: it shares the copy while it is the same tensor at the same version
+    (no in-place write since). The tensor itself is held only weakly, so its memory is
+    never kept alive (and reused by another tensor under the same id) for this purpose.
+    """
+
+    def __init__(self) -> None:
+        self._taken: dict[int, tuple] = {}
+
+    def take(self, tensor: "torch.Tensor") -> "torch.Tensor":
+        import weakref
+
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor has no version counter: copy it every time
+            return tensor.detach().clone()
+        hit = self._taken.get(id(tensor))
+        if hit is not None and hit[0]() is tensor and hit[1] == version:
+            return hit[2]
+        taken = tensor.detach().clone()
+        self._taken[id(tensor)] = (weakref.ref(tensor), version, taken)
+        return taken
+
+
 def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torch.Tensor",
                            tol: Tolerance = EXACT) -> str | None:
-    """Run both models with forward hooks; name the first module (in the source's call order) whose output differs."""
+    """Name the first module (in the source's call order) whose output differs.
+
+    Each output is taken when its module returns: a later in-place op (a residual
+    ``hidden += shortcut(x)``, ``ReLU(inplace=True)``) rewrites the tensor a module
+    returned, so outputs kept by reference until both forwards end would blame an earlier
+    module for a later one's difference, or hide one. The source runs first and its
+    outputs are copied as they are returned; the converted model's outputs are compared
+    with those copies inside its own hooks, and never kept. Every call of a module is
+    matched with the same call (a ReLU run twice in a block).
+    """
     import torch
 
-    recorded: dict[str, list] = {"source": [], "converted": []}
+    snapshots = _Snapshots()
+    expected: dict[str, list] = {}  # path -> per call: (position in the source's call order, class, copies)
+    order = [0]
 
-    def hook_all(model, key):
-        handles = []
-        for path, module in model.named_modules():
-            if path:
-                handles.append(module.register_forward_hook(
-                    lambda m, i, o, path=path: recorded[key].append((path, type(m).__name__, flatten_tensors(o)))))
-        return handles
+    def record(module, args, output, path):
+        expected.setdefault(path, []).append(
+            (order[0], type(module).__name__, [snapshots.take(t) for t in flatten_tensors(output)]))
+        order[0] += 1
 
-    handles = hook_all(source, "source") + hook_all(converted, "converted")
-    try:
-        with torch.no_grad():
-            source(clone_value(x))
-            converted(clone_value(x))
-    finally:
-        for handle in handles:
-            handle.remove()
-    theirs: dict[str, list] = {}  # every call of a module, in order: a module run twice (ReLU) is matched call by call
-    for path, cls, outputs in recorded["converted"]:
-        theirs.setdefault(path, []).append((cls, outputs))
     calls: dict[str, int] = {}
-    for path, cls, outputs in recorded["source"]:
+    first: list[tuple[int, str]] = []  # the earliest divergence found so far: (source position, description)
+
+    def compare(module, args, output, path):
         index = calls[path] = calls.get(path, -1) + 1
-        if index >= len(theirs.get(path, ())):
-            continue
-        other_cls, other = theirs[path][index]
-        same, _ = _within([o.detach() for o in outputs], [o.detach() for o in other], tol)
+        if index >= len(expected.get(path, ())):
+            return
+        position, cls, copies = expected[path][index]
+        if first and first[0][0] <= position:  # a module earlier in the source's order already differs
+            return
+        same, _ = _within(copies, [t.detach() for t in flatten_tensors(output)], tol)
         if not same:
-            return f"{path} ({other_cls}; in the source {cls})"
-    return None
+            first[:] = [(position, f"{path} ({type(module).__name__}; in the source {cls})")]
+
+    def hook_all(model, hook):
+        return [module.register_forward_hook(lambda m, i, o, path=path: hook(m, i, o, path))
+                for path, module in model.named_modules() if path]
+
+    with torch.no_grad():
+        handles = hook_all(source, record)
+        try:
+            source(clone_value(x))
+        finally:
+            for handle in handles:
+                handle.remove()
+        handles = hook_all(converted, compare)
+        try:
+            converted(clone_value(x))
+        finally:
+            for handle in handles:
+                handle.remove()
+    return first[0][1] if first else None
 
 
 def _input(shape, model, seed: int, dtype=None):

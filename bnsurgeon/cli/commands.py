@@ -256,7 +256,8 @@ def inspect(
     quiet: bool = QuietOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """List BatchNorm-family modules by class: rule, count, targets, what torch's converter would break.
+    """List BatchNorm-family modules by class: rule, count, targets, what torch's converter and transformers'
+    replace_batch_norm would break.
 
     Examples: `bnsurgeon inspect tf_efficientnet_b3`; `bnsurgeon inspect checkpoint.pth.tar` (lists the file's entries too)
     """

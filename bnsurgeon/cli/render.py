@@ -115,6 +115,8 @@ INSPECT_COLUMNS = [
     Column("--to plain", priority=5),
     Column("--to frozen", priority=4),
     Column("torch convert_sync_batchnorm", priority=2, shrink=True, min_width=20, short_header="torch converter"),
+    # dropped after the example paths, before --to plain (equal priority: the later column goes first)
+    Column("transformers replace_batch_norm", priority=5, shrink=True, min_width=30, short_header="HF replace_bn"),
     Column("example paths", priority=6, shrink=True, min_width=20),
 ]
 
@@ -128,7 +130,7 @@ def render_inspection(inspection: "Inspection", out: Console, *, verbose: bool =
         return
     rows = [
         [short(g.cls), str(g.count), g.rule or "UNHANDLED", g.targets["sync"], g.targets["plain"],
-         g.targets["frozen"], g.torch_converter, ", ".join(g.examples)]
+         g.targets["frozen"], g.torch_converter, g.transformers_replace, ", ".join(g.examples)]
         for g in inspection.groups
     ]
     if rows:

@@ -1,5 +1,6 @@
 """What BN-family modules a model has, what each rule would make of them, and what
-``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` would do to them instead."""
+``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` and transformers' ``replace_batch_norm``
+would do to them instead."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class ClassGroup:
     targets: dict[str, str]
     examples: list[str]
     torch_converter: str
+    transformers_replace: str = ""
     all_paths: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -85,6 +87,79 @@ def torch_converter_effect(module: "nn.Module") -> str:
     return "ok (nn.SyncBatchNorm; CUDA only, no way back)"
 
 
+# transformers' replace_batch_norm (DETR, ConditionalDetr, DeformableDetr, TableTransformer, RTDetr, DFine,
+# GroundingDino, ...; the same function in each model module) swaps every nn.BatchNorm2d it reaches through
+# named_children for a new <Model>FrozenBatchNorm2d(num_features) holding copies of weight, bias and the
+# running statistics, whose forward is x * scale + shift with eps hard-coded to 1e-5, in float32 on the CPU.
+TRANSFORMERS_FROZEN_EPS = 1e-5
+_NORM_ACT_FORWARD = "timm.layers.norm_act.BatchNormAct2d"  # batch_norm, then self.drop, then self.act
+
+
+def _forward_owner(cls: type) -> type:
+    return next(klass for klass in cls.__mro__ if "forward" in vars(klass))
+
+
+TRANSFORMERS_OK = "ok (frozen; eval within rounding)"
+
+
+def transformers_replace_clauses(module: "nn.Module", paths: "list[str] | tuple[str, ...]" = ()) -> list[str]:
+    """What transformers' ``replace_batch_norm`` does to this module, read from its anatomy: one clause
+    per defect (``drops act=SiLU``, ``eps 0.001 -> 1e-05``, ...), none when its eval output survives.
+
+    It is about the eval output: the replacement is frozen by design (no batch statistics,
+    no running-stat updates), and computes x*scale+shift, equal to batch_norm within rounding.
+    No transformers import: the function is the same in every DETR-family model module.
+    """
+    import torch
+    from torch import nn
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if not isinstance(module, nn.BatchNorm2d):
+        return ["not replaced (not a BatchNorm2d)"]
+    if paths and all(path == "<root>" for path in paths):
+        return ["not replaced (the root: only children are)"]
+    if module.weight is None:
+        return ["fails (affine=False: it reads weight.device)"]
+    if module.running_mean is None or module.running_var is None:
+        return ["fails (no running stats to copy)"]
+    lost = []
+    owner = _forward_owner(type(module))
+    if owner not in (nn.BatchNorm2d, _BatchNorm):
+        if f"{owner.__module__}.{owner.__qualname__}" == _NORM_ACT_FORWARD:  # its act and drop are all it adds
+            named = [(name, child) for name, child in module.named_children() if not isinstance(child, nn.Identity)]
+            lost += [f"drops {name}={type(child).__name__}" for name, child in named if name != "drop"]
+            lost += [f"drops drop={type(child).__name__} (train only)" for name, child in named if name == "drop"]
+        else:
+            lost.append(f"drops {owner.__name__}.forward")
+    hooks = len(module._forward_hooks) + len(module._forward_pre_hooks)
+    if hooks:
+        lost.append(f"drops {counted(hooks, 'hook')}")
+    if float(module.eps) != TRANSFORMERS_FROZEN_EPS:
+        lost.append(f"eps {float(module.eps):g} -> {TRANSFORMERS_FROZEN_EPS:g}")
+    if module.weight.dtype != torch.float32:
+        lost.append(f"float32 buffers (was {str(module.weight.dtype).removeprefix('torch.')})")
+    if module.weight.device.type not in ("cpu", "meta"):
+        lost.append(f"buffers on cpu (was {module.weight.device.type})")
+    return lost
+
+
+def transformers_replace_effect(modules: "list[tuple[nn.Module, list[str]]]") -> str:
+    """One line for a class: each clause of ``transformers_replace_clauses`` over its members, with how
+    many members it applies to when not all (``drops act=SiLU (52/78); eps 0.001 -> 1e-05``)."""
+    counts: dict[str, int] = {}
+    clean = 0
+    for module, paths in modules:
+        clauses = transformers_replace_clauses(module, paths)
+        clean += not clauses
+        for clause in clauses:
+            counts[clause] = counts.get(clause, 0) + 1
+    total = len(modules)
+    parts = [clause if n == total else f"{clause} ({n}/{total})" for clause, n in counts.items()]
+    if clean and parts:
+        parts.append(f"{TRANSFORMERS_OK} ({clean}/{total})")
+    return "; ".join(parts) or TRANSFORMERS_OK
+
+
 def _target_classes(module: "nn.Module", rule) -> dict[str, str]:
     result = {}
     for target in TARGETS:
@@ -120,6 +195,7 @@ def inspect_model(model: "nn.Module", source: str = "", registry: Registry | Non
                 targets=_target_classes(first.module, first.rule) if first.rule else {t: "UNHANDLED" for t in TARGETS},
                 examples=paths[:EXAMPLE_PATHS],
                 torch_converter=torch_converter_effect(first.module),
+                transformers_replace=transformers_replace_effect([(e.module, e.paths) for e in members]),
                 all_paths=paths,
             )
         )
