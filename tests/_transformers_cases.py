@@ -16,10 +16,14 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        # no conv bias: BN cancels it, so its gradient is rounding noise that Adam would scale up to lr-sized steps
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                                   nn.Flatten(), nn.Linear(4, 2))
+        self.seen: list = []
 
     def forward(self, pixel_values, labels=None):
+        if self.training:  # what this process trained on, step by step, for the one-process reference
+            self.seen.append((pixel_values.detach().clone(), labels.detach().clone()))
         logits = self.body(pixel_values)
         loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
         return {"loss": loss, "logits": logits}
@@ -48,7 +52,27 @@ def trainer_rank(rank, world_size, use_callback, output_dir):
     trainer = Trainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks)
     kinds = sorted({type(m).__name__ for m in model.modules() if "BatchNorm" in type(m).__name__})
     trainer.train()
-    return {"kinds": kinds, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"kinds": kinds, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "seen": model.seen}
+
+
+def one_process_reference(steps: list, output_dir: str) -> dict:
+    """The same Trainer run in one process with plain BN, each step on the ranks' batches of that step
+    joined (rank 0's, then rank 1's), in that order."""
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainingArguments
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):  # the batches as the ranks saw them, not reshuffled
+            return SequentialSampler(self.train_dataset)
+
+    data = [{"pixel_values": x, "labels": y} for images, labels in steps for x, y in zip(images, labels)]
+    model = Net()
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=len(data) // STEPS,
+                             max_steps=STEPS, learning_rate=0.05, use_cpu=True, report_to=[], save_strategy="no",
+                             logging_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    InOrder(model=model, args=args, train_dataset=data).train()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def train_detr_rank(rank, world_size, directory, trained):

@@ -263,3 +263,20 @@ def test_the_trainer_callback_keeps_bn_statistics_identical_on_two_gloo_ranks(tm
     control = run_world(2, trainer_rank, False, str(tmp_path / "control"), timeout=400)
     assert control[0]["kinds"] == ["BatchNorm2d"]
     assert not torch.equal(control[0]["state"]["body.1.running_mean"], control[1]["state"]["body.1.running_mean"])
+
+    # and they equal one process of plain BN trained on each step's whole batch (both ranks' samples)
+    from _transformers_cases import STEPS, one_process_reference
+
+    for run_ in (synced, control):
+        assert len(run_[0]["seen"]) == len(run_[1]["seen"]) == STEPS
+    steps = [(torch.cat([synced[0]["seen"][i][0], synced[1]["seen"][i][0]]),
+              torch.cat([synced[0]["seen"][i][1], synced[1]["seen"][i][1]])) for i in range(STEPS)]
+    reference = one_process_reference(steps, str(tmp_path / "reference"))
+    for key, value in reference.items():  # float32 sums in another order: within rounding
+        assert torch.allclose(synced[0]["state"][key], value, rtol=1e-5, atol=1e-6), key
+    assert torch.equal(synced[0]["state"]["body.1.num_batches_tracked"], reference["body.1.num_batches_tracked"])
+    control_steps = [(torch.cat([control[0]["seen"][i][0], control[1]["seen"][i][0]]),
+                      torch.cat([control[0]["seen"][i][1], control[1]["seen"][i][1]])) for i in range(STEPS)]
+    control_reference = one_process_reference(control_steps, str(tmp_path / "control-reference"))
+    drift = (control[0]["state"]["body.1.running_var"] - control_reference["body.1.running_var"]).abs().max().item()
+    assert drift > 1e-2, drift  # plain BN under DDP is not the whole-batch model: the check can tell
