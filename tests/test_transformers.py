@@ -177,6 +177,36 @@ def test_detr_as_a_model_directory_trains_synced_and_refreezes_for_from_pretrain
             assert not torch.equal(value, plain.state_dict()[key]), key  # training moved it
 
 
+def test_recorded_batch_counters_are_validated_like_every_metadata_field(detr_dir, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    sync = tmp_path / "sync"
+    assert run("convert", detr_dir, "--frozen", "unfreeze", "-o", sync).exit_code == 0
+    with safe_open(str(sync / "model.safetensors"), "pt") as handle:
+        metadata, tensors = handle.metadata(), {key: handle.get_tensor(key) for key in handle.keys()}
+    counts = json.loads(metadata["bnsurgeon.counts"])
+    assert len(counts) == 16 and set(counts.values()) == {0}
+    some = next(iter(counts))
+    bad = [{some: -1}, {some: "3"}, {some: True}, {some: 2 ** 63}, {"model.class_labels_classifier.weight": 1},
+           {"class_labels_classifier.num_batches_tracked": 1, **counts}, [1], {some: 1.5}]
+    stored = next(key for key in tensors if key.endswith("running_mean")).replace("running_mean", "num_batches_tracked")
+    tensors_with_counter = dict(tensors, **{stored: torch.tensor(0)})
+    for value in bad + ["stored"]:
+        hostile = tmp_path / "hostile"
+        hostile.mkdir(exist_ok=True)
+        (hostile / "config.json").write_text((sync / "config.json").read_text())
+        chosen = {stored: 0} if value == "stored" else value
+        save_file(tensors_with_counter if value == "stored" else tensors, hostile / "model.safetensors",
+                  metadata=dict(metadata, **{"bnsurgeon.counts": json.dumps(chosen)}))
+        result = run("inspect", hostile)  # metadata is read before anything is built
+        assert result.exit_code in (4, 6) and "Traceback" not in result.output, (value, result.output)
+        assert ("bnsurgeon.counts" if result.exit_code == 4 else "do not fit") in result.output, (value, result.output)
+    counted = dict(counts, **{some: 7})  # a valid counter comes back as the buffer's value
+    save_file(tensors, hostile / "model.safetensors", metadata=dict(metadata, **{"bnsurgeon.counts": json.dumps(counted)}))
+    assert int(bnsurgeon.load(hostile).state_dict()[some]) == 7
+
+
 def test_directory_outputs_refuse_what_from_pretrained_could_not_load(resnet_dir, detr_dir, tmp_path):
     out = tmp_path / "r"
     assert run("convert", resnet_dir, "-o", out).exit_code == 0
