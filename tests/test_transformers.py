@@ -216,6 +216,12 @@ def test_directory_outputs_refuse_what_from_pretrained_could_not_load(resnet_dir
     with torch.no_grad():
         assert torch.equal(model(x).logits, source(x).logits)
     assert type(bnsurgeon.load(out).resnet.embedder.embedder.normalization).__name__ == "SyncBatchNorm"
+    assert type(bnsurgeon.load(out / "model.safetensors").resnet.embedder.embedder.normalization).__name__ == \
+        "SyncBatchNorm"
+    from bnsurgeon.core.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="bnsurgeon did not convert"):  # not "is a directory"
+        bnsurgeon.load(resnet_dir)
     one_line_failure(run("convert", resnet_dir, "-o", out), 8, "already exists")  # --force replaces, nothing else
     assert run("convert", resnet_dir, "-o", out, "--force").exit_code == 0
     cases = [

@@ -13,7 +13,7 @@ from bnsurgeon.files.history import replay
 from bnsurgeon.loading.recorded import apply_trainability, check_rebuilt, read_recorded, state_from_checkpoint
 from bnsurgeon.surgery.walk import name_sync_layers
 from bnsurgeon.loading.trust import confirm_architecture
-from bnsurgeon.loading.transformers_source import bnsurgeon_weights_of
+from bnsurgeon.loading.transformers_source import bnsurgeon_weights_of, model_directory
 from bnsurgeon.files.weights import check_fit, load_weights, materialize
 
 if TYPE_CHECKING:
@@ -73,7 +73,12 @@ def load(path: "str | Path", *, model: "str | nn.Module | None" = None, model_ar
     """
     from torch import nn
 
-    path = bnsurgeon_weights_of(Path(path)) or path  # a model directory bnsurgeon wrote (-o DIR)
+    written = bnsurgeon_weights_of(Path(path))  # a model directory bnsurgeon wrote (-o DIR)
+    named_directory = Path(path).is_dir() or Path(path).name == "config.json"  # not a weights file in it
+    if written is None and named_directory and model_directory(Path(path)) is not None:
+        raise CheckpointError(f"{path} is a Hugging Face model directory that bnsurgeon did not convert",
+                              f"convert it first: bnsurgeon convert {path} -o OUT_DIR")
+    path = written or path
     raw = read_checkpoint(path, mmap=mmap)
     if not raw.is_bnsurgeon:
         raise CheckpointError(f"{path} is not a bnsurgeon checkpoint (no bnsurgeon metadata)",
