@@ -227,23 +227,18 @@ def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torc
         if not same:
             first[:] = [(position, f"{path} ({type(module).__name__}; in the source {cls})")]
 
-    def hook_all(model, hook):
-        return [module.register_forward_hook(lambda m, i, o, path=path: hook(m, i, o, path))
-                for path, module in model.named_modules() if path]
+    def run_hooked(model, hook):  # one model at a time: source and converted share some child modules
+        handles = [module.register_forward_hook(lambda m, i, o, path=path: hook(m, i, o, path))
+                   for path, module in model.named_modules() if path]
+        try:
+            model(clone_value(x))
+        finally:
+            for handle in handles:
+                handle.remove()
 
     with torch.no_grad():
-        handles = hook_all(source, record)
-        try:
-            source(clone_value(x))
-        finally:
-            for handle in handles:
-                handle.remove()
-        handles = hook_all(converted, compare)
-        try:
-            converted(clone_value(x))
-        finally:
-            for handle in handles:
-                handle.remove()
+        run_hooked(source, record)
+        run_hooked(converted, compare)
     return first[0][1] if first else None
 
 
