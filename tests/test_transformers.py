@@ -273,6 +273,26 @@ def test_a_frozen_bn_lookalike_that_computes_something_else_is_not_claimed(monke
         bnsurgeon.convert(model, "sync")
 
 
+def test_a_config_describing_a_bigger_model_than_its_weights_is_refused_before_allocation(resnet_dir, tmp_path,
+                                                                                          monkeypatch):
+    """config.json shapes the model: hidden sizes edited up 1000x would have from_pretrained allocate 1.7 GB
+    (or far more) before any weight is read. Measured on the meta device and refused first."""
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    (hostile / "model.safetensors").write_bytes((resnet_dir / "model.safetensors").read_bytes())
+    config = json.loads((resnet_dir / "config.json").read_text())
+    config["hidden_sizes"] = [8000, 16000]
+    (hostile / "config.json").write_text(json.dumps(config))
+
+    def never(*args, **kwargs):
+        raise AssertionError("from_pretrained ran: it would have allocated the model the config describes")
+
+    monkeypatch.setattr(transformers.ResNetForImageClassification, "from_pretrained", never)
+    result = run("convert", hostile, "-o", tmp_path / "out.safetensors")
+    one_line_failure(result, 4, "420,369,220 weights", "does not belong to these weights")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_a_config_asking_for_remote_code_is_refused_and_nothing_runs(resnet_dir, tmp_path):
     directory = tmp_path / "remote"
     directory.mkdir()

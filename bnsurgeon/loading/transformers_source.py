@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 CONFIG_NAME = "config.json"
 #: the weights files save_pretrained writes; one of them beside config.json makes the directory the SOURCE
 WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+#: the shards of a sharded save_pretrained
+SHARD_PATTERN = re.compile(r"^(model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin)$")
 #: a transformers model class name (DetrForObjectDetection): an identifier, nothing to import
 CLASS_PATTERN = re.compile(r"^[A-Z][A-Za-z0-9_]{0,99}$")
 #: a config.json is a few KB; a bigger one is not a config
@@ -40,7 +42,7 @@ def model_directory(path: Path) -> Path | None:
     directory of a save_pretrained weights file; None otherwise."""
     if path.is_dir():
         return path if (path / CONFIG_NAME).is_file() else None
-    if path.name == CONFIG_NAME or path.name in WEIGHTS_NAMES or re.match(r"^model-\d+-of-\d+\.safetensors$", path.name):
+    if path.name == CONFIG_NAME or path.name in WEIGHTS_NAMES or SHARD_PATTERN.match(path.name):
         return path.parent if (path.parent / CONFIG_NAME).is_file() else None
     return None
 
@@ -109,11 +111,13 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
     config = read_config(directory)
     name = config["architectures"][0]
     cls = model_class(name)
-    if meta:
-        import torch
+    import torch
 
-        with torch.device("meta"):
-            return build(name, {"config": config}), name, config
+    with torch.device("meta"):
+        skeleton = build(name, {"config": config})
+    if meta:
+        return skeleton, name, config
+    check_model_size(directory, name, skeleton)
     from transformers.utils import logging as hf_logging
 
     bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
@@ -130,6 +134,26 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
             hf_logging.enable_progress_bar()
     check_loading_info(directory, name, info)
     return model.eval(), name, model.config.to_dict()
+
+
+#: the fewest bytes an element can take in a weights file (4-bit quantized); more elements than this allows is
+#: a config that describes another model than the weights
+MIN_BYTES_PER_ELEMENT = 0.5
+SLACK_BYTES = 1 << 20
+
+
+def check_model_size(directory: Path, name: str, skeleton: "nn.Module") -> None:
+    """The config shapes the model before any weight is read: one whose tensors could not fit in the directory's
+    weights files (hidden sizes edited up by 1000x) is refused before from_pretrained allocates it."""
+    tensors = {id(t): t for t in skeleton.state_dict(keep_vars=True).values()}.values()  # tied ones once
+    elements = sum(t.numel() for t in tensors)
+    stored = sum(path.stat().st_size for path in directory.iterdir()
+                 if path.is_file() and (path.name in WEIGHTS_NAMES or SHARD_PATTERN.match(path.name)))
+    if elements * MIN_BYTES_PER_ELEMENT > stored + SLACK_BYTES:
+        raise CheckpointError(
+            f"{directory / CONFIG_NAME} describes a {name} of {elements:,} weights, more than its weights files "
+            f"({stored:,} bytes) can hold: the config does not belong to these weights",
+            "save the model again with save_pretrained, or restore its config.json")
 
 
 def check_loading_info(directory: Path, name: str, info: dict[str, Any]) -> None:
