@@ -90,3 +90,31 @@ def test_verify_names_the_output_field_that_differs():
 
     result = verify_models(Out(0.0).eval(), Out(1.0).eval(), (4, 3), world_sizes=(), perturb=False)
     assert result.checks[0].passed is False and "differs: aux" in result.checks[0].detail
+
+
+class Parametrized(nn.Module):
+    """A weight-normed conv (torch.nn.utils.parametrizations, as wav2vec2-conformer has): torch.save of the
+    module raises RuntimeError, not a pickling error."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 4, 3))
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def build_parametrized():
+    return convert(Parametrized(), "sync").model
+
+
+def test_a_parametrized_model_goes_by_recipe_and_without_one_is_refused_in_one_line():
+    torch.manual_seed(0)
+    source = Parametrized().eval()
+    converted = convert(source, "sync").model.eval()
+    with pytest.raises(UnshippableModelError, match="RuntimeError"):
+        verify_models(source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False)
+    result = verify_models(source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False,
+                           rebuild_converted=build_parametrized)
+    assert [c.passed for c in result.checks if "ranks" in c.name] == [True], result.checks

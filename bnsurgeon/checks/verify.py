@@ -478,15 +478,13 @@ def ship_model(model: "nn.Module", rebuild: "Callable[[], nn.Module] | None", re
     and a fresh process also needs transformers' per-instance capture registry) are built in each rank
     by the same code that built them here, then given exactly these tensors.
     """
-    import pickle
-
     import torch
 
     buffer = io.BytesIO()
     try:
         torch.save({"converted": model, **rest}, buffer)
         return buffer.getvalue()
-    except (pickle.PicklingError, AttributeError, TypeError) as error:
+    except Exception as error:  # pickle, AttributeError on local objects, RuntimeError on parametrized modules
         if rebuild is None:
             raise UnshippableModelError(
                 f"the converted model cannot be sent to the rank processes ({type(error).__name__}: "
