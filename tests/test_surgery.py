@@ -308,3 +308,33 @@ def test_efficientnet_keeps_silu_where_torch_converter_drops_it():
 
     theirs = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model))  # it mutates its argument
     assert not torch.allclose(_eval_out(model, x), _eval_out(theirs, x), atol=1e-3), "torch's converter loses the act"
+
+
+class _ListHeld(nn.Module):
+    """Children registered and also kept in a plain list the forward iterates (transformers' UperNet)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = [nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)]
+        self.by_name = {"norm": self.layers[1]}
+        for index, layer in enumerate(self.layers):
+            self.add_module(str(index), layer)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x + 0 * self.by_name["norm"].running_mean.sum()
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_modules_also_held_in_plain_containers_are_the_converted_ones(inplace):
+    model = nn.Sequential(_ListHeld())
+    source_list = model[0].layers
+    converted = bnsurgeon.convert(model, "sync", inplace=inplace).model
+    block = converted[0]
+    assert isinstance(block.layers[1], SyncBatchNorm) and block.layers[1] is block._modules["1"]
+    assert block.by_name["norm"] is block._modules["1"]
+    if not inplace:  # the source keeps its own list and plain BN
+        assert model[0].layers is source_list and type(source_list[1]) is nn.BatchNorm2d
+    converted.train()(torch.randn(4, 3, 8, 8))
+    assert int(block._modules["1"].num_batches_tracked) == 1  # the forward ran the converted BN

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bnsurgeon.core.anatomy import is_bn_like, is_uninitialized_lazy, qualname
-from bnsurgeon.core.errors import BnSurgeonError, LazyModuleError, RuleRaisedError, UnhandledModuleError, first_line
+from bnsurgeon.core.errors import (BnSurgeonError, LazyModuleError, RuleRaisedError, UnhandledModuleError, UsageError,
+                                   first_line)
 from bnsurgeon.core.layout import counted, shown
 from bnsurgeon.core.module_copy import carry_hooks, shallow_clone
 from bnsurgeon.surgery.report import ModuleChange, ModuleKept, Report
@@ -161,7 +162,10 @@ def convert(
 
     if fold_plan is not None:
         report.fusion = fold_plan.summary(report)
-    converted = _rebuild(model, replacements, inplace, {})
+    originals = {id(module): module for module in model.modules()}  # held: their ids stay theirs
+    memo: dict[int, "nn.Module"] = {}
+    converted = _rebuild(model, replacements, inplace, memo)
+    relink_plain_references(converted, memo, originals, inplace)
     name_sync_layers(converted)
     before = set(model.state_dict(keep_vars=True)) if not inplace else None
     after = set(converted.state_dict(keep_vars=True))
@@ -320,6 +324,51 @@ def _rebuild(module: "nn.Module", replacements: dict[int, "nn.Module"], inplace:
     target._modules.update(rebuilt)
     memo[key] = target
     return target
+
+
+def relink_plain_references(converted: "nn.Module", memo: dict[int, "nn.Module"], originals: dict[int, "nn.Module"],
+                            inplace: bool) -> None:
+    """Point modules held in plain lists, tuples and dicts at their rebuilt selves.
+
+    A model may keep its children twice: registered (``add_module``) and in a plain list its forward
+    iterates (transformers' UperNet pyramid pooling: ``self.layers = [pool, conv]``). The rebuild only
+    sees ``_modules``; left alone, a converted copy's forward would run the source's own BN, untouched
+    by the conversion and sharing its running statistics, and no check of the copy could tell.
+    """
+    from torch import nn
+
+    moved = {key: new for key, new in memo.items() if new is not originals.get(key)}
+    if not moved:
+        return
+    internals = set(vars(nn.Module()))
+    for path, module in converted.named_modules():
+        for name, value in list(vars(module).items()):
+            if name in internals:
+                continue
+            relinked = _relinked(value, moved)
+            if relinked is value:
+                continue
+            if not inplace and id(module) in originals and originals[id(module)] is module:
+                raise UsageError(
+                    f"{path or 'the model'} ({type(module).__name__}) holds converted modules in its plain attribute "
+                    f"{shown(name, 60)} but is itself shared with the source, so its copy cannot be pointed at them",
+                    "convert in place (bnsurgeon.convert(model, inplace=True))")
+            module.__dict__[name] = relinked
+
+
+def _relinked(value: Any, moved: dict[int, "nn.Module"], depth: int = 0) -> Any:
+    """``value`` with every module in ``moved`` replaced, in new containers (the source's stay as they are)."""
+    from torch import nn
+
+    if isinstance(value, nn.Module):
+        return moved.get(id(value), value)
+    if depth >= 3 or type(value) not in (list, tuple, dict):
+        return value
+    if type(value) is dict:
+        items = {key: _relinked(item, moved, depth + 1) for key, item in value.items()}
+        return items if any(items[key] is not value[key] for key in value) else value
+    items = [_relinked(item, moved, depth + 1) for item in value]
+    return type(value)(items) if any(new is not old for new, old in zip(items, value)) else value
 
 
 def name_sync_layers(model: "nn.Module") -> int:
