@@ -230,7 +230,8 @@ def convert_source(
                          trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
     refuse_fused_source(loaded, "SOURCE")
     if directory_output and loaded.architecture.kind != "transformers":
-        raise UsageError(f"a directory output is what save_pretrained writes, for Hugging Face models; "
+        raise UsageError(f"output {output} names a directory (no file suffix, or an existing directory): a model "
+                         f"directory is what save_pretrained writes for Hugging Face models, and "
                          f"{loaded.description} is not one", "write a file instead (-o OUT.safetensors)")
     refuse_invalid_weights(loaded.model, loaded.description)  # the written file must be one verify accepts
     fused = to == "fused"

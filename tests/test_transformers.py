@@ -226,7 +226,7 @@ def test_directory_outputs_refuse_what_from_pretrained_could_not_load(resnet_dir
     one_line_failure(run("convert", resnet_dir, "-o", out), 8, "already exists")  # --force replaces, nothing else
     assert run("convert", resnet_dir, "-o", out, "--force").exit_code == 0
     cases = [
-        (("convert", "resnet18", "-o", tmp_path / "timm-dir"), 2, "for Hugging Face models"),
+        (("convert", "resnet18", "-o", tmp_path / "timm-dir"), 2, "names a directory (no file suffix"),
         (("convert", resnet_dir, "--to", "fused", "-o", tmp_path / "fused-dir"), 2, "cannot be a model directory"),
         (("convert", resnet_dir, "-o", resnet_dir), 8, "holds the input"),
         (("convert", resnet_dir, "-o", tmp_path / "missing" / "dir"), 8, "does not exist"),
@@ -337,3 +337,64 @@ def test_the_trainer_callback_keeps_bn_statistics_identical_on_two_gloo_ranks(tm
     control_reference = one_process_reference(control_steps, str(tmp_path / "control-reference"))
     drift = (control[0]["state"]["body.1.running_var"] - control_reference["body.1.running_var"]).abs().max().item()
     assert drift > 1e-2, drift  # plain BN under DDP is not the whole-batch model: the check can tell
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_model_directories_get_one_line_and_their_own_exit_code(resnet_dir, tmp_path):
+    """What an attacker (or a damaged download) puts in a model directory: each refused in one line, with the
+    exit code of its kind, nothing written, no code run; a dtype edit no longer rounds the weights."""
+    from safetensors.torch import load_file
+
+    def hostile(name, edit=None, weights=None):
+        directory = tmp_path / name
+        directory.mkdir()
+        config = json.loads((resnet_dir / "config.json").read_text())
+        text = edit(config) if edit else None
+        (directory / "config.json").write_text(text if isinstance(text, str) else json.dumps(config))
+        if weights is None:
+            (directory / "model.safetensors").write_bytes((resnet_dir / "model.safetensors").read_bytes())
+        else:
+            weights(directory)
+        return directory
+
+    def many_labels(config):
+        config.pop("id2label"), config.pop("label2id")
+        config["num_labels"] = 3_000_000  # a dict entry per label, built before any weight is read
+
+    marker = tmp_path / "code-ran"
+    cases = [
+        (hostile("nested", lambda c: "[" * 200_000 + "]" * 200_000), 4, "nested too deeply"),
+        (hostile("labels", many_labels), 4, "3000000 labels"),
+        (hostile("channels", lambda c: c.update(num_channels=5)), 6, "another shape for"),
+        (hostile("pickle", weights=lambda d: torch.save({"x": _RunsCode(marker)}, d / "pytorch_model.bin")),
+         5, "would run code"),
+    ]
+    for directory, code, text in cases:
+        one_line_failure(run("convert", directory, "-o", tmp_path / f"{directory.name}.safetensors"), code, text)
+        assert not (tmp_path / f"{directory.name}.safetensors").exists()
+    assert not marker.exists()
+
+    rounded = hostile("dtype", lambda c: c.update(dtype="bfloat16", torch_dtype="bfloat16"))
+    out = tmp_path / "dtype.safetensors"
+    result = run("convert", rounded, "-o", out)
+    assert result.exit_code == 0, result.output
+    stored, written = load_file(resnet_dir / "model.safetensors"), load_file(out)
+    for key, value in stored.items():
+        assert written[key].dtype == value.dtype and torch.equal(written[key], value), key
+
+    edited = tmp_path / "sync-dir"
+    assert run("convert", resnet_dir, "-o", edited).exit_code == 0
+    config = json.loads((edited / "config.json").read_text())
+    config["id2label"] = {"0": "cat", "1": "dog", "2": "bird"}
+    (edited / "config.json").write_text(json.dumps(config))
+    one_line_failure(run("inspect", edited), 4, "differs from the config bnsurgeon recorded", "id2label")
+    one_line_failure(run("convert", resnet_dir, "-o", "/proc/bnsurgeon-new-dir"), 8, "/proc")

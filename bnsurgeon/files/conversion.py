@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bnsurgeon import __version__
+from bnsurgeon.core.errors import OutputError
 from bnsurgeon.files.history import step
 from bnsurgeon.files.model_directory import CONFIG_FILE, WEIGHTS_FILE, pretrained_layout
 from bnsurgeon.files.safewrite import write_files
@@ -84,9 +85,17 @@ def write_model_directory(result: ConvertResult, directory: Path, architecture: 
         metadata["counts"] = counts
     json_path, md_path = report_paths(weights)
     text = json.dumps(architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
-    created = not directory.exists()
-    if created:
+    try:
         os.mkdir(directory)
+        created = True
+    except FileExistsError:  # it existed (checked before any work), or another run made it since: ours to fill
+        created = False
+    except OSError as error:
+        raise OutputError(f"cannot create output directory {directory}: {error.strerror or error}; nothing was written",
+                          "choose a directory you can write to") from None
+    if not directory.is_dir():
+        raise OutputError(f"output {directory} is no longer a directory (changed while bnsurgeon worked); "
+                          "nothing was written", "choose another output")
     try:
         write_files({
             weights: checkpoint_writer(weights, result.model, metadata, leave_out=leave_out),

@@ -45,7 +45,9 @@ def check_directory_output(directory: Path, inputs: "list", *, force: bool) -> P
     The directory is created only when everything is written (``conversion.write_model_directory``).
     """
     if os.path.lexists(directory) and not directory.is_dir():
-        raise OutputError(f"output {directory} exists and is not a directory",
+        what = "is a symlink to a missing path" if directory.is_symlink() and not directory.exists() else \
+            "exists and is not a directory"
+        raise OutputError(f"output {directory} {what}",
                           "choose a new directory name, or a file name such as OUT.safetensors")
     for source in inputs:
         source = Path(source[0] if isinstance(source, tuple) else source)

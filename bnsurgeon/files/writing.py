@@ -59,7 +59,8 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
             f"use a name of at most {name_max - NAME_OVERHEAD} bytes",
         )
     if out.suffix not in OUTPUT_SUFFIXES and not out.name.endswith(".pth.tar"):
-        raise OutputError(f"cannot tell the format of output {out}", f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar")
+        raise OutputError(f"cannot tell the format of output {out}",
+                          f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar (or with / for a model directory)")
     written = (out, *report_paths(out))  # the reports are outputs too: each is checked like the checkpoint
     for source in inputs:
         source, label = source if isinstance(source, tuple) else (source, "the input file")

@@ -8,12 +8,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from bnsurgeon.loading.architecture import Architecture, LoadedSource, own_input_shape
 from bnsurgeon.files.reading import RawCheckpoint, read_checkpoint
-from bnsurgeon.core.errors import CheckpointError
+from bnsurgeon.core.errors import CheckpointError, MetadataError
 from bnsurgeon.files.history import replay
-from bnsurgeon.loading.recorded import apply_trainability, check_rebuilt, read_recorded, state_from_checkpoint
+from bnsurgeon.loading.recorded import (Recorded, apply_trainability, check_rebuilt, read_recorded,
+                                       state_from_checkpoint)
 from bnsurgeon.surgery.walk import name_sync_layers
 from bnsurgeon.loading.trust import confirm_architecture
-from bnsurgeon.loading.transformers_source import bnsurgeon_weights_of, model_directory
+from bnsurgeon.loading.transformers_source import CONFIG_NAME, bnsurgeon_weights_of, model_directory, read_config
+from bnsurgeon.files.model_directory import WEIGHTS_FILE
+from bnsurgeon.core.layout import shown
 from bnsurgeon.files.weights import check_fit, load_weights, materialize
 
 if TYPE_CHECKING:
@@ -30,6 +33,7 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
     ``weights`` picks another state dict of a training checkpoint (its EMA).
     """
     recorded = read_recorded(raw)
+    check_directory_config(raw, recorded)
     if model is None and architecture is None:
         architecture = confirm_architecture(recorded.architecture, raw.path)
     architecture = architecture or recorded.architecture
@@ -58,6 +62,22 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
     # the entry the model came from: the chosen one, or one the file records other than its state_dict
     loaded.weights_key = weights or (recorded.weights if recorded.weights != "state_dict" else None)
     return loaded
+
+
+def check_directory_config(raw: RawCheckpoint, recorded: Recorded) -> None:
+    """A directory bnsurgeon wrote (-o DIR) holds its config twice: config.json for from_pretrained, and the
+    recorded one that bnsurgeon rebuilds from. An edit to config.json would be used by one and not the other."""
+    beside = Path(raw.path).parent / CONFIG_NAME
+    if recorded.architecture.kind != "transformers" or Path(raw.path).name != WEIGHTS_FILE or not beside.is_file():
+        return
+    config, ours = read_config(beside.parent), recorded.architecture.kwargs.get("config") or {}
+    if config != ours:
+        field = next((key for key in sorted(set(config) | set(ours), key=str) if config.get(key) != ours.get(key)), "?")
+        raise MetadataError(
+            f"{beside} differs from the config bnsurgeon recorded in {raw.path.name} (first at {shown(field, 80)}): "
+            "from_pretrained would build one model and bnsurgeon another",
+            "restore config.json; to change labels or settings, change model.config after bnsurgeon.load and "
+            "save_pretrained, then convert that directory")
 
 
 def load(path: "str | Path", *, model: "str | nn.Module | None" = None, model_args: dict[str, Any] | None = None,

@@ -13,17 +13,19 @@ recorded in bnsurgeon's output, so ``bnsurgeon.load(out)`` needs no arguments.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bnsurgeon.core.errors import (CheckpointError, ConfirmationError, SourceNotFoundError, UsageError,
-                                   WeightsMismatchError, first_line)
+from bnsurgeon.core.errors import (CheckpointError, ConfirmationError, SourceNotFoundError, UnsafeCheckpointError,
+                                   UsageError, WeightsMismatchError, first_line)
 from bnsurgeon.core.layout import shown
 from bnsurgeon.files.model_directory import WEIGHTS_FILE
 from bnsurgeon.files.reading import read_checkpoint
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 CONFIG_NAME = "config.json"
@@ -33,6 +35,8 @@ WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 SHARD_PATTERN = re.compile(r"^(model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin)$")
 #: a transformers model class name (DetrForObjectDetection): an identifier, nothing to import
 CLASS_PATTERN = re.compile(r"^[A-Z][A-Za-z0-9_]{0,99}$")
+#: transformers builds id2label with one entry per label before any weight is read: 3 million is 3 GB
+MAX_LABELS = 100_000
 #: a config.json is a few KB; a bigger one is not a config
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -57,6 +61,9 @@ def read_config(directory: Path) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON ({first_line(error)})",
                               "the file is truncated or corrupt; save the model again") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} is nested too deeply to be a model config",
+                              "the file is corrupt or hostile; save the model again") from None
     check_config(config, str(path))
     return config
 
@@ -77,6 +84,13 @@ def check_config(config: Any, origin: str) -> None:
     if not CLASS_PATTERN.match(classes[0]):
         raise CheckpointError(f"{origin} names the class {shown(classes[0], 80)}, not a transformers model class",
                               "pass a factory that builds the model")
+    labels = config.get("num_labels", 0)
+    if isinstance(labels, bool) or not isinstance(labels, int) or not 0 <= labels <= MAX_LABELS or any(
+            len(config.get(key) or ()) > MAX_LABELS for key in ("id2label", "label2id")
+            if isinstance(config.get(key), (dict, list))):
+        raise CheckpointError(f"{origin} asks for {shown(labels, 40)} labels (at most {MAX_LABELS:,}): the config "
+                              "builds a Python object per label before any weight is read",
+                              "save the model again with save_pretrained, or restore its config.json")
 
 
 def model_class(name: str) -> type:
@@ -93,16 +107,20 @@ def model_class(name: str) -> type:
     return cls
 
 
-def build(name: str, kwargs: dict[str, Any]) -> "nn.Module":
-    """``name`` built from the recorded ``config`` (seeded or meta per the caller's device context)."""
+def build(name: str, kwargs: dict[str, Any], origin: str | None = None) -> "nn.Module":
+    """``name`` built from ``config`` (seeded or meta per the caller's device context): the one recorded in a
+    bnsurgeon file, or ``origin``, a directory's config.json."""
     cls = model_class(name)
     config = kwargs.get("config")
-    check_config(config, f"the recorded config of {name}")
+    check_config(config, origin or f"the recorded config of {name}")
     try:
         return cls(cls.config_class.from_dict(dict(config))).eval()
     except Exception as error:
-        raise UsageError(f"transformers {name} cannot be built from its recorded config: "
-                         f"{type(error).__name__}: {first_line(error)}",
+        text = " ".join(str(error).split())[:300] or type(error).__name__
+        if origin is not None:
+            raise CheckpointError(f"transformers {name} cannot be built from {origin}: {type(error).__name__}: {text}",
+                                  "save the model again with save_pretrained, or restore its config.json") from None
+        raise UsageError(f"transformers {name} cannot be built from its recorded config: {type(error).__name__}: {text}",
                          "convert the original model directory again") from None
 
 
@@ -114,18 +132,28 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
     import torch
 
     with torch.device("meta"):
-        skeleton = build(name, {"config": config})
+        skeleton = build(name, {"config": config}, origin=str(directory / CONFIG_NAME))
     if meta:
         return skeleton, name, config
     check_model_size(directory, name, skeleton)
+    stored = stored_dtype(directory)
     from transformers.utils import logging as hf_logging
 
     bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # bnsurgeon's output is its own lines; the caller's settings come back
     hf_logging.set_verbosity_error()  # its load report: check_loading_info says what matters, in one line
     try:
-        model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True)
+        # the weights as stored: dtype "auto" follows config.json, and an edited one would round them silently;
+        # shapes that do not fit are reported by check_loading_info, naming the key
+        model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True,
+                                          dtype=stored or "auto", ignore_mismatched_sizes=True)
     except Exception as error:
+        if isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error):
+            raise UnsafeCheckpointError(
+                f"{directory}: its weights file is a pickle that would run code when loaded "
+                f"(torch refused it with weights_only=True)",
+                "ask for the model saved with save_pretrained (model.safetensors); bnsurgeon never runs code "
+                "from a model directory") from None
         raise CheckpointError(f"{directory}: transformers could not load {name}: {type(error).__name__}: "
                               f"{first_line(error)}", "check the directory's weights files") from None
     finally:
@@ -154,6 +182,28 @@ def check_model_size(directory: Path, name: str, skeleton: "nn.Module") -> None:
             f"{directory / CONFIG_NAME} describes a {name} of {elements:,} weights, more than its weights files "
             f"({stored:,} bytes) can hold: the config does not belong to these weights",
             "save the model again with save_pretrained, or restore its config.json")
+
+
+def stored_dtype(directory: Path) -> "torch.dtype | None":
+    """The one floating dtype of the directory's safetensors weights (read from their headers), or None where
+    they hold several, or are not safetensors."""
+    from safetensors import safe_open
+
+    files = sorted(p for p in directory.iterdir() if p.is_file() and (
+        p.name == "model.safetensors" or re.match(r"^model-\d+-of-\d+\.safetensors$", p.name)))
+    dtypes = set()
+    try:
+        for path in files:
+            with safe_open(str(path), "pt") as handle:
+                dtypes.update(handle.get_slice(key).get_dtype() for key in handle.keys())
+    except Exception:  # transformers reads the file next and says what is wrong with it
+        return None
+    floating = {name for name in dtypes if name.startswith(("F", "BF"))}
+    if len(floating) != 1:
+        return None
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(floating.pop())
 
 
 def check_loading_info(directory: Path, name: str, info: dict[str, Any]) -> None:
