@@ -398,3 +398,23 @@ def test_hostile_model_directories_get_one_line_and_their_own_exit_code(resnet_d
     (edited / "config.json").write_text(json.dumps(config))
     one_line_failure(run("inspect", edited), 4, "differs from the config bnsurgeon recorded", "id2label")
     one_line_failure(run("convert", resnet_dir, "-o", "/proc/bnsurgeon-new-dir"), 8, "/proc")
+
+
+def test_a_directory_source_owns_aligned_memory_so_eval_stays_bit_identical_on_one_thread(tmp_path):
+    """from_pretrained left views of the file at unaligned addresses; single-threaded conv then gave another last
+    bit than the same weights loaded by bnsurgeon (RegNet: 1.49e-08 at stages.1's SE conv)."""
+    from bnsurgeon.api import verify
+
+    torch.manual_seed(0)
+    config = transformers.RegNetConfig(embedding_size=4, hidden_sizes=[16, 24, 64, 136], depths=[1, 1, 1, 1],
+                                       groups_width=64)
+    transformers.RegNetForImageClassification(config).save_pretrained(tmp_path / "regnet")
+    out = tmp_path / "regnet.sync.safetensors"
+    assert run("convert", tmp_path / "regnet", "-o", out).exit_code == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = verify(str(tmp_path / "regnet"), str(out), world_sizes=(), input_shape=(2, 3, 64, 64))
+    finally:
+        torch.set_num_threads(threads)
+    assert result.passed, [(c.name, c.max_abs_diff, c.first_divergence) for c in result.checks]

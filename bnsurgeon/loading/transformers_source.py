@@ -161,7 +161,24 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
         if bar:
             hf_logging.enable_progress_bar()
     check_loading_info(directory, name, info)
+    own_memory(model)
     return model.eval(), name, model.config.to_dict()
+
+
+def own_memory(model: "nn.Module") -> None:
+    """Give every tensor its own memory, as ``bnsurgeon.load`` does: from_pretrained may leave views of the
+    weights file, at addresses a kernel treats differently from aligned ones (single-threaded conv gave another
+    last bit than the same weights loaded by bnsurgeon), and a file rewritten later would change the model."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in model.parameters():  # tied parameters are one object: they stay tied
+            parameter.data = parameter.data.clone()
+        copies: dict[int, "torch.Tensor"] = {}
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = copies.setdefault(id(buffer), buffer.clone())
 
 
 #: the fewest bytes an element can take in a weights file (4-bit quantized); more elements than this allows is
