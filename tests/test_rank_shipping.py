@@ -118,3 +118,29 @@ def test_a_parametrized_model_goes_by_recipe_and_without_one_is_refused_in_one_l
     result = verify_models(source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False,
                            rebuild_converted=build_parametrized)
     assert [c.passed for c in result.checks if "ranks" in c.name] == [True], result.checks
+
+
+class MakesFloat32(nn.Module):
+    """Conv + BN, then a matmul with a float32 tensor it makes itself (DAB-DETR's sine position embedding
+    does): the model cannot run in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x)).mean((2, 3))
+        return y @ torch.linspace(-1, 1, 8, dtype=torch.float32).reshape(4, 2)
+
+
+def test_a_model_that_does_not_run_in_float64_is_checked_on_ranks_in_float32():
+    torch.manual_seed(0)
+    source = MakesFloat32().eval()
+    converted = convert(source, "sync").model.eval()
+    result = verify_models(source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False)
+    ranks = [c for c in result.checks if "ranks" in c.name]
+    assert [c.passed for c in ranks] == [True], ranks
+    assert "float32, each tensor within" in ranks[0].detail and "does not run in float64" in ranks[0].detail
+    converted.bn.weight = nn.Parameter(converted.bn.weight.detach() * 1.01)  # its own tensor: a real difference
+    wrong = verify_models(source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False)
+    assert [c.passed for c in wrong.checks if "ranks" in c.name] == [False]
