@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from torch import nn
 from typer.testing import CliRunner
+
+import bnsurgeon
 
 from bnsurgeon.cli.commands import app
 
@@ -170,3 +174,36 @@ class CheckInputForTest:
         from bnsurgeon.checks.check_input import CheckInput
 
         return CheckInput("list", ((3, 8, 8), (3, 8, 8)))
+
+
+class _Cancels(nn.Module):
+    """Frozen BN, then sin(1e4 * y): the last bit of y (x*scale+shift against batch_norm arithmetic) moves the
+    output by 1e-2 of its scale, as deformable attention's sampling at computed positions amplifies it."""
+
+    def __init__(self):
+        super().__init__()
+        from torchvision.ops.misc import FrozenBatchNorm2d
+
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), FrozenBatchNorm2d(4)
+        with torch.no_grad():
+            self.bn.running_var.uniform_(0.3, 3.0)
+            self.bn.weight.uniform_(0.5, 2.0)
+            self.bn.running_mean.uniform_(-1.0, 1.0)
+            self.bn.bias.uniform_(-1.0, 1.0)
+
+    def forward(self, x):
+        return torch.sin(self.bn(self.conv(x)) * 1e4)
+
+
+def test_an_inexact_conversion_that_only_float32_rounding_separates_is_judged_in_float64():
+    from bnsurgeon.checks.verify import Tolerance, check_eval
+
+    torch.manual_seed(0)
+    source = _Cancels().eval()
+    converted = bnsurgeon.convert(source, "plain", frozen="unfreeze").model.eval()
+    outcome = check_eval(source, converted, (2, 3, 16, 16), Tolerance(rtol=1e-4))
+    assert outcome.passed, outcome
+    assert "in float64 the outputs agree" in outcome.detail and outcome.max_abs_diff > 1e-3
+    converted.bn.bias = nn.Parameter(converted.bn.bias.detach() + 1e-3)  # a real difference, below float32's step
+    wrong = check_eval(source, converted, (2, 3, 16, 16), Tolerance(rtol=1e-4))
+    assert wrong.passed is False
