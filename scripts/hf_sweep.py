@@ -180,10 +180,13 @@ def discover(root: Path | None = None) -> list[dict]:
     root = root or transformers_root()
     families = []
     for path in sorted((root / "models").glob("*/modeling_*.py")):
-        names = sorted(set(BN_PATTERN.findall(path.read_text(encoding="utf-8"))))
+        text = path.read_text(encoding="utf-8")
+        names = sorted(set(BN_PATTERN.findall(text)))
         if names:
+            # lines that name a BN class other than in an isinstance check (weight init): where one is built
+            builds = [line for line in text.splitlines() if BN_PATTERN.search(line) and "isinstance" not in line]
             families.append({"family": path.stem[len("modeling_"):], "module": f"transformers.models.{path.parent.name}."
-                             f"{path.stem}", "mentions": names})
+                             f"{path.stem}", "mentions": names, "only_isinstance": not builds})
     return families
 
 
@@ -542,11 +545,19 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
                                             f"{' '.join(str(error).split())[:200]}")
         return row
     if "model" not in built:
-        no_bn = all(t.endswith("no BN-family module") for t in built["tried"])
-        row.update(status="skipped", tried=built["tried"],
-                   reason=("no BN-family module in any model class built with the default options "
-                           f"(the source names {', '.join(family['mentions'])})") if no_bn
-                   else "no model class builds small: " + "; ".join(built["tried"])[:400])
+        by_why: dict[str, list[str]] = {}
+        for line in built["tried"]:
+            cls_name, _, why = line.partition(": ")
+            by_why.setdefault(why, []).append(cls_name)
+        tried = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items())
+        if family.get("only_isinstance"):
+            reason = (f"builds no BN-family module: the source names {', '.join(family['mentions'])} only in "
+                      f"isinstance checks (weight init) ({tried})")
+        elif all(why == "no BN-family module" for why in by_why):
+            reason = f"no BN-family module with the default options ({tried})"
+        else:
+            reason = f"no model class builds small ({tried})"
+        row.update(status="skipped", tried=built["tried"], reason=" ".join(reason.split())[:500])
         return row
     model = built["model"]
     row.update(cls=built["cls"], bn=built["bn"], frozen=built["frozen"], classes=built["classes"],
@@ -824,18 +835,20 @@ def table(rows: list[dict]) -> str:
 
 
 def details(rows: list[dict]) -> str:
-    """One line per failed step, n.a. with its reason, and per skipped family."""
+    """One line per failed step and per n.a. reason (steps with the same one together), and per family
+    not swept."""
     out = []
     for r in rows:
         if r["status"] in ("pass", "FAIL"):
+            lines: dict[tuple[str, str], list[str]] = {}
             for step in STEPS:
                 value = r["steps"][step]
-                if value["status"] == "FAIL":
-                    label = known(value["reason"])
-                    out.append(f"  {r['family']}: {step} FAIL{' (known: ' + label + ')' if label else ''}: "
-                               f"{value['reason']}")
-                elif value["status"] == "n.a." and value["reason"] not in ("not run",):
-                    out.append(f"  {r['family']}: {step} n.a.: {value['reason']}")
+                if value["status"] == "FAIL" or (value["status"] == "n.a." and value["reason"] != "not run"):
+                    lines.setdefault((value["status"], value["reason"]), []).append(step)
+            for (status, reason), names in lines.items():
+                label = known(reason) if status == "FAIL" else None
+                out.append(f"  {r['family']}: {'/'.join(names)} {status}{' (known: ' + label + ')' if label else ''}: "
+                           f"{reason}")
         else:
             out.append(f"  {r['family']}: {r['status']}: {r.get('reason', '')}")
     return "\n".join(out)
@@ -848,7 +861,8 @@ def totals(rows: list[dict]) -> dict:
     skipped = [r for r in rows if r["status"] == "skipped"]
     reasons: dict[str, int] = {}
     for r in skipped:
-        key = ("no BN-family module when built" if r["reason"].startswith("no BN-family") else
+        key = ("BN only in isinstance checks" if r["reason"].startswith("builds no BN-family") else
+               "no BN with the default options" if r["reason"].startswith("no BN-family") else
                "cannot be built small" if r["reason"].startswith("no model class builds") else
                "cannot import" if r["reason"].startswith("cannot import") else r["reason"][:60])
         reasons[key] = reasons.get(key, 0) + 1
