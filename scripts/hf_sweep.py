@@ -738,8 +738,11 @@ def _worker(tasks, results, steps, world_size, threads):
     from transformers.utils import logging as hf_logging
 
     torch.set_num_threads(threads)
+    importlib.import_module("bnsurgeon.api")  # imported before the first family's clock starts
+
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar: the sweep prints one line per family
     warnings.filterwarnings("ignore")  # init warnings of tiny layers; failures are recorded, not warned
+    results.put({"ready": True})
     with tempfile.TemporaryDirectory(prefix="hf_sweep_") as workdir:
         while True:
             family = tasks.get()
@@ -762,6 +765,11 @@ def _start(context, steps, world_size, threads):
     tasks, results = context.Queue(), context.Queue()
     worker = context.Process(target=_worker, args=(tasks, results, steps, world_size, threads), daemon=False)
     worker.start()
+    try:
+        results.get(timeout=300)  # its imports done: the time box counts the family's own work
+    except queue.Empty:
+        _kill(worker)
+        raise SystemExit("the sweep's worker did not start within 300 s")
     return worker, tasks, results
 
 
