@@ -481,9 +481,15 @@ def build(family: dict, override: dict) -> dict:
                 failures.append(why)
                 if shape is None:  # no input rule: the same at every size
                     break
-            if len(failures) >= 2 and failures[-1] == failures[-2]:
-                skip_depths = depths  # the same failure at another width: not a size problem at these depths
+            if len(failures) >= 2 and failures[-1] == failures[-2] and not re.search(r"\d", failures[-1]):
+                # the same failure at another width, naming no size (a missing argument, an attribute):
+                # not a size problem, at these depths at least
+                skip_depths = depths
         tried.append(f"{name}: {failures[-1] if failures else 'not built'}")
+        if fallback is not None and fallback["cls"] == name and len(failures) > 1 and failures[-1] != fallback["why_no_input"]:
+            factor, depths = attempts[min(len(failures), len(attempts)) - 1]
+            fallback["why_no_input"] += (f" (and at every size tried; at width / {factor} with "
+                                         f"{'depths to 1' if depths else 'the default depths'}: {failures[-1][:200]})")
     if fallback is not None:
         return fallback
     return {"tried": tried or ["the module exports no model class transformers exports"]}
@@ -568,6 +574,14 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
     row["input_shape"] = list(shape) if shape else None
     source = Path(workdir) / name
     model.save_pretrained(source)
+    try:  # what bnsurgeon does with the directory: a directory transformers cannot load is no SOURCE at all
+        import transformers
+
+        getattr(transformers, built["cls"]).from_pretrained(str(source), local_files_only=True)
+    except Exception as error:
+        row.update(status="skipped", reason=f"transformers cannot load the {built['cls']} directory it saved: "
+                                            f"{type(error).__name__}: {' '.join(str(error).split())[:200]}")
+        return row
     reference_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     source_classes = {path: type(module).__name__ for path, module in model.named_modules()
                       if path in built["paths"]}
@@ -872,7 +886,9 @@ def totals(rows: list[dict]) -> dict:
         key = ("BN only in isinstance checks" if r["reason"].startswith("builds no BN-family") else
                "no BN with the default options" if r["reason"].startswith("no BN-family") else
                "cannot be built small" if r["reason"].startswith("no model class builds") else
-               "cannot import" if r["reason"].startswith("cannot import") else r["reason"][:60])
+               "cannot import" if r["reason"].startswith("cannot import") else
+               "transformers cannot load its own directory" if r["reason"].startswith("transformers cannot load")
+               else r["reason"][:60])
         reasons[key] = reasons.get(key, 0) + 1
     return {
         "families": len(rows),
