@@ -292,7 +292,8 @@ def convert_source(
                 failed = verification.first_failure
                 raise VerificationError(
                     f"verification failed: {failed.name} (max |diff| {failed.max_abs_diff:.3g})"
-                    + (f", first divergent module {failed.first_divergence}" if failed.first_divergence else "")
+                    + (f", first divergent module {failed.first_divergence}" if failed.first_divergence
+                       else f" ({failed.detail})" if failed.detail else "")
                 )
     reports = None
     if out is not None and directory_output:

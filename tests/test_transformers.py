@@ -418,3 +418,23 @@ def test_a_directory_source_owns_aligned_memory_so_eval_stays_bit_identical_on_o
     finally:
         torch.set_num_threads(threads)
     assert result.passed, [(c.name, c.max_abs_diff, c.first_divergence) for c in result.checks]
+
+
+def test_a_sharded_directory_converts_and_an_index_pointing_outside_it_is_refused(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    transformers.ResNetForImageClassification(config).save_pretrained(tmp_path / "sharded", max_shard_size="4KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    result = run("convert", tmp_path / "sharded", "-o", tmp_path / "s.safetensors")
+    assert result.exit_code == 0 and "bit-identical" in result.output, result.output
+
+    first = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / first).write_bytes((tmp_path / "sharded" / first).read_bytes())
+    for target in (f"../elsewhere/{first}", "/etc/passwd", "missing.safetensors"):
+        edited = dict(index, weight_map={key: (target if value == first else value)
+                                         for key, value in index["weight_map"].items()})
+        (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(edited))
+        one_line_failure(run("convert", tmp_path / "sharded", "-o", tmp_path / "x.safetensors"), 4,
+                         "not a file of the directory")

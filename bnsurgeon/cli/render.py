@@ -270,7 +270,8 @@ def render_verification_summary(verification, out: Console) -> None:
         shown = getattr(verification, "input", "") or tuple(verification.input_shape)
         say(out, f"all checks passed (input {shown}; checks took {total:.1f}s)", indent="")
     else:
-        where = f": first divergent module {failed.first_divergence}" if failed.first_divergence else ""
+        where = (f": first divergent module {failed.first_divergence}" if failed.first_divergence
+                 else f": {failed.detail}" if failed.detail else "")
         say(out, f"{failed.name} failed{where}", indent="  ")
 
 

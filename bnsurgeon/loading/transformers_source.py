@@ -135,6 +135,7 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
         skeleton = build(name, {"config": config}, origin=str(directory / CONFIG_NAME))
     if meta:
         return skeleton, name, config
+    check_shard_index(directory)
     check_model_size(directory, name, skeleton)
     stored = stored_dtype(directory)
     from transformers.utils import logging as hf_logging
@@ -199,6 +200,37 @@ def check_model_size(directory: Path, name: str, skeleton: "nn.Module") -> None:
             f"{directory / CONFIG_NAME} describes a {name} of {elements:,} weights, more than its weights files "
             f"({stored:,} bytes) can hold: the config does not belong to these weights",
             "save the model again with save_pretrained, or restore its config.json")
+
+
+#: an index lists one file name per tensor: tens of MB for the largest models
+MAX_INDEX_BYTES = 64 << 20
+
+
+def check_shard_index(directory: Path) -> None:
+    """A shard index names the files transformers reads: each must be a file of this directory (not
+    ``../../elsewhere``), so that the SOURCE is the directory the user named and nothing else."""
+    for name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        path = directory / name
+        if not path.is_file():
+            continue
+        problem = None
+        try:
+            if path.stat().st_size > MAX_INDEX_BYTES:
+                problem = f"is {path.stat().st_size:,} bytes, not a shard index"
+            else:
+                index = json.loads(path.read_text(encoding="utf-8"))
+                files = index.get("weight_map") if isinstance(index, dict) else None
+                if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
+                    problem = "has no weight_map of tensor names to file names"
+                else:
+                    outside = next((f for f in files.values() if Path(f).name != f or f in ("", ".", "..")
+                                    or not (directory / f).is_file()), None)
+                    if outside is not None:
+                        problem = f"names {shown(outside, 80)}, which is not a file of the directory"
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
+            problem = f"is not valid JSON ({type(error).__name__})"
+        if problem:
+            raise CheckpointError(f"{path} {problem}", "save the model again with save_pretrained")
 
 
 def stored_dtype(directory: Path) -> "torch.dtype | None":
