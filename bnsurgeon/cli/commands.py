@@ -295,7 +295,9 @@ def convert(
     source: str = SourceArgument,
     output: Path = typer.Option(..., "--output", "-o", metavar="OUT",
                                 help="Output checkpoint (.safetensors, .pt, .pth or .pth.tar); reports go next to it. "
-                                     "A .pt/.pth/.pth.tar output carries a training checkpoint's other entries."),
+                                     "A .pt/.pth/.pth.tar output carries a training checkpoint's other entries. "
+                                     "For a Hugging Face model, a directory (no suffix, or ending in /) gets what "
+                                     "save_pretrained writes."),
     to: Target = typer.Option(Target.sync, "--to", help="What every BN-family module becomes (fused: folded into the conv/linear before it; eval only)."),
     frozen: FrozenPolicy = typer.Option(FrozenPolicy.keep, "--frozen", help="Frozen BN under --to sync/plain: keep it frozen, or unfreeze it."),
     allow_unhandled: bool = typer.Option(False, "--allow-unhandled", help="Leave BN-like modules no rule claims untouched (listed in the report) instead of refusing."),
