@@ -441,6 +441,7 @@ def test_new_files_honour_the_umask_and_replaced_files_keep_their_mode(tiny):
     (["convert", "resnet18", "--model-arg", "global_pool=bogus", "-o", "o.safetensors"], 2, "Invalid pool type"),
     (["convert", "tiny:build", "-o", "/proc/x.safetensors"], 8, "could not write /proc/x.safetensors"),
     (["convert", "tiny:build", "-o", "x" * 300 + ".safetensors"], 8, "byte limit"),
+    (["convert", "tiny:build", "-o", "x" * 300], 8, "byte limit"),  # no suffix: a directory name, as long
     (["convert", "tiny:build", "-o", "\udcff.safetensors"], 8, "not valid UTF-8"),
     (["convert", "tiny:needs_args", "-o", "o.safetensors"], 2, "cannot be called with no arguments"),
     (["convert", "builtins:eval", "-o", "o.safetensors"], 2, "cannot be called with no arguments"),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from bnsurgeon.core.errors import OutputError
 from bnsurgeon.core.layout import shown
-from bnsurgeon.files.writing import check_output_path
+from bnsurgeon.files.writing import check_name_length, check_output_path
 
 if TYPE_CHECKING:
     from torch import nn
@@ -36,14 +36,27 @@ def is_directory_output(output: "str | os.PathLike") -> bool:
     """``-o DIR``: an existing directory, a path ending in a separator, or a name with no file suffix."""
     text = os.fspath(output)
     path = Path(text)
-    return text.endswith(("/", os.sep)) or path.is_dir() or (path.suffix == "" and path.name not in ("", ".", ".."))
+    try:
+        existing = path.is_dir()
+    except OSError:  # a name too long for the filesystem: check_directory_output says so
+        existing = False
+    return text.endswith(("/", os.sep)) or existing or (path.suffix == "" and path.name not in ("", ".", ".."))
 
 
 def check_directory_output(directory: Path, inputs: "list", *, force: bool) -> Path:
     """Refuse a directory output that would lose data or mislead from_pretrained; its weights file's path.
 
-    The directory is created only when everything is written (``conversion.write_model_directory``).
+    Nothing is created here: the directory is made when writing starts (``conversion.write_model_directory``).
     """
+    check_name_length(directory)
+    try:
+        return _checked_directory(directory, inputs, force=force)
+    except OSError as error:  # the filesystem refused to look at the path at all
+        raise OutputError(f"cannot use output {directory}: {error.strerror or error}",
+                          "choose another path (a shorter name, a directory you can write to)") from None
+
+
+def _checked_directory(directory: Path, inputs: "list", *, force: bool) -> Path:
     if os.path.lexists(directory) and not directory.is_dir():
         what = "is a symlink to a missing path" if directory.is_symlink() and not directory.exists() else \
             "exists and is not a directory"

@@ -43,7 +43,8 @@ def check_output_path(output: str | os.PathLike, inputs: "list[str | os.PathLike
                           "choose another path (a shorter name, a directory you can write to)") from None
 
 
-def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: bool) -> Path:
+def check_name_length(out: Path) -> None:
+    """Refuse a name that, with the suffixes bnsurgeon adds, would not fit the filesystem (an OSError later)."""
     from bnsurgeon.files.safewrite import NAME_OVERHEAD
 
     parent = out.parent if str(out.parent) else Path(".")
@@ -58,6 +59,11 @@ def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: boo
             f"this filesystem's {name_max}-byte limit",
             f"use a name of at most {name_max - NAME_OVERHEAD} bytes",
         )
+
+
+def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: bool) -> Path:
+    parent = out.parent if str(out.parent) else Path(".")
+    check_name_length(out)
     if out.suffix not in OUTPUT_SUFFIXES and not out.name.endswith(".pth.tar"):
         raise OutputError(f"cannot tell the format of output {out}",
                           f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar (or with / for a model directory)")
