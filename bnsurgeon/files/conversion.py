@@ -58,19 +58,25 @@ def save(result: ConvertResult, path: "str | Path", architecture: Architecture, 
     return path
 
 
+def report_writers(result: ConvertResult, output: Path) -> dict[Path, Any]:
+    """The JSON and Markdown reports of ``output``, as ``safewrite.write_files`` writers."""
+    json_path, md_path = report_paths(output)
+    return {json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
+            md_path: lambda temp: temp.write_text(result.report.to_markdown())}
+
+
 def write_conversion(result: ConvertResult, output: Path, architecture: Architecture, *, source: str = "",
                      force: bool = False, extras: dict[str, Any] | None = None, check_input: Any = None,
                      history: list | None = None, weights: str = "state_dict") -> tuple[Path, Path]:
     """The checkpoint (plus a training checkpoint's carried ``extras``) and its JSON and Markdown reports:
     all three written, or none changed."""
-    json_path, md_path = report_paths(output)
+    reports = report_writers(result, output)
     write_files({
         output: checkpoint_writer(output, result.model, _metadata(result, architecture, source, check_input=check_input,
                                                                    history=history, weights=weights), extras),
-        json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
-        md_path: lambda temp: temp.write_text(result.report.to_markdown()),
+        **reports,
     }, force=force)
-    return json_path, md_path
+    return tuple(reports)
 
 
 def write_model_directory(result: ConvertResult, directory: Path, architecture: Architecture,
@@ -83,7 +89,7 @@ def write_model_directory(result: ConvertResult, directory: Path, architecture: 
     metadata = _metadata(result, architecture, source, check_input=check_input, history=history)
     if counts:
         metadata["counts"] = counts
-    json_path, md_path = report_paths(weights)
+    reports = report_writers(result, weights)
     text = json.dumps(architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
     try:
         os.mkdir(directory)
@@ -100,8 +106,7 @@ def write_model_directory(result: ConvertResult, directory: Path, architecture: 
         write_files({
             weights: checkpoint_writer(weights, result.model, metadata, leave_out=leave_out),
             config: lambda temp: temp.write_text(text),
-            json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
-            md_path: lambda temp: temp.write_text(result.report.to_markdown()),
+            **reports,
         }, force=force)
     except BaseException:
         if created:  # nothing of this run is left behind: not even an empty directory
@@ -110,12 +115,11 @@ def write_model_directory(result: ConvertResult, directory: Path, architecture: 
             except OSError:
                 pass
         raise
-    return json_path, md_path
+    return tuple(reports)
 
 
 def write_reports(result: ConvertResult, output: Path, *, force: bool = True) -> tuple[Path, Path]:
     """Only the two reports (atomic each)."""
-    json_path, md_path = report_paths(output)
-    write_files({json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
-                 md_path: lambda temp: temp.write_text(result.report.to_markdown())}, force=force)
-    return json_path, md_path
+    reports = report_writers(result, output)
+    write_files(reports, force=force)
+    return tuple(reports)
