@@ -182,6 +182,12 @@ def own_memory(model: "nn.Module") -> None:
                     module._buffers[key] = copies.setdefault(id(buffer), buffer.clone())
 
 
+def weights_files(directory: Path) -> list[Path]:
+    """The files save_pretrained writes for the weights (single, shards, their indexes), sorted."""
+    return sorted(path for path in directory.iterdir()
+                  if path.is_file() and (path.name in WEIGHTS_NAMES or SHARD_PATTERN.match(path.name)))
+
+
 #: the fewest bytes an element can take in a weights file (4-bit quantized); more elements than this allows is
 #: a config that describes another model than the weights
 MIN_BYTES_PER_ELEMENT = 0.5
@@ -193,8 +199,7 @@ def check_model_size(directory: Path, name: str, skeleton: "nn.Module") -> None:
     weights files (hidden sizes edited up by 1000x) is refused before from_pretrained allocates it."""
     tensors = {id(t): t for t in skeleton.state_dict(keep_vars=True).values()}.values()  # tied ones once
     elements = sum(t.numel() for t in tensors)
-    stored = sum(path.stat().st_size for path in directory.iterdir()
-                 if path.is_file() and (path.name in WEIGHTS_NAMES or SHARD_PATTERN.match(path.name)))
+    stored = sum(path.stat().st_size for path in weights_files(directory))
     if elements * MIN_BYTES_PER_ELEMENT > stored + SLACK_BYTES:
         raise CheckpointError(
             f"{directory / CONFIG_NAME} describes a {name} of {elements:,} weights, more than its weights files "
@@ -238,8 +243,7 @@ def stored_dtype(directory: Path) -> "torch.dtype | None":
     they hold several, or are not safetensors."""
     from safetensors import safe_open
 
-    files = sorted(p for p in directory.iterdir() if p.is_file() and (
-        p.name == "model.safetensors" or re.match(r"^model-\d+-of-\d+\.safetensors$", p.name)))
+    files = [path for path in weights_files(directory) if path.suffix == ".safetensors"]
     dtypes = set()
     try:
         for path in files:
