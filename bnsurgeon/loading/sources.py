@@ -59,11 +59,12 @@ def load_source(
     (``trust.confirm_architecture``).
     """
     written = bnsurgeon_weights_of(Path(source)) if raw is None else None
-    if written is not None:
+    if written is not None:  # a directory bnsurgeon wrote: its weights file describes the converted model
         source = str(written)
-    directory = model_directory(Path(source)) if not model else None
-    if directory is not None and not (raw.is_bnsurgeon if raw is not None else is_bnsurgeon_file(Path(source))):
-        return _load_model_directory(directory, meta)
+    else:
+        directory = model_directory(Path(source)) if not model else None
+        if directory is not None and not (raw.is_bnsurgeon if raw is not None else is_bnsurgeon_file(Path(source))):
+            return _load_model_directory(directory, meta)
     if raw is not None or looks_like_file(source):
         raw = raw or read_checkpoint(Path(source), trust_pickle=trust_pickle, mmap=meta)
         return _load_file(raw, model, model_args, weights, meta, accept_recorded_args, flag, named_elsewhere)
