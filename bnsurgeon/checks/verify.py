@@ -378,12 +378,9 @@ def _judged_in_float64(source, converted, x, compare_at) -> str:
     beyond the tolerance: the same comparison in float64, where rounding cannot hide a real difference. A model
     that amplifies float32 rounding (deformable attention samples at the positions it computes) agrees there to
     1e-12; a wrong conversion does not. Returns what float64 showed when it agrees, else ""."""
-    import torch
-
     try:
         source64, converted64 = copy.deepcopy(source).double().eval(), copy.deepcopy(converted).double().eval()
-        x64 = clone_value(x)
-        x64 = x64.double() if isinstance(x64, torch.Tensor) and x64.is_floating_point() else _to_double(x64)
+        x64 = _to_double(clone_value(x))
         ok, diff, _ = compare_outputs(run_model(source64, clone_value(x64), compare_at),
                                       run_model(converted64, clone_value(x64), compare_at), FLOAT64_AGREEMENT)
     except Exception:  # a model that does not run in float64 keeps its float32 verdict
