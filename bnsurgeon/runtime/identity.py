@@ -11,8 +11,11 @@ no extra round trip, and ranks that reached different layers raise
 - ``id0..id3``: a 64-bit hash (blake2b) of the layer's name, in four 16-bit slots, so
   each is an integer that float32 represents exactly (float32 is exact only up to 2^24).
 - ``channels`` and the input ``dtype`` code; ``call``: how many synchronized
-  (train-mode) forwards this layer has run in this process, modulo 2^24 (eval-mode
-  forwards never sync, so they never count); ``phase``: 1 forward, 2 backward. A CPU
+  (train-mode) forwards this layer has run in this process (eval-mode forwards never
+  sync, so they never count); ``phase``: 1 forward, 2 backward. The count is exact up
+  to 2^24 calls of one layer in float32 statistics (2^53 in float64); past that, adding
+  one no longer changes it, on every rank alike, so the slot stops telling extra calls
+  apart but never reports a false mismatch. A CPU
   backward row has the same length as its forward row, so a rank in a backward that
   meets a rank in an extra forward is named too.
 - The name is the module path (set at conversion and at ``bnsurgeon.load``); a layer
@@ -49,7 +52,9 @@ from bnsurgeon.runtime.recompute import StatsStash
 
 HEADER = 8
 FORWARD, BACKWARD = 1, 2
-_CALL_MODULUS = 2**24
+CALL_SLOT = 6
+#: header slots hold integers float32 represents exactly
+_SLOT_LIMIT = 2**24
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _PHASES = {FORWARD: "forward", BACKWARD: "backward"}
 
@@ -108,20 +113,42 @@ class LayerIdentity:
         """This call's forward header, on ``device`` in ``stats_dtype``; advances the call count
         (``advance=False``: the last call's header, for an unrecognised recompute).
 
-        The count lives in the header tensor itself and is advanced in place (no host value,
-        so the same code runs on devices and under graph capture).
+        Built on the device itself, once per layer and input kind (no host-to-device copy, which
+        synchronizes and cannot be captured in a CUDA graph); each call then advances the count
+        in place with one add (no host value, so graph replays advance it too).
         """
         key = (device, stats_dtype, input_dtype, channels)
         header = self._headers.get(key)
         if header is None:
             slots = [(self.id >> shift) & 0xFFFF for shift in (48, 32, 16, 0)]
-            slots += [channels % _CALL_MODULUS, _dtype_code(input_dtype), 0, FORWARD]
-            with torch.inference_mode(False):  # a normal tensor, updatable in and out of inference mode
-                header = torch.tensor(slots, dtype=stats_dtype).to(device)
+            slots += [channels % _SLOT_LIMIT, _dtype_code(input_dtype), 0, FORWARD]
+            header = filled_on_device(slots, stats_dtype, device)
             self._headers[key] = header
         if advance:
-            header[6:7].add_(1).remainder_(_CALL_MODULUS)
+            header.add_(_call_step(device, stats_dtype))
         return header
+
+
+def filled_on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of small integers made on ``device`` by fill kernels, never copied from the host."""
+    with torch.inference_mode(False):  # a normal tensor, updatable in and out of inference mode
+        tensor = torch.zeros(len(values), dtype=dtype, device=device)
+        for index, value in enumerate(values):
+            if value:
+                tensor[index].fill_(value)
+    return tensor
+
+
+_STEPS: dict = {}
+
+
+def _call_step(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The header increment: 1 in the call slot, 0 elsewhere (one per device and dtype)."""
+    step = _STEPS.get((device, dtype))
+    if step is None:
+        step = _STEPS[(device, dtype)] = filled_on_device([0] * CALL_SLOT + [1] + [0] * (HEADER - CALL_SLOT - 1),
+                                                          dtype, device)
+    return step
 
 
 def identity_for(token: int) -> "LayerIdentity":
@@ -137,7 +164,7 @@ def backward_header(forward_row: torch.Tensor) -> list[torch.Tensor]:
     key = (forward_row.device, forward_row.dtype)
     tail = _BACKWARD_TAILS.get(key)
     if tail is None:
-        tail = _BACKWARD_TAILS[key] = torch.tensor([BACKWARD, 0], dtype=forward_row.dtype, device=forward_row.device)
+        tail = _BACKWARD_TAILS[key] = filled_on_device([BACKWARD, 0], forward_row.dtype, forward_row.device)
     return [forward_row[: HEADER - 1], tail]
 
 
