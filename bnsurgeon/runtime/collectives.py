@@ -1,12 +1,14 @@
 """The collective shapes the sync layers use, in one place, each bounded in time.
 
-Every collective is issued with ``async_op=True`` and waited on with the
-``BNSURGEON_DIST_TIMEOUT`` bound (``timeout.py``) when its tensors live on the CPU
-(gloo, which honours ``Work.wait(timeout)``), so a rank that never arrives is an error
-naming the layer, whoever initialised the process group. On a device backend (NCCL)
-``wait(timeout)`` would block the host until the collective finishes, which the sync
-layer must never do (CUDA graphs, overlap); there the bound is the process group's own
-timeout and its watchdog (``init_distributed`` sets it from the same variable).
+A collective on CPU tensors is issued with ``async_op=True`` and waited on with the
+``BNSURGEON_DIST_TIMEOUT`` bound (``timeout.py``; gloo honours ``Work.wait(timeout)``),
+so a rank that never arrives is an error naming the layer, whoever initialised the
+process group. On a device backend (NCCL) a collective is issued synchronously: it is
+ordered on the current stream and the host does not wait (an async call's ``wait()``
+would be a second profiler record per collective, and ``wait(timeout)`` would block the
+host, which the sync layer must never do: CUDA graphs, overlap). There the bound is the
+process group's own timeout and its watchdog (``init_distributed`` sets it from the same
+variable).
 
 The gather uses the torch version's own name for the flat all_gather:
 ``all_gather_single`` where it exists (``all_gather_into_tensor`` is deprecated there
@@ -27,9 +29,8 @@ _flat_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 def _finish(work, local: torch.Tensor, describe: Callable[[], str] | None) -> None:
-    """Wait for ``work``: bounded on the CPU, stream-ordered (no host wait) on devices."""
-    if local.device.type != "cpu":
-        work.wait()
+    """Wait for ``work`` (issued async on the CPU only) within the bound."""
+    if work is None:  # a device collective: issued stream-ordered, nothing to wait for on the host
         return
     timeout = collective_timeout()
     try:
@@ -49,7 +50,8 @@ def all_gather_rows(local: torch.Tensor, world_size: int, group, describe: Calla
     The output is allocated flat because gloo's flat all_gather requires it.
     """
     gathered = local.new_empty(world_size * local.numel())
-    _finish(_flat_all_gather(gathered, local, group=group, async_op=True), local, describe)
+    on_cpu = local.device.type == "cpu"
+    _finish(_flat_all_gather(gathered, local, group=group, async_op=on_cpu), local, describe)
     return gathered.view(world_size, local.numel())
 
 
@@ -64,6 +66,6 @@ def all_reduce_sum(local: torch.Tensor, world_size: int, group, describe: Callab
     ``all_gather_rows`` (the row carries the layer check); this helper is the plain sum.
     """
     if local.device.type != "cpu":
-        _finish(dist.all_reduce(local, group=group, async_op=True), local, describe)
+        _finish(dist.all_reduce(local, group=group), local, describe)
         return local
     return all_gather_rows(local, world_size, group, describe).sum(0)

@@ -1,6 +1,4 @@
-"""Per-device building blocks of the synchronized batch norm.
-
-Two implementations with one interface, chosen by the input's device:
+"""The CPU building blocks of the synchronized batch norm, and which path a tensor takes.
 
 * ``GenericKernels`` (the CPU path, valid on any device), built so that each pass over
   the activation is one vectorized torch kernel and nothing is allocated that native BN
@@ -14,11 +12,10 @@ Two implementations with one interface, chosen by the input's device:
     ``torch.batch_norm_update_stats``, which is vectorized there.
   - backward: sum(dy) and sum(dy * xhat) from one fused reduction; the input gradient
     from one eval-mode ``batch_norm`` pass plus one in-place ``addcmul_``.
-* ``CudaKernels``: the fused kernels torch's own SyncBatchNorm uses.
+* CUDA tensors take ``device_path.py`` instead: torch's fused sync-BN kernels, written
+  for the count of ops dispatched (``uses_device_path``).
 
-Statistics are float32 (float64 for float64 inputs) whatever the input dtype. The
-reduced backward term is kernel-specific (sum(dy*xhat) here, sum(dy*(x-mean)) for the
-CUDA kernels); the caller all-reduces it without looking inside.
+Statistics are float32 (float64 for float64 inputs) whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -132,51 +129,10 @@ def _centred_stats(x: torch.Tensor):
     return mean, var, (d, shift)
 
 
-class CudaKernels:
-    """CUDA path on torch's fused sync-BN kernels (the ones torch.nn.SyncBatchNorm uses)."""
-
-    @staticmethod
-    def local_stats(x: torch.Tensor, eps: float = 1e-5):
-        if x.numel() == 0:
-            zeros = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
-            return zeros, zeros.clone(), None
-        mean, invstd = torch.batch_norm_stats(x, eps)
-        return mean, (invstd.pow(-2) - eps).clamp_(min=0), None
-
-    @staticmethod
-    def normalize(x, weight, bias, mean, var, invstd, eps, centred=None):
-        if x.numel() == 0:
-            return torch.empty_like(x)
-        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
-
-    @staticmethod
-    def backward_reduce(dy, x, weight, mean, invstd, eps):
-        """Local (sum(dy), sum(dy * (x - mean)), sum(dy * xhat)); the middle term is all-reduced."""
-        if x.numel() == 0:
-            zeros = torch.zeros_like(mean)
-            return zeros, zeros.clone(), zeros.clone()
-        sum_dy, sum_dy_xmu, sum_dy_xhat, _ = torch.batch_norm_backward_reduce(
-            dy, x, mean, invstd, weight, True, weight is not None, False
-        )
-        if sum_dy_xhat is None:
-            sum_dy_xhat = sum_dy_xmu * invstd
-        return sum_dy, sum_dy_xmu, sum_dy_xhat
-
-    @staticmethod
-    def grad_input(dy, x, weight, mean, var, invstd, eps, sum_dy, sum_dy_xmu, total):
-        if x.numel() == 0:
-            return torch.empty_like(x)
-        return torch.batch_norm_backward_elemt(
-            dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total.to(torch.int32).view(1)
-        )
-
-
-#: read once at import: kernels_for runs on every forward and backward of every sync layer
+#: read once at import: the test runs on every forward and backward of every sync layer
 _FORCE_GENERIC = os.environ.get("BNSURGEON_GENERIC_KERNELS") == "1"
 
 
-def kernels_for(x: torch.Tensor):
-    """CUDA tensors use the fused kernels unless BNSURGEON_GENERIC_KERNELS=1 asks otherwise."""
-    if x.is_cuda and not _FORCE_GENERIC:
-        return CudaKernels
-    return GenericKernels
+def uses_device_path(x: torch.Tensor) -> bool:
+    """CUDA tensors run the fused kernels (device_path.py) unless BNSURGEON_GENERIC_KERNELS=1 asks otherwise."""
+    return x.is_cuda and not _FORCE_GENERIC

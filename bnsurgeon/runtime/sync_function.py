@@ -21,10 +21,11 @@ import math
 
 import torch
 
-from bnsurgeon.runtime import debug
+from bnsurgeon.runtime import debug, device_path
 from bnsurgeon.runtime.collectives import all_gather_rows, all_reduce_sum
 from bnsurgeon.runtime.identity import HEADER, backward_header, check_headers, describe_header
-from bnsurgeon.runtime.kernels import kernels_for
+from bnsurgeon.runtime.device_path import one_value_message
+from bnsurgeon.runtime.kernels import GenericKernels, uses_device_path
 from bnsurgeon.runtime.recompute import GlobalStats, may_be_recomputed, recomputing
 
 
@@ -82,24 +83,49 @@ class SyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity):
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity,
+                remember=None):
+        # ``remember``: keep this forward's statistics for an activation-checkpointing recompute until
+        # its backward runs (recompute.py). Inside a Function's forward grad mode is always off, so
+        # this cannot tell a checkpointed forward from another: by default every synced forward is
+        # kept (at most STASH_LIMIT per layer), which is what recognises every checkpoint mode.
+        if remember is None:
+            remember = may_be_recomputed()
+        ctx.identity = identity
+        if uses_device_path(x):
+            x = x.contiguous(memory_format=_memory_format(x))
+            replay = identity is not None and recomputing()
+            y, stats = device_path.forward(x, weight, bias, running_mean, running_var, eps, momentum, group,
+                                           world_size, identity, remember, replay)
+            ctx.save_for_backward(x, weight, stats.mean, stats.invstd, stats.total)
+            ctx.stats, ctx.group, ctx.on_device = stats, group, True
+            return y
         with statistics_precision(x):
             y, saved_x, stats = sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, group,
-                                             world_size, identity, may_be_recomputed())
+                                             world_size, identity, remember)
         ctx.save_for_backward(saved_x, weight, stats.mean, stats.var, stats.invstd, stats.header)
         ctx.total = stats.total
         ctx.stats = stats
         ctx.eps = eps
         ctx.group = group
         ctx.world_size = world_size
-        ctx.identity = identity
+        ctx.on_device = False
         return y
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weight, mean, var, invstd, header = ctx.saved_tensors
+        # the saved tensors first: under non-reentrant checkpointing, unpacking them runs the recompute,
+        # which takes this forward's statistics from the stash; only then is the entry discarded
+        saved = ctx.saved_tensors
         if ctx.identity is not None:
             ctx.identity.stash.discard(ctx.stats)
+        if ctx.on_device:
+            x, weight, mean, invstd, counts = saved
+            grad_output = grad_output.contiguous(memory_format=_memory_format(x))
+            grad_input, grad_weight, grad_bias = device_path.backward(grad_output, x, weight, mean, invstd, counts,
+                                                                      ctx.group, ctx.needs_input_grad)
+            return (grad_input, grad_weight, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)
+        x, weight, mean, var, invstd, header = saved
         with statistics_precision(grad_output):
             grad_input, grad_weight, grad_bias = sync_backward(
                 grad_output, x, weight, mean, var, invstd, header, ctx.total, ctx.eps, ctx.group, ctx.world_size,
@@ -107,15 +133,13 @@ class SyncBatchNormFunction(torch.autograd.Function):
             )
         grad_weight = grad_weight if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = grad_bias if ctx.needs_input_grad[2] else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return (grad_input, grad_weight, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 def sync_backward(grad_output, x, weight, mean, var, invstd, header, total, eps, group, world_size,
                   input_grad: bool = True):
     """(grad_input or None, grad_weight, grad_bias): ONE sum over ranks, grad_weight/bias stay local."""
-    kernels = kernels_for(x)
-    if x.is_cuda:
-        grad_output = grad_output.contiguous(memory_format=_memory_format(x))
+    kernels = GenericKernels
     sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, eps)
 
     grad_input = None
@@ -135,9 +159,7 @@ def sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, grou
     ``remember``: the engine will not keep this forward's input (it may be recomputed), so
     its statistics wait in the layer's stash for the recompute (recompute.py).
     """
-    kernels = kernels_for(x)
-    if x.is_cuda:
-        x = x.contiguous(memory_format=_memory_format(x))
+    kernels = GenericKernels
     local_mean, local_var, centred = kernels.local_stats(x, eps)
     replay = identity is not None and recomputing()
     stats = global_stats(local_mean, local_var, x.shape, x.dtype, eps, group, world_size, identity, remember, replay)
@@ -186,9 +208,9 @@ def global_stats(local_mean, local_var, shape, input_dtype, eps, group, world_si
     if on_host:
         total = int(total.item())  # a host read is free on CPU and saves ~10 small ops
         if total == 1:
-            raise ValueError(_one_value_message(shape, world_size, name))
+            raise ValueError(one_value_message(shape, world_size, name))
     else:
-        torch._assert_async(total != 1, _one_value_message(shape, world_size, name))
+        torch._assert_async(total != 1, one_value_message(shape, world_size, name))
     stats = GlobalStats(mean, var, torch.rsqrt(var + eps), total, local[:HEADER], fingerprint)
     if identity is not None and remember and not replay:
         identity.stash.remember(stats)
@@ -216,14 +238,6 @@ def sum_over_ranks(header, packed, on_host: bool, group, world_size: int):
     if debug.enabled():
         debug.check_same_layer(torch.cat(backward_header(header)), world_size, group, describe)
     return all_reduce_sum(packed, world_size, group, describe)
-
-
-def _one_value_message(shape, world_size: int, name: str) -> str:
-    """torch's words for a batch with one value per channel, for the global batch."""
-    return (
-        f"Expected more than 1 value per channel when training, got input size {tuple(shape)} on this rank "
-        f"and 1 value per channel over all {world_size} ranks of sync batch norm '{name}'"
-    )
 
 
 try:
