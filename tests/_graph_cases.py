@@ -78,17 +78,25 @@ def _rows(rank: int) -> slice:
 
 
 def _count_gathers():
-    """Count the sync layers' collectives (the forward gather and the CPU backward gather)."""
-    from bnsurgeon.runtime import sync_function
+    """Count the sync layers' collectives, every path: the forward gather and the backward sum (a
+    gather on CPU, an all_reduce on devices; the CUDA path's own pair in device_path.py). Counting
+    the gathers alone saw half of the CUDA path's collectives (26 where there are 52)."""
+    from bnsurgeon.runtime import device_path, sync_function
 
     calls = [0]
-    original = sync_function.all_gather_rows
 
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
+    def counted(module, name):
+        original = getattr(module, name)
 
-    sync_function.all_gather_rows = counting
+        def counting(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        setattr(module, name, counting)
+
+    for module, name in ((sync_function, "all_gather_rows"), (sync_function, "all_reduce_sum"),
+                         (device_path, "all_gather_into"), (device_path, "all_reduce_into")):
+        counted(module, name)
     return calls
 
 

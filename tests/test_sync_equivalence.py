@@ -96,8 +96,9 @@ def test_sync_matches_plain_bn_on_whole_batch(world_size):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_fused_kernel_path_matches_plain_bn():
-    """Two gloo ranks on CUDA tensors (NCCL refuses two ranks on one GPU) exercise CudaKernels."""
-    cases = [dict(c, device="cuda") for c in CASES if c.get("dtype") != "bfloat16"]
+    """Two gloo ranks on CUDA tensors (NCCL refuses two ranks on one GPU) exercise the CUDA path
+    (device_path.py), every case including the bfloat16 and half ones."""
+    cases = [dict(c, device="cuda") for c in CASES]
     per_rank = run_world(2, sync_rank, cases, timeout=300)
     for index, case in enumerate(cases):
         _compare(dict(case, loose=True), [per_rank[rank][index] for rank in range(2)], reference(case))
