@@ -334,3 +334,22 @@ def test_real_data_parallel_matches_one_module_on_the_whole_batch():
             torch.testing.assert_close(b.grad, a.grad, **close)
         for a, b in zip(reference.buffers(), converted.buffers()):
             torch.testing.assert_close(b, a, **close)
+
+
+def test_inspect_and_verify_work_on_the_module_data_parallel_wraps(tmp_path):
+    """Paths are the wrapped model's own (no 'module.'), and verify checks the wrapped modules."""
+    from bnsurgeon.api import inspect, verify
+
+    plain, converted = _pair(2)
+    wrapped = nn.DataParallel(plain)
+    direct = inspect(wrapped)
+    assert "DataParallel wraps" in direct.source
+    assert [path for group in direct.groups for path in group.all_paths] == ["1", "4"]
+    torch.save(wrapped, tmp_path / "plain.pt")
+    torch.save(nn.DataParallel(converted), tmp_path / "converted.pt")
+    from_file = inspect(str(tmp_path / "plain.pt"), trust_pickle=True)
+    assert [path for group in from_file.groups for path in group.all_paths] == ["1", "4"]
+    result = verify(str(tmp_path / "plain.pt"), str(tmp_path / "converted.pt"), trust_pickle=True, world_sizes=(),
+                    input_shape=(2, 3, 4, 4))
+    assert result.checks and all(check.passed for check in result.checks)
+    assert "DataParallel wraps" in result.source
