@@ -301,6 +301,21 @@ def test_data_parallel_inside_a_distributed_job_is_refused(cpu_replicate, monkey
     assert "torchrun" in str(results[0]) and "DistributedDataParallel" in str(results[0])
 
 
+def test_compiled_replicas_synchronize_through_a_graph_break(cpu_replicate):
+    """torch.compile (without fullgraph) of each replica: the layers run eagerly between graphs and still meet."""
+    reference, converted = _pair(2)
+    x, grad = _batch(2, 5)
+    x_ref, x_dp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = reference_step(reference, x_ref, grad)
+    compiled = [torch.compile(replica, backend="eager") for replica in cpu_replicate(converted, [0, 1])]
+    outputs = _raise_first(_in_threads(lambda i, piece: compiled[i](piece), x_dp.split([3, 2])))
+    _raise_first(_in_threads(lambda i, pair: torch.autograd.backward(pair[0], pair[1]),
+                             list(zip(outputs, grad.split([3, 2])))))
+    torch.testing.assert_close(torch.cat(outputs), expected, **EXACT)
+    torch.testing.assert_close(x_dp.grad, x_ref.grad, **EXACT)
+    _assert_same_state(reference, converted)
+
+
 def test_fullgraph_compile_of_a_replica_names_the_alternative(cpu_replicate):
     """Under torch.compile the replica path is a graph break; fullgraph=True refuses, naming torchrun + DDP."""
     _, converted = _pair(2)
