@@ -362,15 +362,21 @@ class ReplicaSyncFunction(torch.autograd.Function):
         backward_call = ctx.backwards
         ctx.backwards += 1
         grad_input = None
-        with _no_autocast(grad_output):
-            sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
-            if ctx.needs_input_grad[0]:
-                packed = torch.cat([sum_dy, sum_term])
-                rows = slot.group.exchange(("backward", ctx.call, backward_call), slot.index, packed,
-                                           f"backward of forward call {ctx.call}")
-                global_sum_dy, global_sum_term = _gathered(rows, packed.device).sum(0).chunk(2)
-                grad_input = kernels.grad_input(grad_output, x, weight, mean, var, invstd, ctx.eps, global_sum_dy,
-                                                global_sum_term, ctx.total)
+        try:
+            with _no_autocast(grad_output):
+                sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
+                if ctx.needs_input_grad[0]:
+                    packed = torch.cat([sum_dy, sum_term])
+                    rows = slot.group.exchange(("backward", ctx.call, backward_call), slot.index, packed,
+                                               f"backward of forward call {ctx.call}")
+                    global_sum_dy, global_sum_term = _gathered(rows, packed.device).sum(0).chunk(2)
+                    grad_input = kernels.grad_input(grad_output, x, weight, mean, var, invstd, ctx.eps, global_sum_dy,
+                                                    global_sum_term, ctx.total)
+        except (DistributedTimeoutError, ReplicaFailedError, DistributedMismatchError):
+            raise
+        except BaseException as error:
+            slot.group.fail(error)  # the others' backwards stop now instead of at the timeout
+            raise
         param_dtype = weight.dtype if weight is not None else sum_dy.dtype
         grad_weight = sum_dy_xhat.to(param_dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(param_dtype) if ctx.needs_input_grad[2] else None
