@@ -29,7 +29,7 @@ from bnsurgeon.core.errors import ConfirmationError, HookedModelError, NothingTo
 from bnsurgeon.surgery.inspection import Inspection, inspect_model
 from bnsurgeon.loading.rebuild import recipe
 from bnsurgeon.loading.recorded import read_recorded
-from bnsurgeon.loading.sources import load_source, looks_like_file
+from bnsurgeon.loading.sources import load_source, looks_like_file, unwrap_data_parallel
 from bnsurgeon.loading.transformers_source import model_directory
 from bnsurgeon.surgery.walk import ConvertResult, class_map, convert
 from bnsurgeon.files.conversion import write_conversion, write_model_directory
@@ -71,7 +71,8 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     from torch import nn
 
     if isinstance(source, nn.Module):
-        return inspect_model(source, source=type(source).__name__)
+        model, wrapper = unwrap_data_parallel(source)
+        return inspect_model(model, source=type(source).__name__ + wrapper)
     as_directory = model_directory(Path(source)) is not None and (Path(source).is_dir() or Path(source).name == "config.json")
     if not looks_like_file(source) or as_directory:
         loaded, note = _load_for_inspection(source, **source_options)

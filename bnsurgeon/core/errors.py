@@ -252,6 +252,10 @@ class DistributedTimeoutError(RuntimeError):
     """A sync layer's collective did not complete within BNSURGEON_DIST_TIMEOUT: a rank is elsewhere or gone."""
 
 
+class ReplicaFailedError(RuntimeError):
+    """A DataParallel replica failed inside a sync layer: the other replicas stop instead of waiting for it."""
+
+
 def first_line(error: "BaseException | str", default: str = "no message") -> str:
     """The first line of an exception's (or a text's) message, at most 200 characters: what a one-line
     error quotes of a third party's message."""

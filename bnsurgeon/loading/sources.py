@@ -84,14 +84,27 @@ def _load_model_directory(directory: Path, meta: bool) -> LoadedSource:
                         None if meta else own_input_shape(model))
 
 
+def unwrap_data_parallel(model: "nn.Module") -> "tuple[nn.Module, str]":
+    """The module an ``nn.DataParallel`` wraps, and a note saying so ('' for any other model).
+
+    inspect and verify work on the wrapped module: its paths are the model's own (no ``module.``),
+    and verify's ranks must not run DataParallel (replicas inside a multi-rank job are refused).
+    """
+    from torch import nn
+
+    if isinstance(model, nn.DataParallel):
+        return model.module, f" (the {type(model.module).__name__} its nn.DataParallel wraps)"
+    return model, ""
+
+
 def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_recorded_args, flag,
                named_elsewhere: Architecture | None = None) -> LoadedSource:
     from torch import nn
 
     path = raw.path
     if isinstance(raw.obj, nn.Module):
-        module = raw.obj
-        return LoadedSource(module, Architecture("unknown", type(module).__name__), str(path), None, raw)
+        module, wrapper = unwrap_data_parallel(raw.obj)
+        return LoadedSource(module, Architecture("unknown", type(module).__name__), str(path) + wrapper, None, raw)
     if raw.is_bnsurgeon:
         architecture = confirm_architecture(read_recorded(raw).architecture, path, model, model_args,
                                             accept_recorded_args=accept_recorded_args, flag=flag,

@@ -23,6 +23,7 @@ from torch import nn
 from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, attach_stats, read_fields
 from bnsurgeon.runtime.identity import LayerIdentity, default_name
 from bnsurgeon.runtime.recompute import recomputing
+from bnsurgeon.runtime import replicas
 from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
 
 
@@ -70,6 +71,8 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     #: qualified name of the class this module was converted from (None if built directly);
     #: not annotated, because TorchScript cannot read a postponed ``Optional[str]`` class annotation
     bnsurgeon_origin = None
+    #: True on the copies nn.DataParallel makes each forward (torch's replicate sets it on the copy)
+    _is_replica = False
     __jit_unused_properties__ = ["layer_name"]
     __jit_ignored_attributes__ = ["bnsurgeon_origin", "_identity", "_pickled_group"]
 
@@ -213,10 +216,16 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         """
         return self._normalize(x)
 
+    def _replicate_for_data_parallel(self) -> "SyncBatchNorm":
+        """nn.DataParallel's copy of this layer, enrolled with the other copies of this forward (replicas.py)."""
+        return replicas.enrol(self, super()._replicate_for_data_parallel(), self.layer_name)
+
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         counts = True
         if not torch.jit.is_scripting():
+            if self.training and self._is_replica:
+                return replicas.normalize_replica(self, x)  # nn.DataParallel: sync across its replicas
             if self.training and torch.compiler.is_compiling():
                 synced = self._compiled_sync(x)
                 if synced is not None:
