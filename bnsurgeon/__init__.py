@@ -1,6 +1,8 @@
 """bnsurgeon: exact BatchNorm surgery (sync / plain / frozen) for PyTorch and timm models.
 
-The API is imported lazily so that ``bnsurgeon --help`` does not pay for torch/timm.
+The API is imported lazily so that ``bnsurgeon --help`` does not pay for torch/timm. The errors
+are public here too (``from bnsurgeon import BnSurgeonError``): each subclass has the exit code
+the CLI turns it into.
 """
 
 from __future__ import annotations
@@ -28,6 +30,35 @@ _API = {
     "recalibrate_source": ("bnsurgeon.api", "recalibrate_source"),
     "recalibrate_averaged": ("bnsurgeon.api", "recalibrate_averaged"),
     "RecalibrationReport": ("bnsurgeon.api", "RecalibrationReport"),
+    # the errors a caller may catch: BnSurgeonError and its subclasses carry ``exit_code`` (the CLI's exit
+    # status) and ``hint`` (the fix); the distributed ones are RuntimeErrors raised inside training
+    "BnSurgeonError": ("bnsurgeon.core.errors", "BnSurgeonError"),
+    "UsageError": ("bnsurgeon.core.errors", "UsageError"),
+    "HookedModelError": ("bnsurgeon.core.errors", "HookedModelError"),
+    "FactoryRaisedError": ("bnsurgeon.core.errors", "FactoryRaisedError"),
+    "RuleRaisedError": ("bnsurgeon.core.errors", "RuleRaisedError"),
+    "UnshippableModelError": ("bnsurgeon.core.errors", "UnshippableModelError"),
+    "SourceNotFoundError": ("bnsurgeon.core.errors", "SourceNotFoundError"),
+    "CheckpointError": ("bnsurgeon.core.errors", "CheckpointError"),
+    "UnsafeCheckpointError": ("bnsurgeon.core.errors", "UnsafeCheckpointError"),
+    "MetadataError": ("bnsurgeon.core.errors", "MetadataError"),
+    "InputChangedError": ("bnsurgeon.core.errors", "InputChangedError"),
+    "NonFiniteWeightsError": ("bnsurgeon.core.errors", "NonFiniteWeightsError"),
+    "WeightsMismatchError": ("bnsurgeon.core.errors", "WeightsMismatchError"),
+    "UnhandledModuleError": ("bnsurgeon.core.errors", "UnhandledModuleError"),
+    "LazyModuleError": ("bnsurgeon.core.errors", "LazyModuleError"),
+    "OutputError": ("bnsurgeon.core.errors", "OutputError"),
+    "ModelCannotRunError": ("bnsurgeon.core.errors", "ModelCannotRunError"),
+    "ConfirmationError": ("bnsurgeon.core.errors", "ConfirmationError"),
+    "NothingToConvertError": ("bnsurgeon.core.errors", "NothingToConvertError"),
+    "VerificationError": ("bnsurgeon.core.errors", "VerificationError"),
+    "DataError": ("bnsurgeon.core.errors", "DataError"),
+    "NotEnoughDataError": ("bnsurgeon.core.errors", "NotEnoughDataError"),
+    "NonFiniteActivationsError": ("bnsurgeon.core.errors", "NonFiniteActivationsError"),
+    "NoBatchNormReachedError": ("bnsurgeon.core.errors", "NoBatchNormReachedError"),
+    "DistributedMismatchError": ("bnsurgeon.core.errors", "DistributedMismatchError"),
+    "DistributedTimeoutError": ("bnsurgeon.core.errors", "DistributedTimeoutError"),
+    "ReplicaFailedError": ("bnsurgeon.core.errors", "ReplicaFailedError"),
 }
 
 __all__ = ["__version__", *_API]

@@ -192,3 +192,25 @@ def test_python_hint_keeps_a_prose_word_after_a_flag_as_prose():
     text = str(raised.value)
     assert "check model and model_args" in text and "weights to pick" in text, text
     assert "'and'" not in text and "'to'" not in text, text
+
+
+def test_every_error_is_public_at_the_top_with_its_exit_code():
+    """``from bnsurgeon import BnSurgeonError`` and every subclass: a caller catches them without
+    reaching into an internal module (bnsurgeon.core.errors moved once already)."""
+    import inspect as pyinspect
+
+    from bnsurgeon.core import errors
+
+    public = {name for name, value in vars(errors).items()
+              if pyinspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == errors.__name__
+              and not name.startswith("_") and name != "Interrupted"}
+    assert "BnSurgeonError" in public and len(public) > 20
+    for name in sorted(public):
+        assert name in bnsurgeon.__all__, name
+        assert getattr(bnsurgeon, name) is getattr(errors, name), name
+        value = getattr(errors, name)
+        if issubclass(value, errors.BnSurgeonError):
+            assert isinstance(value.exit_code, int) and 1 <= value.exit_code < 70, (name, value.exit_code)
+    from bnsurgeon import BnSurgeonError, OutputError
+
+    assert issubclass(OutputError, BnSurgeonError) and OutputError.exit_code == 8
