@@ -29,7 +29,7 @@ from bnsurgeon.core.errors import ConfirmationError, HookedModelError, NothingTo
 from bnsurgeon.surgery.inspection import Inspection, inspect_model
 from bnsurgeon.loading.rebuild import recipe
 from bnsurgeon.loading.recorded import read_recorded
-from bnsurgeon.loading.sources import load_source, looks_like_file
+from bnsurgeon.loading.sources import load_source, looks_like_file, source_inputs
 from bnsurgeon.loading.transformers_source import model_directory
 from bnsurgeon.surgery.walk import ConvertResult, class_map, convert
 from bnsurgeon.files.conversion import write_conversion, write_model_directory
@@ -212,7 +212,8 @@ def convert_source(
         raise UsageError("--verify needs the eval check", "drop --no-check")
     timeout = verify_timeout_s() if verify_world_sizes else None
     example_file = example_input if isinstance(example_input, (str, os.PathLike)) else None
-    inputs = [source] + ([(example_file, "the --example-input file")] if example_file is not None else [])
+    inputs = [source, *source_inputs(source)] + ([(example_file, "the --example-input file")]
+                                                 if example_file is not None else [])
     directory_output = output is not None and is_directory_output(output)
     if directory_output and to == "fused":
         raise UsageError("a fused model is not the class its config.json names, so it cannot be a model directory",
@@ -430,7 +431,7 @@ def recalibrate_source(
     """
     from bnsurgeon.calibration.recalibrate import recalibrate
     from bnsurgeon.files.recalibrated import check_output_format, recalibrated_writers, write_recalibrated
-    from bnsurgeon.loading.data import open_data
+    from bnsurgeon.loading.data import data_files, open_data
 
     phase = progress or (lambda text: None)
     if batches is not None and batches < 1:
@@ -438,8 +439,7 @@ def recalibrate_source(
     if samples is not None and samples < 1:
         raise UsageError(f"--samples must be at least 1 (got {samples})", "pass --samples 1 or more")
     rank, world, device = _torchrun_rank()
-    data_path = Path(data)
-    inputs = [source] + ([(data_path, "the --data file")] if data_path.exists() else [])
+    inputs = [source, *source_inputs(source)] + [(file, "a --data file") for file in data_files(data)]
     out = check_output_path(output, inputs, force=force) if output is not None else None
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,

@@ -106,6 +106,17 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
     return stream
 
 
+def data_files(spec: str) -> list[Path]:
+    """The files DATA names (the file, or those of the folder it reads): inputs, which no output may replace."""
+    path = Path(spec)
+    try:
+        if path.is_dir():
+            return _listed(path, TENSOR_SUFFIXES) or _listed(path, IMAGE_SUFFIXES)
+        return [path] if os.path.lexists(path) else []
+    except OSError:  # open_data says what is wrong with it
+        return []
+
+
 def _listed(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     found = []
     for root, dirs, names in os.walk(folder):

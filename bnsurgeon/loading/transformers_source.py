@@ -188,6 +188,26 @@ def weights_files(directory: Path) -> list[Path]:
                   if path.is_file() and (path.name in WEIGHTS_NAMES or SHARD_PATTERN.match(path.name)))
 
 
+def directory_inputs(directory: Path) -> list[Path]:
+    """Every file a model directory SOURCE may read: config.json, the weights files, and each file a shard index
+    names (none of them may be an output, ``--force`` or not)."""
+    files = [directory / CONFIG_NAME, *weights_files(directory)]
+    for index in (path for path in list(files) if path.name.endswith(".index.json")):
+        files += [directory / name for name in index_file_names(index) if Path(name).name == name]
+    return list(dict.fromkeys(files))
+
+
+def index_file_names(index: Path) -> list[str]:
+    """The file names a shard index maps tensors to ([] where it is no readable index: check_shard_index says so)."""
+    try:
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            return []
+        files = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError, AttributeError):
+        return []
+    return sorted({name for name in files.values() if isinstance(name, str)}) if isinstance(files, dict) else []
+
+
 #: the fewest bytes an element can take in a weights file (4-bit quantized); more elements than this allows is
 #: a config that describes another model than the weights
 MIN_BYTES_PER_ELEMENT = 0.5

@@ -1,0 +1,116 @@
+"""Trust, round three (issue 38): model directories as SOURCE, recalibrate's DATA and outputs, environment
+variables. Tiny transformers models built from their config classes, nothing downloaded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+
+from bnsurgeon.cli.commands import app  # noqa: E402
+from test_untrusted import one_line_failure  # noqa: E402
+
+runner = CliRunner()
+
+
+def run(*args, env=None):
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200", "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def tiny_resnet(**overrides):
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3,
+                                       **overrides)
+    return transformers.ResNetForImageClassification(config)
+
+
+@pytest.fixture
+def resnet_dir(tmp_path):
+    directory = tmp_path / "resnet"
+    tiny_resnet().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def sharded_dir(tmp_path):
+    directory = tmp_path / "sharded"
+    tiny_resnet().save_pretrained(directory, max_shard_size="4KB")
+    assert (directory / "model.safetensors.index.json").is_file()
+    return directory
+
+
+@pytest.fixture
+def pixels(tmp_path):
+    path = tmp_path / "data.pt"
+    torch.save(torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)), path)
+    return path
+
+
+# 1. no file a SOURCE reads is ever an output, --force or not
+
+@pytest.mark.parametrize("as_source", ["directory", "config"])
+@pytest.mark.parametrize("command", ["convert", "recalibrate"])
+def test_an_output_over_a_model_directorys_weights_is_refused_even_with_force(resnet_dir, pixels, as_source, command):
+    before = digests(resnet_dir)
+    source = resnet_dir if as_source == "directory" else resnet_dir / "config.json"
+    extra = ["--no-check"] if command == "convert" else ["--data", pixels]
+    result = run(command, source, "-o", resnet_dir / "model.safetensors", "--force", *extra)
+    one_line_failure(result, 8, "model.safetensors", "never overwrites an input")
+    assert digests(resnet_dir) == before
+
+
+@pytest.mark.parametrize("target", ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+def test_an_output_over_one_shard_of_a_sharded_source_is_refused(sharded_dir, pixels, target):
+    before = digests(sharded_dir)
+    result = run("recalibrate", sharded_dir, "--data", pixels, "-o", sharded_dir / target, "--force")
+    one_line_failure(result, 8, target, "never overwrites an input")
+    assert digests(sharded_dir) == before
+
+
+def test_a_hard_link_to_a_sources_weights_is_an_input_too(resnet_dir, tmp_path):
+    link = tmp_path / "linked.safetensors"
+    os.link(resnet_dir / "model.safetensors", link)
+    before = digests(resnet_dir)
+    result = run("convert", resnet_dir, "-o", link, "--force", "--no-check")
+    one_line_failure(result, 8, "never overwrites an input")
+    assert digests(resnet_dir) == before
+
+
+SMALL = """
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+"""
+
+
+@pytest.fixture
+def small(tmp_path, monkeypatch):
+    from _modules import install_module
+
+    return install_module(tmp_path, monkeypatch, "small", SMALL)
+
+
+def test_an_output_over_a_data_folders_file_is_refused(small):
+    folder = small / "batches"
+    folder.mkdir()
+    for index in range(2):
+        torch.save(torch.randn(2, 3, 8, 8), folder / f"{index}.pt")
+    before = digests(folder)
+    result = run("recalibrate", "small:build", "--data", folder, "-o", folder / "1.pt", "--force")
+    one_line_failure(result, 8, "1.pt", "never overwrites an input")
+    assert digests(folder) == before
