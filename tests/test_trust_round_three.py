@@ -114,3 +114,37 @@ def test_an_output_over_a_data_folders_file_is_refused(small):
     result = run("recalibrate", "small:build", "--data", folder, "-o", folder / "1.pt", "--force")
     one_line_failure(result, 8, "1.pt", "never overwrites an input")
     assert digests(folder) == before
+
+
+# 3. statistics the file's dtype cannot hold are refused, naming the layer
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float16, 1000.0), (torch.float32, 1e20)])
+def test_statistics_a_half_precision_file_cannot_hold_are_refused_naming_the_layer(small, dtype, scale):
+    from safetensors.torch import save_file
+
+    import small as module
+
+    source = small / "half.safetensors"
+    save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in module.build().state_dict().items()},
+              str(source))
+    torch.save(torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * scale, small / "pixels.pt")
+    before = digests(small)
+    result = run("recalibrate", source, "--model", "small:build", "--data", small / "pixels.pt",
+                 "-o", small / "out.safetensors")
+    one_line_failure(result, 14, "running_var of 1", str(dtype)[6:])
+    assert digests(small) == before
+
+
+def test_the_library_refuses_statistics_a_float16_model_cannot_hold_and_keeps_its_buffers(small):
+    import bnsurgeon
+    import small as module
+
+    model = module.build().half()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)).half() * 1000
+    from bnsurgeon.core.errors import StatisticsOverflowError
+
+    with pytest.raises(StatisticsOverflowError, match="running_var of 1"):
+        bnsurgeon.recalibrate(model, data)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
