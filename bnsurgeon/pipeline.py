@@ -448,6 +448,7 @@ def recalibrate_source(
     refuse_invalid_weights(loaded.model, loaded.description)
     if out is not None:
         check_output_format(out, loaded.checkpoint, loaded.weights_key)
+    own_buffers(loaded.model)  # the statistics change in place: never in the tensors the other entries hold
     if device is not None:  # torchrun on GPUs (NCCL): the model and its batches on this rank's device
         loaded.model.to(device)
     parameter = next((p for p in loaded.model.parameters() if p.is_floating_point()), None)
@@ -472,6 +473,18 @@ def recalibrate_source(
     from bnsurgeon.files.writing import report_paths
 
     return RecalibrateOutcome(report, loaded, out, report_paths(out), rank)
+
+
+def own_buffers(model: "nn.Module") -> None:
+    """Give every buffer memory of its own (buffers one tensor in the model stay one): a model loaded from a
+    checkpoint holds the file's tensors, which another entry of the file (the raw state_dict beside
+    state_dict_ema, the same dict saved under both names) may hold too, and those entries are written back
+    unchanged."""
+    copies: dict[int, Any] = {}
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = copies.setdefault(id(buffer), buffer.clone())
 
 
 def _torchrun_rank():

@@ -148,3 +148,26 @@ def test_the_library_refuses_statistics_a_float16_model_cannot_hold_and_keeps_it
         bnsurgeon.recalibrate(model, data)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+# 4. --weights state_dict_ema changes only the chosen entry, whatever tensors it shares
+
+@pytest.mark.parametrize("sharing", ["same-dict", "aliased-buffers"])
+def test_recalibrating_one_entry_leaves_an_entry_sharing_its_tensors_as_it_was(small, sharing):
+    import small as module
+
+    state = module.build().state_dict()
+    ema = state if sharing == "same-dict" else {k: (v if k.endswith(("running_mean", "running_var")) else v.clone())
+                                               for k, v in state.items()}
+    source = small / "train.pth.tar"
+    torch.save({"state_dict": state, "state_dict_ema": ema, "epoch": 1}, source)
+    raw = {k: v.clone() for k, v in state.items()}
+    torch.save(torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 + 1, small / "pixels.pt")
+    out = small / "out.pth.tar"
+    result = run("recalibrate", source, "--model", "small:build", "--weights", "state_dict_ema",
+                 "--data", small / "pixels.pt", "-o", out)
+    assert result.exit_code == 0, result.output
+    written = torch.load(out, weights_only=True)
+    for key, value in raw.items():
+        assert torch.equal(written["state_dict"][key], value), key
+    assert not torch.equal(written["state_dict_ema"]["1.running_var"], raw["1.running_var"])
