@@ -431,13 +431,14 @@ def recalibrate_source(
     """
     from bnsurgeon.calibration.recalibrate import recalibrate
     from bnsurgeon.files.recalibrated import check_output_format, recalibrated_writers, write_recalibrated
-    from bnsurgeon.loading.data import data_files, open_data
+    from bnsurgeon.loading.data import data_files, max_batch_bytes, open_data
 
     phase = progress or (lambda text: None)
     if batches is not None and batches < 1:
         raise UsageError(f"--batches must be at least 1 (got {batches})", "pass --batches 1 or more")
     if samples is not None and samples < 1:
         raise UsageError(f"--samples must be at least 1 (got {samples})", "pass --samples 1 or more")
+    max_batch_bytes()  # every variable recalibrate reads is checked before any work
     rank, world, device = _torchrun_rank()
     inputs = [source, *source_inputs(source)] + [(file, "a --data file") for file in data_files(data)]
     out = check_output_path(output, inputs, force=force) if output is not None else None
@@ -487,12 +488,20 @@ def own_buffers(model: "nn.Module") -> None:
                 module._buffers[key] = copies.setdefault(id(buffer), buffer.clone())
 
 
+#: no torchrun job has more processes
+MAX_RANKS = 1 << 20
+
+
 def _torchrun_rank():
     """(rank, world, device or None) under torchrun (the default process group initialised here),
     else (0, 1, None). The device is set only for a GPU rank (NCCL)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    from bnsurgeon.core.environment import whole_number
+
+    world = whole_number("WORLD_SIZE", 1, low=1, high=MAX_RANKS, unit="processes")
     if world <= 1:
         return 0, 1, None
+    whole_number("RANK", 0, low=0, high=world - 1)  # torchrun sets them; read again by init_distributed
+    whole_number("LOCAL_RANK", 0, low=0, high=world - 1)
     from bnsurgeon.runtime import init_distributed
 
     info = init_distributed()

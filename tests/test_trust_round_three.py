@@ -171,3 +171,30 @@ def test_recalibrating_one_entry_leaves_an_entry_sharing_its_tensors_as_it_was(s
     for key, value in raw.items():
         assert torch.equal(written["state_dict"][key], value), key
     assert not torch.equal(written["state_dict_ema"]["1.running_var"], raw["1.running_var"])
+
+
+# 10. every environment variable bnsurgeon reads: a bad value is exit 2 naming it
+
+@pytest.mark.parametrize("env,name", [
+    ({"BNSURGEON_MAX_BATCH_BYTES": "abc"}, "BNSURGEON_MAX_BATCH_BYTES"),
+    ({"BNSURGEON_MAX_BATCH_BYTES": "-1"}, "BNSURGEON_MAX_BATCH_BYTES"),
+    ({"BNSURGEON_MAX_BATCH_BYTES": "1.5e9"}, "BNSURGEON_MAX_BATCH_BYTES"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
+    ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "-3"}, "LOCAL_RANK"),
+])
+def test_a_bad_environment_variable_is_exit_2_naming_it_and_nothing_is_written(small, env, name):
+    torch.save(torch.randn(4, 3, 8, 8), small / "pixels.pt")
+    before = digests(small)
+    result = run("recalibrate", "small:build", "--data", small / "pixels.pt", "-o", small / "out.safetensors", env=env)
+    one_line_failure(result, 2, f"{name}=", "whole number")
+    assert digests(small) == before
+
+
+def test_a_valid_batch_bytes_variable_still_bounds_each_batch(small):
+    torch.save(torch.randn(4, 3, 8, 8), small / "pixels.pt")
+    result = run("recalibrate", "small:build", "--data", small / "pixels.pt", "-o", small / "out.safetensors",
+                 env={"BNSURGEON_MAX_BATCH_BYTES": "1000"})
+    one_line_failure(result, 12, "more than 1,000 bytes (BNSURGEON_MAX_BATCH_BYTES)")

@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 DEFAULT_BATCH_SIZE = 32
-#: the most one batch may hold; a file could otherwise declare (or an image folder build) any size
-MAX_BATCH_BYTES = int(os.environ.get("BNSURGEON_MAX_BATCH_BYTES", str(2 * 2**30)))
+#: the most one batch may hold unless BNSURGEON_MAX_BATCH_BYTES says otherwise; a file could otherwise declare
+#: (or an image folder build) any size
+MAX_BATCH_BYTES = 2 * 2**30
+BATCH_BYTES_VARIABLE = "BNSURGEON_MAX_BATCH_BYTES"
 MAX_FILES = 100_000
 
 
@@ -76,6 +78,7 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
     """DATA as this rank's batches (see the module doc). Nothing is read until it is iterated."""
     from bnsurgeon.core.user_code import FACTORY_PATTERN
 
+    max_batch_bytes()  # a bad value is refused before anything is read
     if batch_size is not None and batch_size < 1:
         raise DataError(f"--batch-size must be at least 1 (got {batch_size})", "pass --batch-size 32, for example")
     path = Path(spec)
@@ -104,6 +107,13 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
     stream._hash = hashlib.sha256()
     stream._iterable = _shard(stream, batches, max_batches, max_samples, rank, world, dtype, device)
     return stream
+
+
+def max_batch_bytes() -> int:
+    """The most one batch may hold: BNSURGEON_MAX_BATCH_BYTES, validated (exit 2 naming it), else MAX_BATCH_BYTES."""
+    from bnsurgeon.core.environment import whole_number
+
+    return whole_number(BATCH_BYTES_VARIABLE, MAX_BATCH_BYTES, low=1, high=2**62, unit="bytes")
 
 
 def data_files(spec: str) -> list[Path]:
@@ -236,9 +246,10 @@ def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
     if tensor.dim() < 2:
         raise DataError(f"{origin} has shape {tuple(tensor.shape)}; a batch has a batch dimension and at least one more",
                         "save batches shaped (N, C, H, W)")
-    if tensor.numel() * tensor.element_size() > MAX_BATCH_BYTES:
+    limit = max_batch_bytes()
+    if tensor.numel() * tensor.element_size() > limit:
         raise DataError(f"{origin} is a batch of {_size(tensor.numel() * tensor.element_size())}, more than "
-                        f"{_size(MAX_BATCH_BYTES)} (BNSURGEON_MAX_BATCH_BYTES)",
+                        f"{_size(limit)} ({BATCH_BYTES_VARIABLE})",
                         "pass --batch-size to cut it, or save smaller batches")
     return tensor
 
