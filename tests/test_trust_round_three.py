@@ -198,3 +198,26 @@ def test_a_valid_batch_bytes_variable_still_bounds_each_batch(small):
     result = run("recalibrate", "small:build", "--data", small / "pixels.pt", "-o", small / "out.safetensors",
                  env={"BNSURGEON_MAX_BATCH_BYTES": "1000"})
     one_line_failure(result, 12, "more than 1,000 bytes (BNSURGEON_MAX_BATCH_BYTES)")
+
+
+# 8. a named pipe in DATA is refused, never read (it would block forever)
+
+@pytest.mark.parametrize("where", ["file", "tensor-folder", "image-folder"])
+def test_a_named_pipe_in_data_is_refused_without_blocking(small, where):
+    if where == "file":
+        data = pipe = small / "pixels.pt"
+    else:
+        data = small / "folder"
+        data.mkdir()
+        if where == "tensor-folder":
+            torch.save(torch.randn(2, 3, 8, 8), data / "0.pt")
+            pipe = data / "1.pt"
+        else:
+            from PIL import Image
+
+            Image.new("RGB", (8, 8)).save(data / "0.png")
+            pipe = data / "1.png"
+    os.mkfifo(pipe)
+    result = run("recalibrate", "small:build", "--data", data, "-o", small / "out.safetensors")
+    one_line_failure(result, 12, f"{pipe.name} is not a regular file")
+    assert not (small / "out.safetensors").exists()

@@ -94,6 +94,7 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
             stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder")
             batches = _image_batches(images, model, batch_size or DEFAULT_BATCH_SIZE)
     elif path.exists():
+        _regular_file(path)
         if path.suffix not in TENSOR_SUFFIXES and not path.name.endswith(".pth.tar"):
             raise DataError(f"--data {path} is not a tensor file ({', '.join(TENSOR_SUFFIXES)}) or a folder")
         stream = DataStream(str(path), "tensor-file")
@@ -133,13 +134,21 @@ def _listed(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
         dirs.sort()
         for name in sorted(names):
             if name.lower().endswith(suffixes) and not name.startswith("."):
-                found.append(Path(root) / name)
+                found.append(_regular_file(Path(root) / name))
                 if len(found) > MAX_FILES:
                     raise DataError(f"--data {folder} holds more than {MAX_FILES:,} files",
                                     "pass a folder with fewer files, or --data pkg.mod:function")
         if suffixes == TENSOR_SUFFIXES:  # tensor files: the folder itself only
             break
     return found
+
+
+def _regular_file(path: Path) -> Path:
+    """``path``, refused unless a regular file: a named pipe would block the read forever, a device never end."""
+    if not path.is_file():
+        raise DataError(f"--data file {path} is not a regular file (a pipe, socket or device)",
+                        "save the batches to a file (torch.save) and pass that file, or a folder of such files")
+    return path
 
 
 def _shard(stream: DataStream, batches: Iterable[Any], max_batches, max_samples, rank, world, dtype, device):
