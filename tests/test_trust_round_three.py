@@ -221,3 +221,32 @@ def test_a_named_pipe_in_data_is_refused_without_blocking(small, where):
     result = run("recalibrate", "small:build", "--data", data, "-o", small / "out.safetensors")
     one_line_failure(result, 12, f"{pipe.name} is not a regular file")
     assert not (small / "out.safetensors").exists()
+
+
+# 11. messages that say what happened
+
+@pytest.mark.parametrize("named", ["config.json", "model.safetensors.index.json"])
+def test_a_shard_index_naming_a_file_that_is_not_weights_says_so_not_pickle(sharded_dir, named):
+    index_path = sharded_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = named
+    index_path.write_text(json.dumps(index))
+    result = run("convert", sharded_dir, "-o", sharded_dir.parent / "out.safetensors", "--no-check")
+    one_line_failure(result, 4, f"names '{named}', which is not a .safetensors weights file")
+    assert "pickle" not in result.output
+
+
+def test_counts_are_in_the_right_number():
+    from bnsurgeon.core.layout import counted
+
+    assert [counted(1, "batch"), counted(10, "batch"), counted(2, "tensor"), counted(3, "box")] == \
+        ["1 batch", "10 batches", "2 tensors", "3 boxes"]
+
+
+def test_recalibrates_summary_says_one_batch_not_one_batches(small):
+    torch.save(torch.randn(4, 3, 8, 8), small / "pixels.pt")
+    result = run("recalibrate", "small:build", "--data", small / "pixels.pt", "-o", small / "out.safetensors")
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    assert "on 4 samples (1 batch, 1 rank," in flat and "2 BN modules" in flat

@@ -149,7 +149,8 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
         model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True,
                                           dtype=stored or "auto", ignore_mismatched_sizes=True)
     except Exception as error:
-        if isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error):
+        pickled = any(path.suffix == ".bin" for path in weights_files(directory))
+        if pickled and (isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error)):
             raise UnsafeCheckpointError(
                 f"{directory}: its weights file is a pickle that would run code when loaded "
                 f"(torch refused it with weights_only=True)",
@@ -250,8 +251,12 @@ def check_shard_index(directory: Path) -> None:
                 else:
                     outside = next((f for f in files.values() if Path(f).name != f or f in ("", ".", "..")
                                     or not (directory / f).is_file()), None)
+                    suffix = ".safetensors" if name.startswith("model.") else ".bin"
+                    other = next((f for f in files.values() if not f.endswith(suffix)), None)
                     if outside is not None:
                         problem = f"names {shown(outside, 80)}, which is not a file of the directory"
+                    elif other is not None:  # config.json, the index itself: not weights, whatever they hold
+                        problem = f"names {shown(other, 80)}, which is not a {suffix} weights file"
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
             problem = f"is not valid JSON ({type(error).__name__})"
         if problem:
