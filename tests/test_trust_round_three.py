@@ -250,3 +250,60 @@ def test_recalibrates_summary_says_one_batch_not_one_batches(small):
     assert result.exit_code == 0, result.output
     flat = " ".join(result.output.split())
     assert "on 4 samples (1 batch, 1 rank," in flat and "2 BN modules" in flat
+
+
+# 2. a model directory's weights load as stored, whatever config.json's dtype says, or are refused
+
+def stored_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (directory / "model.safetensors").exists():
+        return load_file(directory / "model.safetensors")
+    return torch.load(directory / "pytorch_model.bin", weights_only=True)
+
+
+def with_bfloat16_config(directory: Path) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("layout", ["two-float-dtypes", "pytorch_model.bin"])
+def test_config_dtype_never_rounds_the_stored_weights(tmp_path, layout):
+    directory = tmp_path / "resnet"
+    model = tiny_resnet()
+    if layout == "pytorch_model.bin":
+        model.save_pretrained(directory, safe_serialization=False)
+    else:
+        model.save_pretrained(directory)
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(directory / "model.safetensors")
+        key = next(k for k in tensors if k.endswith("running_var"))
+        tensors[key] = tensors[key].double()  # float32 values, stored as float64: nothing is lost either way
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with_bfloat16_config(directory)
+    stored = stored_weights(directory)
+    out = tmp_path / "out.safetensors"
+    result = run("convert", directory, "-o", out, "--to", "plain")
+    assert result.exit_code == 0, result.output
+    from safetensors.torch import load_file
+
+    written = load_file(out)
+    for key, value in stored.items():
+        if value.is_floating_point():
+            assert torch.equal(written[key].double(), value.double()), key
+
+
+def test_a_tensor_that_the_other_weights_dtype_would_round_is_refused(tmp_path):
+    directory = tmp_path / "resnet"
+    tiny_resnet().save_pretrained(directory)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    key = next(k for k in tensors if k.endswith("running_var"))
+    tensors[key] = tensors[key].double() + 1e-12  # float64 values float32 cannot hold
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    result = run("convert", directory, "-o", tmp_path / "out.safetensors")
+    one_line_failure(result, 6, key, "float64 -> float32")
+    assert not (tmp_path / "out.safetensors").exists()

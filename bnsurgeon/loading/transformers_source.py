@@ -137,14 +137,15 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
         return skeleton, name, config
     check_shard_index(directory)
     check_model_size(directory, name, skeleton)
-    stored = stored_dtype(directory)
+    tensors = stored_tensors(directory)
+    stored = stored_dtype(tensors)
     from transformers.utils import logging as hf_logging
 
     bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # bnsurgeon's output is its own lines; the caller's settings come back
     hf_logging.set_verbosity_error()  # its load report: check_loading_info says what matters, in one line
     try:
-        # the weights as stored: dtype "auto" follows config.json, and an edited one would round them silently;
+        # the weights as stored (check_as_stored proves it): dtype "auto" follows config.json, which would round them;
         # shapes that do not fit are reported by check_loading_info, naming the key
         model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True,
                                           dtype=stored or "auto", ignore_mismatched_sizes=True)
@@ -163,6 +164,7 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
         if bar:
             hf_logging.enable_progress_bar()
     check_loading_info(directory, name, info)
+    check_as_stored(directory, model, tensors)
     own_memory(model)
     return model.eval(), name, model.config.to_dict()
 
@@ -263,25 +265,44 @@ def check_shard_index(directory: Path) -> None:
             raise CheckpointError(f"{path} {problem}", "save the model again with save_pretrained")
 
 
-def stored_dtype(directory: Path) -> "torch.dtype | None":
-    """The one floating dtype of the directory's safetensors weights (read from their headers), or None where
-    they hold several, or are not safetensors."""
-    from safetensors import safe_open
-
-    files = [path for path in weights_files(directory) if path.suffix == ".safetensors"]
-    dtypes = set()
-    try:
-        for path in files:
-            with safe_open(str(path), "pt") as handle:
-                dtypes.update(handle.get_slice(key).get_dtype() for key in handle.keys())
-    except Exception:  # transformers reads the file next and says what is wrong with it
-        return None
-    floating = {name for name in dtypes if name.startswith(("F", "BF"))}
-    if len(floating) != 1:
-        return None
+def stored_tensors(directory: Path) -> "dict[str, torch.Tensor]":
+    """The directory's weights as stored, memory-mapped (nothing copied), read as bnsurgeon reads any checkpoint:
+    no code runs, and the file bounds apply, before transformers reads them."""
     import torch
 
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(floating.pop())
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weights_files(directory):
+        if path.name.endswith(".index.json"):
+            continue
+        try:
+            obj = read_checkpoint(path, mmap=True).obj
+        except UnsafeCheckpointError:
+            raise UnsafeCheckpointError(
+                f"{path}: this weights file is a pickle that would run code when loaded",
+                "ask for the model saved with save_pretrained (model.safetensors); bnsurgeon never runs code "
+                "from a model directory") from None
+        if isinstance(obj, dict):
+            tensors.update((key, value) for key, value in obj.items() if isinstance(value, torch.Tensor))
+    return tensors
+
+
+def stored_dtype(tensors: "dict[str, torch.Tensor]") -> "torch.dtype | None":
+    """The floating dtype most of the stored weights' elements have (None: no floating weight). config.json's
+    dtype is not asked: an edited one would round every weight silently."""
+    counts: dict = {}
+    for tensor in tensors.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
+def check_as_stored(directory: Path, model: "nn.Module", tensors: "dict[str, torch.Tensor]") -> None:
+    """Every stored weight is in the model with its value: one whose dtype differs from the model's (a float64
+    tensor among float32 weights) must survive the cast exactly, or the directory is refused, naming it."""
+    from bnsurgeon.files.weights import refuse_lossy_casts
+
+    expected = model.state_dict()
+    refuse_lossy_casts({key: value for key, value in tensors.items() if key in expected}, expected, directory)
 
 
 def check_loading_info(directory: Path, name: str, info: dict[str, Any]) -> None:
