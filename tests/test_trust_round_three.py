@@ -307,3 +307,30 @@ def test_a_tensor_that_the_other_weights_dtype_would_round_is_refused(tmp_path):
     result = run("convert", directory, "-o", tmp_path / "out.safetensors")
     one_line_failure(result, 6, key, "float64 -> float32")
     assert not (tmp_path / "out.safetensors").exists()
+
+
+# 9. inspect DIR checks that the weights fit, as convert does
+
+@pytest.mark.parametrize("edit", ["missing", "shape", "unexpected"])
+def test_inspect_refuses_a_directory_whose_weights_do_not_fit_as_convert_does(resnet_dir, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(resnet_dir / "model.safetensors")
+    key = "classifier.1.weight"
+    if edit == "missing":
+        del tensors[key]
+    elif edit == "shape":
+        tensors[key] = torch.zeros(5, tensors[key].shape[1])
+    else:
+        tensors["extra.weight"] = torch.zeros(3)
+    save_file(tensors, resnet_dir / "model.safetensors", metadata={"format": "pt"})
+    named = "extra.weight" if edit == "unexpected" else key
+    one_line_failure(run("inspect", resnet_dir), 6, named)
+    one_line_failure(run("convert", resnet_dir, "-o", resnet_dir.parent / "out.safetensors"), 6, named)
+
+
+def test_inspect_of_a_directory_whose_weights_fit_lists_its_bn(resnet_dir, sharded_dir):
+    for directory in (resnet_dir, sharded_dir):
+        result = run("inspect", directory)
+        assert result.exit_code == 0, result.output
+        assert "BatchNorm2d" in result.output

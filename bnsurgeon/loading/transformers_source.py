@@ -133,11 +133,12 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
 
     with torch.device("meta"):
         skeleton = build(name, {"config": config}, origin=str(directory / CONFIG_NAME))
-    if meta:
-        return skeleton, name, config
     check_shard_index(directory)
     check_model_size(directory, name, skeleton)
     tensors = stored_tensors(directory)
+    if meta:  # nothing allocated, but the weights must fit as they must for a real load (inspect as convert)
+        check_loading_info(directory, name, meta_loading_info(skeleton, tensors))
+        return skeleton, name, config
     stored = stored_dtype(tensors)
     from transformers.utils import logging as hf_logging
 
@@ -303,6 +304,21 @@ def check_as_stored(directory: Path, model: "nn.Module", tensors: "dict[str, tor
 
     expected = model.state_dict()
     refuse_lossy_casts({key: value for key, value in tensors.items() if key in expected}, expected, directory)
+
+
+def meta_loading_info(skeleton: "nn.Module", tensors: "dict[str, torch.Tensor]") -> dict[str, list]:
+    """What from_pretrained's loading info would say of ``tensors`` in ``skeleton``, from names and shapes alone:
+    missing keys (a tied weight saved once is not missing), unexpected keys, and keys of another shape."""
+    expected = skeleton.state_dict(keep_vars=True)
+    owners: dict[int, list[str]] = {}
+    for key, tensor in expected.items():
+        owners.setdefault(id(tensor), []).append(key)
+    missing = [key for key, tensor in expected.items()
+               if not any(other in tensors for other in owners[id(tensor)])]
+    unexpected = [key for key in tensors if key not in expected]
+    mismatched = [key for key, tensor in tensors.items()
+                  if key in expected and tuple(tensor.shape) != tuple(expected[key].shape)]
+    return {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": mismatched}
 
 
 def check_loading_info(directory: Path, name: str, info: dict[str, Any]) -> None:
