@@ -334,3 +334,21 @@ def test_inspect_of_a_directory_whose_weights_fit_lists_its_bn(resnet_dir, shard
         result = run("inspect", directory)
         assert result.exit_code == 0, result.output
         assert "BatchNorm2d" in result.output
+
+
+# round two, still open: an --example-input goes through the same bounds as every file bnsurgeon reads
+
+def test_an_example_input_whose_pickle_record_inflates_is_refused_before_it_is_read(small, monkeypatch):
+    import zipfile
+
+    stored = small / "stored.pt"
+    torch.save({"x": torch.zeros(1, 3, 8, 8), "pad": "a" * (8 << 20)}, stored)  # an 8 MiB pickle record
+    bomb = small / "x.pt"
+    with zipfile.ZipFile(stored) as src, zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    assert bomb.stat().st_size < 200_000
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("the records were read"))
+    result = run("convert", "small:build", "--example-input", bomb, "-o", small / "out.safetensors")
+    one_line_failure(result, 2, "--example-input", "compressed record", "expands")
+    assert not (small / "out.safetensors").exists()
