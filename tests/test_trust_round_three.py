@@ -352,3 +352,32 @@ def test_an_example_input_whose_pickle_record_inflates_is_refused_before_it_is_r
     result = run("convert", "small:build", "--example-input", bomb, "-o", small / "out.safetensors")
     one_line_failure(result, 2, "--example-input", "compressed record", "expands")
     assert not (small / "out.safetensors").exists()
+
+
+# 6. what a config.json can make bnsurgeon build is bounded before it is built
+
+def edit_config(directory: Path, **fields) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config.update(fields)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_labels_are_bounded_in_every_nested_config(tmp_path):
+    directory = tmp_path / "upernet"
+    from test_transformers import hooked_family
+
+    hooked_family("upernet").save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["backbone_config"]["num_labels"] = 2_000_000
+    (directory / "config.json").write_text(json.dumps(config))
+    for command in (["inspect", directory], ["convert", directory, "-o", tmp_path / "out.safetensors"]):
+        one_line_failure(run(*command), 4, "2000000 labels in backbone_config", "at most 100,000")
+
+
+@pytest.mark.parametrize("depths,phrase", [([3000, 1], "3,001 layers in all (at most 2,000)"),
+                                           ([200, 1], "more than its weights files hold tensors")])
+def test_layers_are_bounded_before_the_model_is_built(resnet_dir, monkeypatch, depths, phrase):
+    edit_config(resnet_dir, depths=depths)
+    monkeypatch.setattr(transformers.ResNetForImageClassification, "__init__",
+                        lambda *a, **k: pytest.fail("the model was built"))
+    one_line_failure(run("inspect", resnet_dir), 4, phrase)

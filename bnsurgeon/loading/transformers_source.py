@@ -84,13 +84,51 @@ def check_config(config: Any, origin: str) -> None:
     if not CLASS_PATTERN.match(classes[0]):
         raise CheckpointError(f"{origin} names the class {shown(classes[0], 80)}, not a transformers model class",
                               "pass a factory that builds the model")
-    labels = config.get("num_labels", 0)
-    if isinstance(labels, bool) or not isinstance(labels, int) or not 0 <= labels <= MAX_LABELS or any(
-            len(config.get(key) or ()) > MAX_LABELS for key in ("id2label", "label2id")
-            if isinstance(config.get(key), (dict, list))):
-        raise CheckpointError(f"{origin} asks for {shown(labels, 40)} labels (at most {MAX_LABELS:,}): the config "
-                              "builds a Python object per label before any weight is read",
+    for where, part in config_parts(config):  # a backbone_config, text_config, ... builds its own labels too
+        labels = part.get("num_labels", 0)
+        if isinstance(labels, bool) or not isinstance(labels, int) or not 0 <= labels <= MAX_LABELS or any(
+                len(part.get(key) or ()) > MAX_LABELS for key in ("id2label", "label2id")
+                if isinstance(part.get(key), (dict, list))):
+            raise CheckpointError(f"{origin} asks for {shown(labels, 40)} labels{where} (at most {MAX_LABELS:,}): "
+                                  "the config builds a Python object per label before any weight is read",
+                                  "save the model again with save_pretrained, or restore its config.json")
+    layers = layer_count(config)
+    if layers > MAX_LAYERS:
+        raise CheckpointError(f"{origin} asks for {layers:,} layers in all (at most {MAX_LAYERS:,}): the config "
+                              "builds every one before any weight is read",
                               "save the model again with save_pretrained, or restore its config.json")
+
+
+#: no model's config asks for more layers (depths, num_hidden_layers, ... summed over every sub-config): the
+#: deepest have a few hundred, and each is built (Python objects, meta tensors) before any weight is read
+MAX_LAYERS = 2_000
+#: config keys that count layers or blocks (``depths``, ``num_hidden_layers``, ``encoder_layers``, ...)
+LAYER_KEY = re.compile(r"(depth|layers|blocks|repeats)", re.IGNORECASE)
+
+
+def config_parts(config: dict[str, Any], where: str = "", depth: int = 0) -> "list[tuple[str, dict[str, Any]]]":
+    """The config and every config nested in it (``backbone_config``, ...), each with where it is (`` in x.y``)."""
+    parts = [(where, config)]
+    if depth < 8:
+        for key, value in config.items():
+            if isinstance(value, dict):
+                parts += config_parts(value, f"{where or ' in '}{'.' if where else ''}{key}", depth + 1)
+    return parts
+
+
+def layer_count(config: dict[str, Any]) -> int:
+    """The layers a config asks for: every whole number under a layer-counting key, in it and its sub-configs."""
+    def total(value: Any, depth: int = 0) -> int:
+        if isinstance(value, bool):
+            return 0
+        if isinstance(value, int):
+            return max(value, 0)
+        if isinstance(value, (list, tuple)) and depth < 4:
+            return sum(total(item, depth + 1) for item in value)
+        return 0
+
+    return sum(total(value) for _, part in config_parts(config)
+               for key, value in part.items() if LAYER_KEY.search(key))
 
 
 def model_class(name: str) -> type:
@@ -131,14 +169,12 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
     cls = model_class(name)
     import torch
 
+    check_shard_index(directory)
+    tensors = stored_tensors(directory)
+    check_layer_count(directory, config, tensors)
     with torch.device("meta"):
         skeleton = build(name, {"config": config}, origin=str(directory / CONFIG_NAME))
-    check_shard_index(directory)
     check_model_size(directory, name, skeleton)
-    tensors = stored_tensors(directory)
-    if meta:  # nothing allocated, but the weights must fit as they must for a real load (inspect as convert)
-        check_loading_info(directory, name, meta_loading_info(skeleton, tensors))
-        return skeleton, name, config
     stored = stored_dtype(tensors)
     from transformers.utils import logging as hf_logging
 
@@ -148,8 +184,11 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
     try:
         # the weights as stored (check_as_stored proves it): dtype "auto" follows config.json, which would round them;
         # shapes that do not fit are reported by check_loading_info, naming the key
+        # meta: nothing allocated, but transformers' own key mapping and loading info, so that the weights must
+        # fit as for a real load (inspect as convert)
         model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True,
-                                          dtype=stored or "auto", ignore_mismatched_sizes=True)
+                                          dtype=stored or "auto", ignore_mismatched_sizes=True,
+                                          **({"device_map": "meta"} if meta else {}))
     except Exception as error:
         pickled = any(path.suffix == ".bin" for path in weights_files(directory))
         if pickled and (isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error)):
@@ -165,6 +204,8 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
         if bar:
             hf_logging.enable_progress_bar()
     check_loading_info(directory, name, info)
+    if meta:
+        return model.eval(), name, config
     check_as_stored(directory, model, tensors)
     own_memory(model)
     return model.eval(), name, model.config.to_dict()
@@ -287,6 +328,22 @@ def stored_tensors(directory: Path) -> "dict[str, torch.Tensor]":
     return tensors
 
 
+#: layers a config may ask for beyond one per stored tensor (a layer without weights of its own)
+SLACK_LAYERS = 16
+
+
+def check_layer_count(directory: Path, config: dict[str, Any], tensors: "dict[str, torch.Tensor]") -> None:
+    """Every layer of a real model stores at least one tensor: a config asking for more layers than its weights
+    files hold tensors (depths edited from [3, 4] to [20000, 1]) describes another model, and is refused before
+    it is built."""
+    layers = layer_count(config)
+    if layers > len(tensors) + SLACK_LAYERS:
+        raise CheckpointError(
+            f"{directory / CONFIG_NAME} asks for {layers:,} layers, more than its weights files hold tensors "
+            f"({len(tensors):,}): the config does not belong to these weights",
+            "save the model again with save_pretrained, or restore its config.json")
+
+
 def stored_dtype(tensors: "dict[str, torch.Tensor]") -> "torch.dtype | None":
     """The floating dtype most of the stored weights' elements have (None: no floating weight). config.json's
     dtype is not asked: an edited one would round every weight silently."""
@@ -304,21 +361,6 @@ def check_as_stored(directory: Path, model: "nn.Module", tensors: "dict[str, tor
 
     expected = model.state_dict()
     refuse_lossy_casts({key: value for key, value in tensors.items() if key in expected}, expected, directory)
-
-
-def meta_loading_info(skeleton: "nn.Module", tensors: "dict[str, torch.Tensor]") -> dict[str, list]:
-    """What from_pretrained's loading info would say of ``tensors`` in ``skeleton``, from names and shapes alone:
-    missing keys (a tied weight saved once is not missing), unexpected keys, and keys of another shape."""
-    expected = skeleton.state_dict(keep_vars=True)
-    owners: dict[int, list[str]] = {}
-    for key, tensor in expected.items():
-        owners.setdefault(id(tensor), []).append(key)
-    missing = [key for key, tensor in expected.items()
-               if not any(other in tensors for other in owners[id(tensor)])]
-    unexpected = [key for key in tensors if key not in expected]
-    mismatched = [key for key, tensor in tensors.items()
-                  if key in expected and tuple(tensor.shape) != tuple(expected[key].shape)]
-    return {"missing_keys": missing, "unexpected_keys": unexpected, "mismatched_keys": mismatched}
 
 
 def check_loading_info(directory: Path, name: str, info: dict[str, Any]) -> None:
