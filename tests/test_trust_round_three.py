@@ -381,3 +381,46 @@ def test_layers_are_bounded_before_the_model_is_built(resnet_dir, monkeypatch, d
     monkeypatch.setattr(transformers.ResNetForImageClassification, "__init__",
                         lambda *a, **k: pytest.fail("the model was built"))
     one_line_failure(run("inspect", resnet_dir), 4, phrase)
+
+
+# 7. a directory SOURCE is local files only: no network, whatever its config says
+
+@pytest.mark.parametrize("edit", ["hub-backbone", "pretrained-timm-backbone"])
+def test_a_config_cannot_make_bnsurgeon_contact_the_hub(tmp_path, monkeypatch, edit):
+    import socket
+
+    import huggingface_hub.constants
+
+    from test_transformers import detr_dir
+
+    directory = detr_dir.__wrapped__(tmp_path_factory=type("F", (), {"mktemp": lambda self, name: tmp_path})())
+    config = json.loads((directory / "config.json").read_text())
+    if edit == "hub-backbone":
+        config.update(backbone_config=None, use_timm_backbone=False, backbone="someone/some-backbone",
+                      use_pretrained_backbone=True)
+    else:
+        config["backbone_config"] = {"model_type": "timm_backbone", "backbone": "test_resnet", "features_only": True,
+                                     "use_pretrained_backbone": True, "out_indices": [4], "num_channels": 3}
+    (directory / "config.json").write_text(json.dumps(config))
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    result = run("inspect", directory)
+    assert attempts == []
+    assert "Traceback" not in result.output
+    assert result.exit_code in (0, 4, 6), result.output
+
+
+def test_a_recorded_config_with_integer_keys_is_bounded_without_error():
+    from bnsurgeon.loading.transformers_source import check_config, layer_count
+
+    config = tiny_resnet().config.to_dict()  # id2label has int keys in memory
+    config["architectures"] = ["ResNetForImageClassification"]
+    check_config(config, "the recorded config")
+    assert layer_count(config) == 2

@@ -13,10 +13,12 @@ recorded in bnsurgeon's output, so ``bnsurgeon.load(out)`` needs no arguments.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from bnsurgeon.core.errors import (CheckpointError, ConfirmationError, SourceNotFoundError, UnsafeCheckpointError,
                                    UsageError, WeightsMismatchError, first_line)
@@ -111,7 +113,7 @@ def config_parts(config: dict[str, Any], where: str = "", depth: int = 0) -> "li
     parts = [(where, config)]
     if depth < 8:
         for key, value in config.items():
-            if isinstance(value, dict):
+            if isinstance(value, dict) and key not in ("id2label", "label2id"):  # labels are no config
                 parts += config_parts(value, f"{where or ' in '}{'.' if where else ''}{key}", depth + 1)
     return parts
 
@@ -128,7 +130,7 @@ def layer_count(config: dict[str, Any]) -> int:
         return 0
 
     return sum(total(value) for _, part in config_parts(config)
-               for key, value in part.items() if LAYER_KEY.search(key))
+               for key, value in part.items() if isinstance(key, str) and LAYER_KEY.search(key))
 
 
 def model_class(name: str) -> type:
@@ -145,14 +147,46 @@ def model_class(name: str) -> type:
     return cls
 
 
+@contextmanager
+def hub_offline() -> Iterator[None]:
+    """No request to the model hub while a model is built or loaded, whatever its config names (a backbone repo,
+    pretrained backbone weights): huggingface_hub refuses every request in offline mode, read at each call."""
+    import huggingface_hub.constants as hub
+
+    saved, saved_env = hub.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE")
+    hub.HF_HUB_OFFLINE, os.environ["HF_HUB_OFFLINE"] = True, "1"
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = saved
+        if saved_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = saved_env
+
+
+def local_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with every ``use_pretrained_backbone`` false (at any depth): the weights come from the directory
+    or the file, so a pretrained backbone would only be downloaded to be overwritten."""
+    copy = {}
+    for key, value in config.items():
+        if key == "use_pretrained_backbone":
+            value = False
+        elif isinstance(value, dict):
+            value = local_config(value)
+        copy[key] = value
+    return copy
+
+
 def build(name: str, kwargs: dict[str, Any], origin: str | None = None) -> "nn.Module":
     """``name`` built from ``config`` (seeded or meta per the caller's device context): the one recorded in a
-    bnsurgeon file, or ``origin``, a directory's config.json."""
+    bnsurgeon file, or ``origin``, a directory's config.json. Local only (``hub_offline``, ``local_config``)."""
     cls = model_class(name)
     config = kwargs.get("config")
     check_config(config, origin or f"the recorded config of {name}")
     try:
-        return cls(cls.config_class.from_dict(dict(config))).eval()
+        with hub_offline():
+            return cls(cls.config_class.from_dict(local_config(config))).eval()
     except Exception as error:
         text = " ".join(str(error).split())[:300] or type(error).__name__
         if origin is not None:
@@ -186,9 +220,11 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
         # shapes that do not fit are reported by check_loading_info, naming the key
         # meta: nothing allocated, but transformers' own key mapping and loading info, so that the weights must
         # fit as for a real load (inspect as convert)
-        model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True,
-                                          dtype=stored or "auto", ignore_mismatched_sizes=True,
-                                          **({"device_map": "meta"} if meta else {}))
+        with hub_offline():
+            model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True,
+                                              dtype=stored or "auto", ignore_mismatched_sizes=True,
+                                              config=cls.config_class.from_dict(local_config(config)),
+                                              **({"device_map": "meta"} if meta else {}))
     except Exception as error:
         pickled = any(path.suffix == ".bin" for path in weights_files(directory))
         if pickled and (isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error)):
