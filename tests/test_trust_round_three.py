@@ -424,3 +424,28 @@ def test_a_recorded_config_with_integer_keys_is_bounded_without_error():
     config["architectures"] = ["ResNetForImageClassification"]
     check_config(config, "the recorded config")
     assert layer_count(config) == 2
+
+
+# 5. the Trainer callback syncs the model that trains, however it was added
+
+@pytest.mark.parametrize("how", ["add_callback", "model_init"])
+def test_the_trainer_callback_syncs_the_model_that_trains(tmp_path, how):
+    from transformers import Trainer, TrainingArguments
+
+    from _transformers_cases import Net, dataset
+    from bnsurgeon.integrations.transformers import BNSurgeonCallback
+    from bnsurgeon.runtime import SyncBatchNorm
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_strategy="no", seed=0,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    callback = BNSurgeonCallback()
+    if how == "add_callback":
+        trainer = Trainer(model=Net(), args=args, train_dataset=dataset())
+        trainer.add_callback(callback)
+    else:
+        trainer = Trainer(model_init=Net, args=args, train_dataset=dataset(), callbacks=[callback])
+    trainer.train()
+    kinds = {type(m) for m in trainer.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    assert kinds == {SyncBatchNorm}, kinds
+    assert callback.converted >= 1
