@@ -56,6 +56,7 @@ _API = {
     "NotEnoughDataError": ("bnsurgeon.core.errors", "NotEnoughDataError"),
     "NonFiniteActivationsError": ("bnsurgeon.core.errors", "NonFiniteActivationsError"),
     "NoBatchNormReachedError": ("bnsurgeon.core.errors", "NoBatchNormReachedError"),
+    "StatisticsOverflowError": ("bnsurgeon.core.errors", "StatisticsOverflowError"),
     "DistributedMismatchError": ("bnsurgeon.core.errors", "DistributedMismatchError"),
     "DistributedTimeoutError": ("bnsurgeon.core.errors", "DistributedTimeoutError"),
     "ReplicaFailedError": ("bnsurgeon.core.errors", "ReplicaFailedError"),

@@ -29,7 +29,7 @@ from bnsurgeon.core.errors import ConfirmationError, HookedModelError, NothingTo
 from bnsurgeon.surgery.inspection import Inspection, inspect_model
 from bnsurgeon.loading.rebuild import recipe
 from bnsurgeon.loading.recorded import read_recorded
-from bnsurgeon.loading.sources import load_source, looks_like_file, unwrap_data_parallel
+from bnsurgeon.loading.sources import load_source, looks_like_file, source_inputs, unwrap_data_parallel
 from bnsurgeon.loading.transformers_source import model_directory
 from bnsurgeon.surgery.walk import ConvertResult, class_map, convert
 from bnsurgeon.files.conversion import write_conversion, write_model_directory
@@ -213,7 +213,8 @@ def convert_source(
         raise UsageError("--verify needs the eval check", "drop --no-check")
     timeout = verify_timeout_s() if verify_world_sizes else None
     example_file = example_input if isinstance(example_input, (str, os.PathLike)) else None
-    inputs = [source] + ([(example_file, "the --example-input file")] if example_file is not None else [])
+    inputs = [source, *source_inputs(source)] + ([(example_file, "the --example-input file")]
+                                                 if example_file is not None else [])
     directory_output = output is not None and is_directory_output(output)
     if directory_output and to == "fused":
         raise UsageError("a fused model is not the class its config.json names, so it cannot be a model directory",
@@ -431,16 +432,16 @@ def recalibrate_source(
     """
     from bnsurgeon.calibration.recalibrate import recalibrate
     from bnsurgeon.files.recalibrated import check_output_format, recalibrated_writers, write_recalibrated
-    from bnsurgeon.loading.data import open_data
+    from bnsurgeon.loading.data import data_files, max_batch_bytes, open_data
 
     phase = progress or (lambda text: None)
     if batches is not None and batches < 1:
         raise UsageError(f"--batches must be at least 1 (got {batches})", "pass --batches 1 or more")
     if samples is not None and samples < 1:
         raise UsageError(f"--samples must be at least 1 (got {samples})", "pass --samples 1 or more")
+    max_batch_bytes()  # every variable recalibrate reads is checked before any work
     rank, world, device = _torchrun_rank()
-    data_path = Path(data)
-    inputs = [source] + ([(data_path, "the --data file")] if data_path.exists() else [])
+    inputs = [source, *source_inputs(source)] + [(file, "a --data file") for file in data_files(data)]
     out = check_output_path(output, inputs, force=force) if output is not None else None
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
@@ -449,6 +450,7 @@ def recalibrate_source(
     refuse_invalid_weights(loaded.model, loaded.description)
     if out is not None:
         check_output_format(out, loaded.checkpoint, loaded.weights_key)
+    own_buffers(loaded.model)  # the statistics change in place: never in the tensors the other entries hold
     if device is not None:  # torchrun on GPUs (NCCL): the model and its batches on this rank's device
         loaded.model.to(device)
     parameter = next((p for p in loaded.model.parameters() if p.is_floating_point()), None)
@@ -475,12 +477,32 @@ def recalibrate_source(
     return RecalibrateOutcome(report, loaded, out, report_paths(out), rank)
 
 
+def own_buffers(model: "nn.Module") -> None:
+    """Give every buffer memory of its own (buffers one tensor in the model stay one): a model loaded from a
+    checkpoint holds the file's tensors, which another entry of the file (the raw state_dict beside
+    state_dict_ema, the same dict saved under both names) may hold too, and those entries are written back
+    unchanged."""
+    copies: dict[int, Any] = {}
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = copies.setdefault(id(buffer), buffer.clone())
+
+
+#: no torchrun job has more processes
+MAX_RANKS = 1 << 20
+
+
 def _torchrun_rank():
     """(rank, world, device or None) under torchrun (the default process group initialised here),
     else (0, 1, None). The device is set only for a GPU rank (NCCL)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    from bnsurgeon.core.environment import whole_number
+
+    world = whole_number("WORLD_SIZE", 1, low=1, high=MAX_RANKS, unit="processes")
     if world <= 1:
         return 0, 1, None
+    whole_number("RANK", 0, low=0, high=world - 1)  # torchrun sets them; read again by init_distributed
+    whole_number("LOCAL_RANK", 0, low=0, high=world - 1)
     from bnsurgeon.runtime import init_distributed
 
     info = init_distributed()

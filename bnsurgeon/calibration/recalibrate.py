@@ -37,6 +37,7 @@ from bnsurgeon.core.errors import (
     NothingToConvertError,
     UsageError,
     first_line,
+    statistics_overflow,
 )
 from bnsurgeon.core.layout import counted
 from bnsurgeon.surgery.walk import plan
@@ -575,6 +576,13 @@ def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
         raise NonFiniteActivationsError(
             f"the input of {path} held NaN or Inf during recalibration"
             + (f" (and {counted(others, 'module')} after it)" if others else "") + ": its statistics would be meaningless")
+    for item, (_, _, moments) in zip(tracked, merged):  # Inf in a buffer is no statistic: refused, naming it
+        if moments.count:
+            buffers = item.module._buffers
+            overflow = statistics_overflow(item.path, {"running_mean": moments.mean.cpu()}, buffers["running_mean"].dtype) \
+                or statistics_overflow(item.path, {"running_var": moments.unbiased_var.cpu()}, buffers["running_var"].dtype)
+            if overflow is not None:
+                raise overflow
     if not any(moments.count for _, _, moments in merged):
         raise NoBatchNormReachedError(
             f"the forward over {_batches(report.batches)} never called any of the model's "

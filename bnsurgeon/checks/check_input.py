@@ -235,7 +235,8 @@ def load_example_input(path: "str | Path") -> CheckInput:
     import torch
 
     from bnsurgeon.core.errors import first_line
-    from bnsurgeon.files.reading import UNSUPPORTED_GLOBAL, unpickler_refusal, unsupported_global
+    from bnsurgeon.core.errors import CheckpointError
+    from bnsurgeon.files.reading import UNSUPPORTED_GLOBAL, refuse_compressed_records, unpickler_refusal, unsupported_global
 
     path = Path(path)
     flag = f"--example-input {path}"
@@ -254,6 +255,10 @@ def load_example_input(path: "str | Path") -> CheckInput:
         raise UsageError(f"{flag} is a .safetensors file; example inputs are read from torch.save files",
                          "python -c \"import torch; from safetensors.torch import load_file; "
                          f"torch.save(load_file('{path}'), 'x.pt')\" and pass x.pt")
+    try:  # the bounds every file bnsurgeon reads goes through: a deflated pickle record would inflate in memory
+        refuse_compressed_records(path, flag)
+    except CheckpointError as error:
+        raise UsageError(error.message, error.hint) from None
     try:
         with warnings.catch_warnings():  # torch's notes on pickle protocols and sparse checks: not the user's line
             warnings.simplefilter("ignore")

@@ -299,15 +299,17 @@ def batch_progress(out: Console, enabled: bool = True):
 
         def update(batches: int, samples: int) -> None:
             rate = samples / max(time.perf_counter() - started, 1e-9)
-            progress.update(task, description=f"recalibrating: {batches} batches, {samples} samples, {rate:,.0f} samples/s")
+            progress.update(task, description=f"recalibrating: {counted(batches, 'batch')}, "
+                                                       f"{counted(samples, 'sample')}, {rate:,.0f} samples/s")
 
         yield update
 
 
 def render_recalibration(report, out: Console, *, verbose: bool = False) -> None:
     """The pass in one line, then each module's change (the largest few without -v)."""
-    say(out, f"recalibrated {len(report.modules)} BN modules of {report.source} on {report.samples} samples "
-             f"({report.batches} batches, {report.ranks} rank{'s' if report.ranks != 1 else ''}, "
+    say(out, f"recalibrated {counted(len(report.modules), 'BN module')} of {report.source} on "
+             f"{counted(report.samples, 'sample')} "
+             f"({counted(report.batches, 'batch')}, {counted(report.ranks, 'rank')}, "
              f"{report.seconds:.1f} s)", indent="")
     if report.data:
         say(out, f"data: {report.data.get('description', '')}, sha256 {report.data.get('sha256', '')}")

@@ -7,6 +7,7 @@ the user how to fix the problem. Library code raises; only ``cli.py`` exits.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 #: hints are written for the command line; from Python each flag reads as its keyword argument
 FLAG_KEYWORDS = {
@@ -282,6 +283,27 @@ class NonFiniteActivationsError(BnSurgeonError):
     exit_code = 14
     default_hint = ("nothing was written; check the data (normalised? NaN pixels?) and the weights feeding the "
                     "module named here")
+
+
+class StatisticsOverflowError(NonFiniteActivationsError):
+    """Recalibrated statistics larger than the dtype that must store them can hold: they would be written as Inf."""
+
+    default_hint = ("nothing was written; pass the data normalised as the model expects (pixels scaled, mean and std "
+                    "applied), or recalibrate a copy of the model in a wider dtype (float32)")
+
+
+def statistics_overflow(path: str, values: "dict[str, Any]", dtype: Any) -> "StatisticsOverflowError | None":
+    """The error for the first of ``values`` (buffer name -> float64 tensor) that ``dtype`` turns into Inf, or None."""
+    import torch
+
+    for name, value in values.items():
+        if bool(torch.isfinite(value).all()) and not bool(torch.isfinite(value.to(dtype)).all()):
+            largest = float(value.abs().max())
+            kind = str(dtype).replace("torch.", "")
+            return StatisticsOverflowError(
+                f"the recalibrated {name} of {path} reaches {largest:.3g}, more than {kind} holds "
+                f"({torch.finfo(dtype).max:.3g}): it would be written as Inf")
+    return None
 
 
 class NoBatchNormReachedError(BnSurgeonError):

@@ -85,8 +85,10 @@ def describe_kwargs(kwargs: dict) -> str:
 
 
 def counted(number: int, noun: str) -> str:
-    """``1 tensor``, ``2 tensors``: a count with its noun in the right number."""
-    return f"{number} {noun}{'' if number == 1 else 's'}"
+    """``1 tensor``, ``2 tensors``, ``10 batches``: a count with its noun in the right number."""
+    if number == 1:
+        return f"{number} {noun}"
+    return f"{number} {noun}{'es' if noun.endswith(('s', 'x', 'z', 'ch', 'sh')) else 's'}"
 
 
 def shorten(text: str, width: int) -> str:

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from bnsurgeon.core.errors import UsageError
+from bnsurgeon.core.errors import UsageError, statistics_overflow
 from bnsurgeon.files.reading import PREFIX, RawCheckpoint, state_dict_candidates
 from bnsurgeon.files.safewrite import write_files
 from bnsurgeon.files.writing import report_paths
@@ -42,6 +42,8 @@ def new_statistics(model: "nn.Module", paths: list[str]) -> dict[str, "torch.Ten
 
 def _replaced(state: dict, new: dict[str, "torch.Tensor"], prefix: str, aliases: dict[str, str]) -> dict:
     """A copy of ``state`` (same tensors) with the new statistics in place, each in the file's dtype."""
+    import torch
+
     result = dict(state)
     for key, value in new.items():
         stored = prefix + key
@@ -54,6 +56,11 @@ def _replaced(state: dict, new: dict[str, "torch.Tensor"], prefix: str, aliases:
         if tuple(old.shape) != tuple(value.shape):
             raise UsageError(f"the recalibrated buffer {key} has shape {tuple(value.shape)}, the file's "
                              f"{tuple(old.shape)}", "recalibrate the file the model was loaded from")
+        if old.is_floating_point():  # the file's dtype may be narrower than the model's: Inf there is no statistic
+            module, _, name = key.rpartition(".")
+            overflow = statistics_overflow(module, {name: value.to(torch.float64)}, old.dtype)
+            if overflow is not None:
+                raise overflow
         result[stored] = value.to(dtype=old.dtype).clone()
     return result
 

@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
 DEFAULT_BATCH_SIZE = 32
-#: the most one batch may hold; a file could otherwise declare (or an image folder build) any size
-MAX_BATCH_BYTES = int(os.environ.get("BNSURGEON_MAX_BATCH_BYTES", str(2 * 2**30)))
+#: the most one batch may hold unless BNSURGEON_MAX_BATCH_BYTES says otherwise; a file could otherwise declare
+#: (or an image folder build) any size
+MAX_BATCH_BYTES = 2 * 2**30
+BATCH_BYTES_VARIABLE = "BNSURGEON_MAX_BATCH_BYTES"
 MAX_FILES = 100_000
 
 
@@ -76,6 +78,7 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
     """DATA as this rank's batches (see the module doc). Nothing is read until it is iterated."""
     from bnsurgeon.core.user_code import FACTORY_PATTERN
 
+    max_batch_bytes()  # a bad value is refused before anything is read
     if batch_size is not None and batch_size < 1:
         raise DataError(f"--batch-size must be at least 1 (got {batch_size})", "pass --batch-size 32, for example")
     path = Path(spec)
@@ -91,6 +94,7 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
             stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder")
             batches = _image_batches(images, model, batch_size or DEFAULT_BATCH_SIZE)
     elif path.exists():
+        _regular_file(path)
         if path.suffix not in TENSOR_SUFFIXES and not path.name.endswith(".pth.tar"):
             raise DataError(f"--data {path} is not a tensor file ({', '.join(TENSOR_SUFFIXES)}) or a folder")
         stream = DataStream(str(path), "tensor-file")
@@ -106,19 +110,45 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
     return stream
 
 
+def max_batch_bytes() -> int:
+    """The most one batch may hold: BNSURGEON_MAX_BATCH_BYTES, validated (exit 2 naming it), else MAX_BATCH_BYTES."""
+    from bnsurgeon.core.environment import whole_number
+
+    return whole_number(BATCH_BYTES_VARIABLE, MAX_BATCH_BYTES, low=1, high=2**62, unit="bytes")
+
+
+def data_files(spec: str) -> list[Path]:
+    """The files DATA names (the file, or those of the folder it reads): inputs, which no output may replace."""
+    path = Path(spec)
+    try:
+        if path.is_dir():
+            return _listed(path, TENSOR_SUFFIXES) or _listed(path, IMAGE_SUFFIXES)
+        return [path] if os.path.lexists(path) else []
+    except OSError:  # open_data says what is wrong with it
+        return []
+
+
 def _listed(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     found = []
     for root, dirs, names in os.walk(folder):
         dirs.sort()
         for name in sorted(names):
             if name.lower().endswith(suffixes) and not name.startswith("."):
-                found.append(Path(root) / name)
+                found.append(_regular_file(Path(root) / name))
                 if len(found) > MAX_FILES:
                     raise DataError(f"--data {folder} holds more than {MAX_FILES:,} files",
                                     "pass a folder with fewer files, or --data pkg.mod:function")
         if suffixes == TENSOR_SUFFIXES:  # tensor files: the folder itself only
             break
     return found
+
+
+def _regular_file(path: Path) -> Path:
+    """``path``, refused unless a regular file: a named pipe would block the read forever, a device never end."""
+    if not path.is_file():
+        raise DataError(f"--data file {path} is not a regular file (a pipe, socket or device)",
+                        "save the batches to a file (torch.save) and pass that file, or a folder of such files")
+    return path
 
 
 def _shard(stream: DataStream, batches: Iterable[Any], max_batches, max_samples, rank, world, dtype, device):
@@ -225,9 +255,10 @@ def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
     if tensor.dim() < 2:
         raise DataError(f"{origin} has shape {tuple(tensor.shape)}; a batch has a batch dimension and at least one more",
                         "save batches shaped (N, C, H, W)")
-    if tensor.numel() * tensor.element_size() > MAX_BATCH_BYTES:
+    limit = max_batch_bytes()
+    if tensor.numel() * tensor.element_size() > limit:
         raise DataError(f"{origin} is a batch of {_size(tensor.numel() * tensor.element_size())}, more than "
-                        f"{_size(MAX_BATCH_BYTES)} (BNSURGEON_MAX_BATCH_BYTES)",
+                        f"{_size(limit)} ({BATCH_BYTES_VARIABLE})",
                         "pass --batch-size to cut it, or save smaller batches")
     return tensor
 

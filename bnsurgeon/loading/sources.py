@@ -7,6 +7,7 @@ picks which one a SOURCE needs.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from bnsurgeon.files.reading import (
 from bnsurgeon.core.errors import FLAG_KEYWORDS, CheckpointError, UsageError
 from bnsurgeon.loading.rebuild import rebuild_from_checkpoint
 from bnsurgeon.loading.recorded import MAX_NAME_CHARS, read_recorded
-from bnsurgeon.loading.transformers_source import bnsurgeon_weights_of, is_bnsurgeon_file, load_directory, model_directory
+from bnsurgeon.loading.transformers_source import (bnsurgeon_weights_of, directory_inputs, is_bnsurgeon_file,
+                                                   load_directory, model_directory)
 from bnsurgeon.loading.trust import TIMM_NAME_PATTERN, confirm_architecture, is_plain_literal, python_args_hint, size_arg_problem
 from bnsurgeon.files.weights import check_fit, materialize
 
@@ -35,6 +37,23 @@ TRAINING_ARG_NAMES = ("num_classes", "in_chans", "global_pool")
 def looks_like_file(source: str) -> bool:
     path = Path(source)
     return path.exists() or path.is_symlink() or path.suffix in SAFETENSORS_SUFFIXES + TORCH_SUFFIXES or "/" in source
+
+
+def source_inputs(source: "str | os.PathLike", label: str = "SOURCE") -> list[tuple[Path, str]]:
+    """Every file reading SOURCE may open, each with its label for messages: the file itself, and for a file
+    of a model directory (or the directory) every file of the model (config.json, weights, shards, index).
+    An output may be none of them, ``--force`` or not."""
+    path = Path(source)
+    if not looks_like_file(str(source)):
+        return []
+    files = [] if path.is_dir() else [path]
+    try:
+        directory = model_directory(path)
+    except OSError:  # a name the filesystem refuses: reading it fails with its own message
+        directory = None
+    if directory is not None:
+        files += directory_inputs(directory)
+    return [(file, f"a file {label} {path} reads") for file in dict.fromkeys(files)]
 
 
 def load_source(

@@ -13,10 +13,12 @@ recorded in bnsurgeon's output, so ``bnsurgeon.load(out)`` needs no arguments.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from bnsurgeon.core.errors import (CheckpointError, ConfirmationError, SourceNotFoundError, UnsafeCheckpointError,
                                    UsageError, WeightsMismatchError, first_line)
@@ -84,13 +86,51 @@ def check_config(config: Any, origin: str) -> None:
     if not CLASS_PATTERN.match(classes[0]):
         raise CheckpointError(f"{origin} names the class {shown(classes[0], 80)}, not a transformers model class",
                               "pass a factory that builds the model")
-    labels = config.get("num_labels", 0)
-    if isinstance(labels, bool) or not isinstance(labels, int) or not 0 <= labels <= MAX_LABELS or any(
-            len(config.get(key) or ()) > MAX_LABELS for key in ("id2label", "label2id")
-            if isinstance(config.get(key), (dict, list))):
-        raise CheckpointError(f"{origin} asks for {shown(labels, 40)} labels (at most {MAX_LABELS:,}): the config "
-                              "builds a Python object per label before any weight is read",
+    for where, part in config_parts(config):  # a backbone_config, text_config, ... builds its own labels too
+        labels = part.get("num_labels", 0)
+        if isinstance(labels, bool) or not isinstance(labels, int) or not 0 <= labels <= MAX_LABELS or any(
+                len(part.get(key) or ()) > MAX_LABELS for key in ("id2label", "label2id")
+                if isinstance(part.get(key), (dict, list))):
+            raise CheckpointError(f"{origin} asks for {shown(labels, 40)} labels{where} (at most {MAX_LABELS:,}): "
+                                  "the config builds a Python object per label before any weight is read",
+                                  "save the model again with save_pretrained, or restore its config.json")
+    layers = layer_count(config)
+    if layers > MAX_LAYERS:
+        raise CheckpointError(f"{origin} asks for {layers:,} layers in all (at most {MAX_LAYERS:,}): the config "
+                              "builds every one before any weight is read",
                               "save the model again with save_pretrained, or restore its config.json")
+
+
+#: no model's config asks for more layers (depths, num_hidden_layers, ... summed over every sub-config): the
+#: deepest have a few hundred, and each is built (Python objects, meta tensors) before any weight is read
+MAX_LAYERS = 2_000
+#: config keys that count layers or blocks (``depths``, ``num_hidden_layers``, ``encoder_layers``, ...)
+LAYER_KEY = re.compile(r"(depth|layers|blocks|repeats)", re.IGNORECASE)
+
+
+def config_parts(config: dict[str, Any], where: str = "", depth: int = 0) -> "list[tuple[str, dict[str, Any]]]":
+    """The config and every config nested in it (``backbone_config``, ...), each with where it is (`` in x.y``)."""
+    parts = [(where, config)]
+    if depth < 8:
+        for key, value in config.items():
+            if isinstance(value, dict) and key not in ("id2label", "label2id"):  # labels are no config
+                parts += config_parts(value, f"{where or ' in '}{'.' if where else ''}{key}", depth + 1)
+    return parts
+
+
+def layer_count(config: dict[str, Any]) -> int:
+    """The layers a config asks for: every whole number under a layer-counting key, in it and its sub-configs."""
+    def total(value: Any, depth: int = 0) -> int:
+        if isinstance(value, bool):
+            return 0
+        if isinstance(value, int):
+            return max(value, 0)
+        if isinstance(value, (list, tuple)) and depth < 4:
+            return sum(total(item, depth + 1) for item in value)
+        return 0
+
+    return sum(total(value) for _, part in config_parts(config)
+               for key, value in part.items() if isinstance(key, str) and LAYER_KEY.search(key))
 
 
 def model_class(name: str) -> type:
@@ -107,14 +147,46 @@ def model_class(name: str) -> type:
     return cls
 
 
+@contextmanager
+def hub_offline() -> Iterator[None]:
+    """No request to the model hub while a model is built or loaded, whatever its config names (a backbone repo,
+    pretrained backbone weights): huggingface_hub refuses every request in offline mode, read at each call."""
+    import huggingface_hub.constants as hub
+
+    saved, saved_env = hub.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE")
+    hub.HF_HUB_OFFLINE, os.environ["HF_HUB_OFFLINE"] = True, "1"
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = saved
+        if saved_env is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = saved_env
+
+
+def local_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with every ``use_pretrained_backbone`` false (at any depth): the weights come from the directory
+    or the file, so a pretrained backbone would only be downloaded to be overwritten."""
+    copy = {}
+    for key, value in config.items():
+        if key == "use_pretrained_backbone":
+            value = False
+        elif isinstance(value, dict):
+            value = local_config(value)
+        copy[key] = value
+    return copy
+
+
 def build(name: str, kwargs: dict[str, Any], origin: str | None = None) -> "nn.Module":
     """``name`` built from ``config`` (seeded or meta per the caller's device context): the one recorded in a
-    bnsurgeon file, or ``origin``, a directory's config.json."""
+    bnsurgeon file, or ``origin``, a directory's config.json. Local only (``hub_offline``, ``local_config``)."""
     cls = model_class(name)
     config = kwargs.get("config")
     check_config(config, origin or f"the recorded config of {name}")
     try:
-        return cls(cls.config_class.from_dict(dict(config))).eval()
+        with hub_offline():
+            return cls(cls.config_class.from_dict(local_config(config))).eval()
     except Exception as error:
         text = " ".join(str(error).split())[:300] or type(error).__name__
         if origin is not None:
@@ -131,25 +203,31 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
     cls = model_class(name)
     import torch
 
+    check_shard_index(directory)
+    tensors = stored_tensors(directory)
+    check_layer_count(directory, config, tensors)
     with torch.device("meta"):
         skeleton = build(name, {"config": config}, origin=str(directory / CONFIG_NAME))
-    if meta:
-        return skeleton, name, config
-    check_shard_index(directory)
     check_model_size(directory, name, skeleton)
-    stored = stored_dtype(directory)
+    stored = stored_dtype(tensors)
     from transformers.utils import logging as hf_logging
 
     bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()  # bnsurgeon's output is its own lines; the caller's settings come back
     hf_logging.set_verbosity_error()  # its load report: check_loading_info says what matters, in one line
     try:
-        # the weights as stored: dtype "auto" follows config.json, and an edited one would round them silently;
+        # the weights as stored (check_as_stored proves it): dtype "auto" follows config.json, which would round them;
         # shapes that do not fit are reported by check_loading_info, naming the key
-        model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True,
-                                          dtype=stored or "auto", ignore_mismatched_sizes=True)
+        # meta: nothing allocated, but transformers' own key mapping and loading info, so that the weights must
+        # fit as for a real load (inspect as convert)
+        with hub_offline():
+            model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True,
+                                              dtype=stored or "auto", ignore_mismatched_sizes=True,
+                                              config=cls.config_class.from_dict(local_config(config)),
+                                              **({"device_map": "meta"} if meta else {}))
     except Exception as error:
-        if isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error):
+        pickled = any(path.suffix == ".bin" for path in weights_files(directory))
+        if pickled and (isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error)):
             raise UnsafeCheckpointError(
                 f"{directory}: its weights file is a pickle that would run code when loaded "
                 f"(torch refused it with weights_only=True)",
@@ -162,6 +240,9 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
         if bar:
             hf_logging.enable_progress_bar()
     check_loading_info(directory, name, info)
+    if meta:
+        return model.eval(), name, config
+    check_as_stored(directory, model, tensors)
     own_memory(model)
     return model.eval(), name, model.config.to_dict()
 
@@ -186,6 +267,26 @@ def weights_files(directory: Path) -> list[Path]:
     """The files save_pretrained writes for the weights (single, shards, their indexes), sorted."""
     return sorted(path for path in directory.iterdir()
                   if path.is_file() and (path.name in WEIGHTS_NAMES or SHARD_PATTERN.match(path.name)))
+
+
+def directory_inputs(directory: Path) -> list[Path]:
+    """Every file a model directory SOURCE may read: config.json, the weights files, and each file a shard index
+    names (none of them may be an output, ``--force`` or not)."""
+    files = [directory / CONFIG_NAME, *weights_files(directory)]
+    for index in (path for path in list(files) if path.name.endswith(".index.json")):
+        files += [directory / name for name in index_file_names(index) if Path(name).name == name]
+    return list(dict.fromkeys(files))
+
+
+def index_file_names(index: Path) -> list[str]:
+    """The file names a shard index maps tensors to ([] where it is no readable index: check_shard_index says so)."""
+    try:
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            return []
+        files = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError, AttributeError):
+        return []
+    return sorted({name for name in files.values() if isinstance(name, str)}) if isinstance(files, dict) else []
 
 
 #: the fewest bytes an element can take in a weights file (4-bit quantized); more elements than this allows is
@@ -230,33 +331,72 @@ def check_shard_index(directory: Path) -> None:
                 else:
                     outside = next((f for f in files.values() if Path(f).name != f or f in ("", ".", "..")
                                     or not (directory / f).is_file()), None)
+                    suffix = ".safetensors" if name.startswith("model.") else ".bin"
+                    other = next((f for f in files.values() if not f.endswith(suffix)), None)
                     if outside is not None:
                         problem = f"names {shown(outside, 80)}, which is not a file of the directory"
+                    elif other is not None:  # config.json, the index itself: not weights, whatever they hold
+                        problem = f"names {shown(other, 80)}, which is not a {suffix} weights file"
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
             problem = f"is not valid JSON ({type(error).__name__})"
         if problem:
             raise CheckpointError(f"{path} {problem}", "save the model again with save_pretrained")
 
 
-def stored_dtype(directory: Path) -> "torch.dtype | None":
-    """The one floating dtype of the directory's safetensors weights (read from their headers), or None where
-    they hold several, or are not safetensors."""
-    from safetensors import safe_open
-
-    files = [path for path in weights_files(directory) if path.suffix == ".safetensors"]
-    dtypes = set()
-    try:
-        for path in files:
-            with safe_open(str(path), "pt") as handle:
-                dtypes.update(handle.get_slice(key).get_dtype() for key in handle.keys())
-    except Exception:  # transformers reads the file next and says what is wrong with it
-        return None
-    floating = {name for name in dtypes if name.startswith(("F", "BF"))}
-    if len(floating) != 1:
-        return None
+def stored_tensors(directory: Path) -> "dict[str, torch.Tensor]":
+    """The directory's weights as stored, memory-mapped (nothing copied), read as bnsurgeon reads any checkpoint:
+    no code runs, and the file bounds apply, before transformers reads them."""
     import torch
 
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(floating.pop())
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weights_files(directory):
+        if path.name.endswith(".index.json"):
+            continue
+        try:
+            obj = read_checkpoint(path, mmap=True).obj
+        except UnsafeCheckpointError:
+            raise UnsafeCheckpointError(
+                f"{path}: this weights file is a pickle that would run code when loaded",
+                "ask for the model saved with save_pretrained (model.safetensors); bnsurgeon never runs code "
+                "from a model directory") from None
+        if isinstance(obj, dict):
+            tensors.update((key, value) for key, value in obj.items() if isinstance(value, torch.Tensor))
+    return tensors
+
+
+#: layers a config may ask for beyond one per stored tensor (a layer without weights of its own)
+SLACK_LAYERS = 16
+
+
+def check_layer_count(directory: Path, config: dict[str, Any], tensors: "dict[str, torch.Tensor]") -> None:
+    """Every layer of a real model stores at least one tensor: a config asking for more layers than its weights
+    files hold tensors (depths edited from [3, 4] to [20000, 1]) describes another model, and is refused before
+    it is built."""
+    layers = layer_count(config)
+    if layers > len(tensors) + SLACK_LAYERS:
+        raise CheckpointError(
+            f"{directory / CONFIG_NAME} asks for {layers:,} layers, more than its weights files hold tensors "
+            f"({len(tensors):,}): the config does not belong to these weights",
+            "save the model again with save_pretrained, or restore its config.json")
+
+
+def stored_dtype(tensors: "dict[str, torch.Tensor]") -> "torch.dtype | None":
+    """The floating dtype most of the stored weights' elements have (None: no floating weight). config.json's
+    dtype is not asked: an edited one would round every weight silently."""
+    counts: dict = {}
+    for tensor in tensors.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
+def check_as_stored(directory: Path, model: "nn.Module", tensors: "dict[str, torch.Tensor]") -> None:
+    """Every stored weight is in the model with its value: one whose dtype differs from the model's (a float64
+    tensor among float32 weights) must survive the cast exactly, or the directory is refused, naming it."""
+    from bnsurgeon.files.weights import refuse_lossy_casts
+
+    expected = model.state_dict()
+    refuse_lossy_casts({key: value for key, value in tensors.items() if key in expected}, expected, directory)
 
 
 def check_loading_info(directory: Path, name: str, info: dict[str, Any]) -> None:
