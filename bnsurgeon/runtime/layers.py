@@ -222,6 +222,11 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
+        if not self.training:  # eval: torch's BN call, with nothing else on the way (host time is the cost)
+            stats_missing = self.running_mean is None and self.running_var is None
+            momentum = 0.0 if self.momentum is None else self.momentum
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, stats_missing,
+                                momentum, self.eps)
         counts = True
         if not torch.jit.is_scripting():
             if self.training and self._is_replica:
