@@ -150,7 +150,7 @@ def fit_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: i
 
 def format_row(cells: Sequence[str], widths: Sequence[int], aligns: Sequence[str]) -> str:
     parts = []
-    for text, cell_width, align in zip(cells, widths, aligns):
+    for text, cell_width, align in zip(cells, widths, aligns, strict=True):
         text = shorten(str(text), cell_width)
         parts.append(text.rjust(cell_width) if align == "right" else text.ljust(cell_width))
     return (INDENT + GAP.join(parts)).rstrip()

@@ -74,7 +74,7 @@ def parameters_unchanged(result: ConvertResult) -> bool:
     source = list(result.source.named_parameters())
     converted = list(result.model.named_parameters())
     return len(source) == len(converted) and all(
-        name_a == name_b and param_a is param_b for (name_a, param_a), (name_b, param_b) in zip(source, converted))
+        name_a == name_b and param_a is param_b for (name_a, param_a), (name_b, param_b) in zip(source, converted, strict=True))
 
 
 def _describe(value: Any) -> str:

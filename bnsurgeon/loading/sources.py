@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
 
 from bnsurgeon.loading.architecture import Architecture, LoadedSource, parse_architecture, own_input_shape
 from bnsurgeon.files.reading import (

@@ -173,7 +173,7 @@ def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str
     hooked = {id(m) for m in model.modules() if hook_kinds(m, FORWARD_HOOKS + BACKWARD_HOOKS)}  # the user's, not ours
     #: modules whose hooks see what they return (forward hooks, and backward hooks: the gradient at the output)
     sees_output = {id(m) for m in model.modules() if hook_kinds(m, ("_forward_hooks",) + BACKWARD_HOOKS)}
-    for path, module in model.named_modules():
+    for module in model.modules():
         if type(module) in producers:
             for tensor in module._parameters.values():
                 if tensor is not None:
@@ -391,7 +391,7 @@ def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = Tr
                     else f"hooks on the check input (not traceable by torch.fx: {fx_error})")
     modules = dict(model.named_modules())
     global_hooks = global_hook_reason()
-    for module_id, path in bn_modules.items():
+    for path in bn_modules.values():
         module = modules[path] if path != "<root>" else model
         producer_path, reason = (None, None)
         if fx_result is not None:

@@ -368,7 +368,7 @@ def _relinked(value: Any, moved: dict[int, "nn.Module"], depth: int = 0) -> Any:
         items = {key: _relinked(item, moved, depth + 1) for key, item in value.items()}
         return items if any(items[key] is not value[key] for key in value) else value
     items = [_relinked(item, moved, depth + 1) for item in value]
-    return type(value)(items) if any(new is not old for new, old in zip(items, value)) else value
+    return type(value)(items) if any(new is not old for new, old in zip(items, value, strict=True)) else value
 
 
 def name_sync_layers(model: "nn.Module") -> int:
