@@ -32,7 +32,7 @@ def install() -> bool:
             return original(self, module)
         return None
 
-    passing_sync_batchnorm_handle._bnsurgeon_wrapped = True
-    passing_sync_batchnorm_handle.__wrapped__ = original
-    DistributedDataParallel._passing_sync_batchnorm_handle = passing_sync_batchnorm_handle
+    setattr(passing_sync_batchnorm_handle, "_bnsurgeon_wrapped", True)  # noqa: B010  (a function attribute)
+    setattr(passing_sync_batchnorm_handle, "__wrapped__", original)  # noqa: B010
+    setattr(DistributedDataParallel, "_passing_sync_batchnorm_handle", passing_sync_batchnorm_handle)  # noqa: B010
     return True

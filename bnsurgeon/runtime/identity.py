@@ -99,7 +99,7 @@ class LayerIdentity:
         return {"name": self.name}
 
     def __setstate__(self, state) -> None:
-        self.__init__(state["name"])
+        LayerIdentity.__init__(self, state["name"])
 
     def __deepcopy__(self, memo):
         return LayerIdentity(self.name)

@@ -216,7 +216,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         """
         return self._normalize(x)
 
-    def _replicate_for_data_parallel(self) -> "SyncBatchNorm":
+    def _replicate_for_data_parallel(self) -> nn.Module:
         """nn.DataParallel's copy of this layer, enrolled with the other copies of this forward (replicas.py)."""
         return replicas.enrol(self, super()._replicate_for_data_parallel(), self.layer_name)
 

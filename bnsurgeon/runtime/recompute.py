@@ -57,10 +57,10 @@ class GlobalStats:
     """What a synchronized forward learned: enough to normalize and to run the backward."""
 
     mean: torch.Tensor
-    var: torch.Tensor
+    var: Optional[torch.Tensor]  # None on the CUDA path, whose kernels need only invstd
     invstd: torch.Tensor
-    total: Any  # int on the host (CPU), else a (1,) tensor
-    header: torch.Tensor
+    total: Any  # int on the host (CPU), else a (1,) tensor (the CUDA path: per-rank int32 counts)
+    header: Optional[torch.Tensor]  # the forward row's header (None on the CUDA path: its backward sends none)
     fingerprint: Optional[torch.Tensor] = None
 
 
@@ -88,13 +88,16 @@ class StatsStash:
             return None
         if on_host:
             for entry in self._entries:
-                if entry.fingerprint.shape == fingerprint.shape and torch.equal(entry.fingerprint, fingerprint):
+                stashed = entry.fingerprint
+                if stashed is not None and stashed.shape == fingerprint.shape and torch.equal(stashed, fingerprint):
                     self._entries.remove(entry)
                     return entry
             return None
         entry = self._entries.popleft()
+        if entry.fingerprint is None:  # stashed without one: it cannot be told apart, so it is not taken
+            return None
         torch._assert_async(
-            (entry.fingerprint == fingerprint).all(),
+            torch.eq(entry.fingerprint, fingerprint).all(),
             f"bnsurgeon: the recomputed forward of sync layer '{name}' (activation checkpointing) does not "
             "replay its oldest pending forward; checkpoint segments that call one layer several times "
             "out of order are not recognised on devices",

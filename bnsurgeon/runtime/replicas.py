@@ -40,8 +40,9 @@ import sys
 import threading
 import time
 import weakref
+from types import FrameType
 from collections import deque
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,9 @@ from bnsurgeon.runtime.kernels import GenericKernels
 from bnsurgeon.runtime.recompute import may_be_recomputed, recomputing
 from bnsurgeon.runtime.sync_function import merge_stats, update_running_stats
 from bnsurgeon.runtime.timeout import collective_timeout
+
+if TYPE_CHECKING:
+    from bnsurgeon.runtime.layers import SyncBatchNorm
 
 #: the replica's attribute holding its ``ReplicaSlot`` (set on the copy only, never on the original)
 SLOT_ATTRIBUTE = "_bnsurgeon_replica"
@@ -124,17 +128,19 @@ class ReplicaGroup:
                 if self.size is None:
                     self.size = self.enrolled
             self._raise_if_failed(index)
+            size = self.size
+            assert size is not None  # set when the group closed, just above
             meeting = self._meetings.get(key)
             if meeting is None:
-                meeting = self._meetings[key] = _Meeting(self.size)
+                meeting = self._meetings[key] = _Meeting(size)
             if meeting.rows[index] is not None:
                 raise UsageError(f"DataParallel replica {index} of sync batch norm '{self.name}' ran {what} twice",
                                  "call each replica once per forward, as nn.DataParallel does")
             meeting.rows[index] = row
             meeting.arrived += 1
-            if meeting.arrived == self.size:
+            if meeting.arrived == size:
                 self._condition.notify_all()
-            while meeting.arrived < self.size and self._failure is None:
+            while meeting.arrived < size and self._failure is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     missing = [i for i, r in enumerate(meeting.rows) if r is None]
@@ -146,7 +152,7 @@ class ReplicaGroup:
                     self._condition.notify_all()
                     break
                 self._condition.wait(remaining)
-            if meeting.arrived < self.size:
+            if meeting.arrived < size:
                 self._raise_if_failed(index)
             rows = list(meeting.rows)
             meeting.read += 1
@@ -198,7 +204,7 @@ _forming_lock = threading.Lock()
 
 def _replicate_position() -> Optional[tuple[int, int]]:
     """(j, num_replicas) of torch's ``replicate`` loop that is making this copy, or None."""
-    frame = sys._getframe(1)
+    frame: "FrameType | None" = sys._getframe(1)
     for _ in range(6):
         if frame is None:
             return None
@@ -242,7 +248,7 @@ def _refuse_inside_distributed_job(module: nn.Module, name: str) -> None:
 
 
 @_outside_compile
-def normalize_replica(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def normalize_replica(module: "SyncBatchNorm", x: torch.Tensor) -> torch.Tensor:
     """Train-mode forward of a DataParallel replica of a sync layer: statistics of the whole batch."""
     name = module.layer_name
     slot = module.__dict__.get(SLOT_ATTRIBUTE)
@@ -307,9 +313,10 @@ def _replica_stats(x: torch.Tensor, slot: ReplicaSlot, eps: float, kernels, repl
     call = slot.calls
     slot.calls += 1
     rows = group.exchange(("forward", call), slot.index, row, f"forward call {call}")
-    total, mean, var = merge_stats(_gathered(rows, row.device), channels)
+    counted, mean, var = merge_stats(_gathered(rows, row.device), channels)
+    total: "int | torch.Tensor" = counted
     if x.device.type == "cpu":
-        total = int(total.item())
+        total = int(counted.item())
         if total == 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)} on "
@@ -317,7 +324,7 @@ def _replica_stats(x: torch.Tensor, slot: ReplicaSlot, eps: float, kernels, repl
                 f"sync batch norm '{group.name}'"
             )
     else:
-        torch._assert_async(total != 1, f"sync batch norm '{group.name}': 1 value per channel over all replicas")
+        torch._assert_async(counted.ne(1), f"sync batch norm '{group.name}': 1 value per channel over all replicas")
     stats = _Stats(mean, var, torch.rsqrt(var + eps), total, call)
     if remember:
         slot.stash.append((row, stats))

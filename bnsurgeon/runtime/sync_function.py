@@ -204,13 +204,14 @@ def global_stats(local_mean, local_var, shape, input_dtype, eps, group, world_si
         debug.check_same_layer(local[:HEADER], world_size, group, describe)
     gathered = all_gather_rows(local, world_size, group, describe)
     check_headers(gathered, group, on_host, name)
-    total, mean, var = merge_stats(gathered[:, HEADER:], channels)
+    counted, mean, var = merge_stats(gathered[:, HEADER:], channels)
+    total: "int | torch.Tensor" = counted
     if on_host:
-        total = int(total.item())  # a host read is free on CPU and saves ~10 small ops
+        total = int(counted.item())  # a host read is free on CPU and saves ~10 small ops
         if total == 1:
             raise ValueError(one_value_message(shape, world_size, name))
     else:
-        torch._assert_async(total != 1, one_value_message(shape, world_size, name))
+        torch._assert_async(counted.ne(1), one_value_message(shape, world_size, name))
     stats = GlobalStats(mean, var, torch.rsqrt(var + eps), total, local[:HEADER], fingerprint)
     if identity is not None and remember and not replay:
         identity.stash.remember(stats)

@@ -51,7 +51,7 @@ def _group(name: str):
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(name)  # type: ignore[arg-type]  # GroupName is a NewType of str
 
 
 @torch.library.custom_op("bnsurgeon::sync_statistics", mutates_args=())
@@ -81,6 +81,7 @@ def sync_statistics(
         total = torch.tensor([float(total)], dtype=stats.mean.dtype, device=stats.mean.device)
     counted = stats.mean.new_full((1,), 0.0 if replay else 1.0)
     share = total.new_full((1,), float(local_count(shape))).div_(total.clamp(min=1))
+    assert stats.var is not None and stats.header is not None  # global_stats always fills both
     return stats.mean.clone(), stats.var.clone(), total.clone(), stats.header.clone(), counted, share
 
 
