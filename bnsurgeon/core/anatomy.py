@@ -53,10 +53,12 @@ def read_fields(module: "nn.Module") -> BNFields:
     num_features = getattr(module, "num_features", None)
     if num_features is None:
         ref = running_mean if running_mean is not None else weight
+        if ref is None:
+            raise TypeError(f"{type(module).__name__} has neither running statistics nor a weight: not BN-like")
         num_features = int(ref.shape[0])
     return BNFields(
         num_features=int(num_features),
-        eps=float(module.eps),
+        eps=float(getattr(module, "eps")),  # noqa: B009  (typed: Module.__getattr__ is Tensor | Module)
         momentum=getattr(module, "momentum", 0.1),
         affine=bool(getattr(module, "affine", weight is not None)),
         track_running_stats=bool(getattr(module, "track_running_stats", running_mean is not None)),

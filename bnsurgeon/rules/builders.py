@@ -4,16 +4,17 @@ time (``bnsurgeon_origin``), looked up in a fixed allow-list, never imported by 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from torch import nn
 
 from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, attach_stats, qualname, read_fields
 from bnsurgeon.rules.base import BuildContext
 
-PLAIN_BN = {qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
+PLAIN_BN: "dict[str, type[nn.modules.batchnorm._BatchNorm]]" = {
+    qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
 #: input rank seen at a module -> the plain class that accepts it
-_BN_FOR_DIMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+_BN_FOR_DIMS: "dict[int, type[nn.modules.batchnorm._BatchNorm]]" = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 DIMS_OF_PLAIN = {qualname(nn.BatchNorm1d): 3, qualname(nn.BatchNorm2d): 4, qualname(nn.BatchNorm3d): 5}
 
 
@@ -100,7 +101,7 @@ def to_plain_act(module: nn.Module, context: BuildContext) -> nn.Module:
         return context.keep(module, "already plain")
     fields = read_fields(module)
     new = BatchNormAct2d(
-        fields.num_features, fields.eps, fields.momentum, fields.affine, fields.track_running_stats,
+        fields.num_features, fields.eps, fields.momentum, fields.affine, fields.track_running_stats,  # type: ignore[arg-type]  # timm types momentum as float; None (cumulative) works
         apply_act=False, device="meta",
     )
     _with_tensors(new, fields)
@@ -209,7 +210,7 @@ def refreeze(module: nn.Module, origin: str) -> nn.Module | None:
 
     if origin in _registered_frozen:
         return _registered_frozen[origin](module)
-    cls = frozen_origin_classes().get(origin)
+    cls: Any = frozen_origin_classes().get(origin)  # torchvision's, timm's or bnsurgeon's frozen classes
     if cls is None:
         return None
     if issubclass(cls, FrozenBatchNorm):

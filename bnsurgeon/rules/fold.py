@@ -22,6 +22,7 @@ def bn_scale_shift(fields: BNFields) -> tuple["torch.Tensor", "torch.Tensor"]:
     """Eval BN as y = x * scale + shift per channel, in float64."""
     import torch
 
+    assert fields.running_var is not None and fields.running_mean is not None, "only BN with running statistics folds"
     var = fields.running_var.detach().double()
     mean = fields.running_mean.detach().double()
     scale = torch.rsqrt(var + fields.eps)
@@ -65,7 +66,7 @@ def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torc
             clone._modules[name] = _fold_scale_shift(conv, scale[start:start + width], shift[start:start + width])
             start += width
         return clone
-    weight = producer.weight
+    weight: torch.Tensor = getattr(producer, "weight")  # noqa: B009  (typed: Module.__getattr__ is Tensor | Module)
     w64 = weight.detach().double()
     if isinstance(producer, nn.modules.conv._ConvTransposeNd):
         groups = producer.groups
@@ -74,7 +75,7 @@ def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torc
         folded = (grouped * view).reshape(weight.shape)
     else:
         folded = w64 * scale.reshape(-1, *([1] * (weight.dim() - 1)))
-    bias = producer.bias
+    bias: torch.Tensor | None = getattr(producer, "bias")  # noqa: B009
     b64 = bias.detach().double() if bias is not None else torch.zeros_like(shift)
     new_bias = b64 * scale + shift
     cast_weight = folded.to(weight.dtype)
@@ -167,4 +168,4 @@ def is_mixed_conv(module: "nn.Module") -> bool:
 
 
 def out_features(module: "nn.Module") -> int:
-    return int(getattr(module, "out_channels", None) or module.out_features)
+    return int(getattr(module, "out_channels", None) or getattr(module, "out_features"))  # noqa: B009

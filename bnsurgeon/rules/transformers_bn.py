@@ -71,8 +71,9 @@ def _probe(cls: type) -> float | None:
         return None
     try:
         with torch.no_grad():
-            for buffer, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 0.0)):
-                module._buffers[buffer].fill_(value)
+            buffers = {name: tensor for name, tensor in module._buffers.items() if tensor is not None}
+            for buffer, fill in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 0.0)):
+                buffers[buffer].fill_(fill)
             scale = module(torch.ones(1, 4, 1, 1, dtype=torch.float64))  # = eps ** -0.5 everywhere
             eps = float(1.0 / scale[0, 0, 0, 0] ** 2)
             if not (0 < eps < 1):
@@ -81,7 +82,7 @@ def _probe(cls: type) -> float | None:
             values = {buffer: torch.rand(4, generator=generator, dtype=torch.float64) + 0.5
                       for buffer in ("weight", "bias", "running_mean", "running_var")}
             for buffer, value in values.items():
-                module._buffers[buffer].copy_(value)
+                buffers[buffer].copy_(value)
             x = torch.randn(2, 4, 3, 3, generator=generator, dtype=torch.float64)
             shape = (1, 4, 1, 1)
             expected = ((x - values["running_mean"].view(shape)) / (values["running_var"].view(shape) + eps).sqrt()
@@ -100,7 +101,7 @@ def _with_eps(build: Callable, eps: float) -> Callable:
 
     def builder(module: "nn.Module", context: BuildContext) -> "nn.Module":
         clone = shallow_clone(module)
-        clone.eps = eps
+        setattr(clone, "eps", eps)  # noqa: B010  (a plain attribute; Module.__setattr__ is typed for tensors)
         return build(clone, context)
 
     return builder

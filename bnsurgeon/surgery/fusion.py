@@ -48,7 +48,7 @@ def batched_rank(module: "nn.Module") -> int:
         return 2
     if is_mixed_conv(module):
         return 4
-    return 2 + len(module.kernel_size)
+    return 2 + len(getattr(module, "kernel_size"))  # noqa: B009  (typed: Module.__getattr__ is Tensor | Module)
 
 
 @dataclass
@@ -343,8 +343,8 @@ def _fx_plan(model: "nn.Module", bn_modules: dict[int, str]) -> tuple[dict[str, 
             continue
         source = node.args[0] if len(node.args) == 1 and not node.kwargs else None
         if source is None or getattr(source, "op", None) != "call_module" or type(modules.get(source.target)) not in producers:
-            result[path] = (None, _not_a_producer(modules.get(source.target) if getattr(source, "op", None) == "call_module"
-                                                  else None, getattr(source, "target", None), producers))
+            called = modules.get(source.target) if source is not None and source.op == "call_module" else None
+            result[path] = (None, _not_a_producer(called, getattr(source, "target", None), producers))
             continue
         producer = source.target
         if calls[producer] > 1:
@@ -398,13 +398,13 @@ def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = Tr
             producer_path, reason = fx_result.get(path, (None, "not called in eval mode (absent from the traced graph: a train-only or unused path)"))
         reason = bn_hook_reason(module) or reason or _hook_reason(seen, path, producer_path, hooks_only=fx_result is None)
         if reason is None:
-            producer_path = producer_path or seen.bn_source[path]
-            reason = _static_reason(module, modules[producer_path], seen.ranks.get(producer_path))
-        reason = reason or global_hooks  # last: a BN that cannot fold anyway keeps its own reason
-        if reason is not None:
-            plan.left[path] = reason
-        else:
-            plan.folds.append(Fold(path, producer_path, qualname(type(module)), qualname(type(modules[producer_path]))))
+            producer = producer_path or seen.bn_source[path]
+            assert producer is not None, f"{path}: no producer and no reason"  # the hooks saw every BN's source
+            reason = _static_reason(module, modules[producer], seen.ranks.get(producer)) or global_hooks
+            if reason is None:
+                plan.folds.append(Fold(path, producer, qualname(type(module)), qualname(type(modules[producer]))))
+                continue
+        plan.left[path] = reason
     return plan
 
 

@@ -276,15 +276,17 @@ def _refuse_compiled_copy(model: "nn.Module", inplace: bool) -> None:
 
 def _build(entry: PlanEntry, context: BuildContext) -> "nn.Module":
     """The rule's replacement; a user rule that raises is named with its error (a built-in one is a bug)."""
+    rule = entry.rule
+    assert rule is not None, f"{entry.path}: planned without a rule"
     try:
-        return entry.rule.build(entry.module, context)
+        return rule.build(entry.module, context)
     except BnSurgeonError:
         raise
     except Exception as error:
-        if entry.rule in builtin_rules():  # bnsurgeon's own rule: a bug, not the user's
+        if rule in builtin_rules():  # bnsurgeon's own rule: a bug, not the user's
             raise
         raise RuleRaisedError(
-            f"rule {shown(entry.rule.name, 60)} raised {type(error).__name__} building --to {context.target} for "
+            f"rule {shown(rule.name, 60)} raised {type(error).__name__} building --to {context.target} for "
             f"{shown(entry.path, 120)} ({entry.cls_name}): {first_line(error)}",
             "fix the rule's builder for that target, or leave the module out with --exclude",
         ) from error
@@ -297,7 +299,7 @@ def _carry_over(old: "nn.Module", new: "nn.Module", path: str) -> None:
     if hasattr(old, "qconfig"):
         new.qconfig = old.qconfig
     if isinstance(getattr(type(new), "layer_name", None), property):
-        new.layer_name = path
+        setattr(new, "layer_name", path)  # noqa: B010  (a property of the sync layers)
 
 
 def _rebuild(module: "nn.Module", replacements: dict[int, "nn.Module"], inplace: bool, memo: dict[int, "nn.Module"]):
@@ -365,8 +367,8 @@ def _relinked(value: Any, moved: dict[int, "nn.Module"], depth: int = 0) -> Any:
     if depth >= 3 or type(value) not in (list, tuple, dict):
         return value
     if type(value) is dict:
-        items = {key: _relinked(item, moved, depth + 1) for key, item in value.items()}
-        return items if any(items[key] is not value[key] for key in value) else value
+        mapped = {key: _relinked(item, moved, depth + 1) for key, item in value.items()}
+        return mapped if any(mapped[key] is not value[key] for key in value) else value
     items = [_relinked(item, moved, depth + 1) for item in value]
     return type(value)(items) if any(new is not old for new, old in zip(items, value, strict=True)) else value
 
