@@ -1,0 +1,67 @@
+"""The CI examples of docs/verify.md: the bnsurgeon-verify pre-commit hook run by pre-commit itself, and the workflow."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOK_ID = "bnsurgeon-verify"
+
+
+def test_the_pasted_files_name_the_hook_and_their_steps_are_valid_bash():
+    hooks = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())
+    assert [h["id"] for h in hooks] == [HOOK_ID] and os.access(ROOT / hooks[0]["entry"], os.X_OK)
+    config = yaml.safe_load((ROOT / "docs/ci/pre-commit-config.yaml").read_text())
+    assert config["repos"][0]["hooks"][0]["id"] == HOOK_ID
+    workflow = yaml.safe_load((ROOT / "docs/ci/github-actions.yml").read_text())
+    steps = [s for job in workflow["jobs"].values() for s in job["steps"] if "run" in s]
+    assert any(HOOK_ID in s["run"] for s in steps)
+    for step in steps:
+        result = subprocess.run(["bash", "-n"], input=step["run"], text=True, capture_output=True)
+        assert result.returncode == 0, (step["name"], result.stderr)
+    page = (ROOT / "docs/verify.md").read_text()
+    assert '--8<-- "docs/ci/pre-commit-config.yaml"' in page and '--8<-- "docs/ci/github-actions.yml"' in page
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_pre_commit_try_repo_runs_the_hook_on_changed_checkpoints(tmp_path):
+    pytest.importorskip("pre_commit", reason="pip install pre-commit (the test extra)")
+    import bnsurgeon
+
+    repo = tmp_path / "user-repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    # a fused checkpoint: verify runs eval checks only (no rank processes), the cheapest real verify
+    cwd = os.getcwd()
+    os.chdir(repo)
+    try:
+        bnsurgeon.convert_source("resnet18", "r18.fused.safetensors", to="fused", input_shape=(2, 3, 32, 32))
+    finally:
+        os.chdir(cwd)
+    (repo / "broken.safetensors").write_bytes(b"\x00" * 64)
+    (repo / "broken.safetensors.report.json").write_text('{"source": "timm:resnet18"}')
+    (repo / "raw.safetensors").write_bytes(b"\x00" * 8)  # no report: not a converted checkpoint
+    git("add", "-A")
+    env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home"), "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+
+    def try_repo(*files):
+        return subprocess.run([sys.executable, "-m", "pre_commit", "try-repo", str(ROOT), HOOK_ID, "--verbose",
+                               "--files", *files], cwd=repo, env=env, capture_output=True, text=True)
+
+    good = try_repo("r18.fused.safetensors", "raw.safetensors")
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "bnsurgeon verify resnet18 r18.fused.safetensors" in good.stdout and "Passed" in good.stdout
+    assert "raw.safetensors: no raw.safetensors.report.json and no --source" in good.stdout
+    bad = try_repo("broken.safetensors")
+    assert bad.returncode == 1 and "Failed" in bad.stdout, bad.stdout + bad.stderr
+    assert "broken.safetensors: verify exited 4" in bad.stdout  # not a readable checkpoint
