@@ -34,7 +34,6 @@ looked for a process group would run plain BN on each slice, silently. Here:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import threading
@@ -51,7 +50,7 @@ from torch import nn
 from bnsurgeon.core.errors import DistributedMismatchError, DistributedTimeoutError, ReplicaFailedError, UsageError
 from bnsurgeon.runtime.kernels import GenericKernels
 from bnsurgeon.runtime.recompute import may_be_recomputed, recomputing
-from bnsurgeon.runtime.sync_function import merge_stats, update_running_stats
+from bnsurgeon.runtime.sync_function import merge_stats, statistics_precision, update_running_stats
 from bnsurgeon.runtime.timeout import collective_timeout
 
 if TYPE_CHECKING:
@@ -274,21 +273,6 @@ def normalize_replica(module: "SyncBatchNorm", x: torch.Tensor) -> torch.Tensor:
                                      slot)
 
 
-def _no_autocast(x: torch.Tensor):
-    """Autocast off around the per-channel math: statistics stay float32 (or float64)."""
-    device_type = x.device.type
-    enabled = device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
-    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
-
-
-def _memory_format(x: torch.Tensor) -> torch.memory_format:
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
-
 def _gathered(rows: list, device: torch.device) -> torch.Tensor:
     return torch.stack([row.to(device) for row in rows])
 
@@ -337,11 +321,9 @@ class ReplicaSyncFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, slot):
         kernels = GenericKernels  # valid on every device; the replicas exchange rows between threads
-        if x.is_cuda:
-            x = x.contiguous(memory_format=_memory_format(x))
         replay = recomputing()
         try:
-            with _no_autocast(x):
+            with statistics_precision(x):
                 stats, centred = _replica_stats(x, slot, eps, kernels, replay, may_be_recomputed())
                 if not replay:
                     update_running_stats(running_mean, running_var, stats.mean, stats.var, stats.total, momentum)
@@ -364,13 +346,11 @@ class ReplicaSyncFunction(torch.autograd.Function):
         x, weight, mean, var, invstd = ctx.saved_tensors
         slot = ctx.slot
         kernels = GenericKernels  # valid on every device; the replicas exchange rows between threads
-        if x.is_cuda:
-            grad_output = grad_output.contiguous(memory_format=_memory_format(x))
         backward_call = ctx.backwards
         ctx.backwards += 1
         grad_input = None
         try:
-            with _no_autocast(grad_output):
+            with statistics_precision(grad_output):
                 sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
                 if ctx.needs_input_grad[0]:
                     packed = torch.cat([sum_dy, sum_term])
