@@ -25,7 +25,9 @@ from bnsurgeon.checks.eval_check import (
     resolve_check_input,
 )
 from bnsurgeon.core.running import preserved_modes, run_forward
-from bnsurgeon.core.errors import ConfirmationError, HookedModelError, NothingToConvertError, UsageError, VerificationError
+from bnsurgeon.core.errors import (ConfirmationError, DataError, HookedModelError, NothingToConvertError,
+                                   SourceNotFoundError, UsageError, VerificationError)
+from bnsurgeon.core.paths import check_reachable
 from bnsurgeon.surgery.inspection import Inspection, inspect_model
 from bnsurgeon.loading.rebuild import recipe
 from bnsurgeon.loading.recorded import read_recorded
@@ -73,6 +75,7 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     if isinstance(source, nn.Module):
         model, wrapper = unwrap_data_parallel(source)
         return inspect_model(model, source=type(source).__name__ + wrapper)
+    check_source_name(source)
     as_directory = model_directory(Path(source)) is not None and (Path(source).is_dir() or Path(source).name == "config.json")
     if not looks_like_file(source) or as_directory:
         loaded, note = _load_for_inspection(source, **source_options)
@@ -100,6 +103,12 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     if loaded.weights_key:
         result.notes.append(f"weights taken from '{loaded.weights_key}' (choose another with --weights)")
     return result
+
+
+def check_source_name(source: "str | os.PathLike", what: str = "SOURCE") -> None:
+    """A SOURCE the filesystem refuses as a name (too long, in a directory that cannot be searched) is named as
+    such, before any check of what it is."""
+    check_reachable(source, what, SourceNotFoundError, "check the path (or name a timm model or package.module:function)")
 
 
 def _load_for_inspection(source: str, **options: Any) -> "tuple[LoadedSource, str | None]":
@@ -213,6 +222,9 @@ def convert_source(
         raise UsageError("--verify needs the eval check", "drop --no-check")
     timeout = verify_timeout_s() if verify_world_sizes else None
     example_file = example_input if isinstance(example_input, (str, os.PathLike)) else None
+    check_source_name(source)
+    if example_file is not None:
+        check_reachable(example_file, "--example-input", UsageError, "pass a file of this machine with a shorter path")
     inputs = [source, *source_inputs(source)] + ([(example_file, "the --example-input file")]
                                                  if example_file is not None else [])
     directory_output = output is not None and is_directory_output(output)
@@ -348,6 +360,8 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
                          "each is a process on this machine)", "use 2 or 3 on a CPU machine")
     if atol is not None and not (math.isfinite(atol) and atol >= 0):  # inf would pass any difference
         raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
+    check_source_name(source)
+    check_source_name(converted, "CONVERTED")
     if isinstance(example_input, (str, os.PathLike)):  # as the CLI's --example-input: read (weights_only)
         from bnsurgeon.checks.check_input import load_example_input
 
@@ -441,6 +455,8 @@ def recalibrate_source(
         raise UsageError(f"--samples must be at least 1 (got {samples})", "pass --samples 1 or more")
     max_batch_bytes()  # every variable recalibrate reads is checked before any work
     rank, world, device = _torchrun_rank()
+    check_source_name(source)
+    check_reachable(data, "--data", DataError, "pass a tensor file, a folder of tensor files or images, or pkg.mod:function")
     inputs = [source, *source_inputs(source)] + [(file, "a --data file") for file in data_files(data)]
     out = check_output_path(output, inputs, force=force) if output is not None else None
     phase(f"loading {source}")

@@ -161,6 +161,7 @@ def _shard(stream: DataStream, batches: Iterable[Any], max_batches, max_samples,
         if max_samples is not None and stream.samples >= max_samples:
             break
         value = batch_input(batch)
+        check_dense(value, f"batch {index} of --data {stream.description}")
         size = batch_size(value)
         if max_samples is not None and stream.samples + size > max_samples:
             value = _cut(value, max_samples - stream.samples)
@@ -248,6 +249,7 @@ def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
     if not isinstance(tensor, torch.Tensor):
         raise DataError(f"{origin} holds {type(tensor).__name__}, not a tensor",
                         "save a tensor (N, C, H, W) or a list of them with torch.save")
+    check_dense(tensor, origin)
     if not tensor.is_floating_point():
         raise DataError(f"{origin} is a {str(tensor.dtype).replace('torch.', '')} tensor; batches must be floating point "
                         "(normalised as the model expects)",
@@ -261,6 +263,25 @@ def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
                         f"{_size(limit)} ({BATCH_BYTES_VARIABLE})",
                         "pass --batch-size to cut it, or save smaller batches")
     return tensor
+
+
+def check_dense(value: Any, origin: str) -> None:
+    """Every tensor in a batch is an ordinary dense tensor with data: a sparse, nested or meta tensor has no
+    shape or memory that BN statistics can be computed from (torch fails deep inside the model)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        kind = ("nested" if value.is_nested else "meta-device" if value.is_meta
+                else None if value.layout is torch.strided else str(value.layout).replace("torch.", ""))
+        if kind is not None:
+            raise DataError(f"{origin} is a {kind} tensor; batches must be dense tensors holding their values",
+                            "save batches as ordinary tensors (.to_dense(), or torch.stack of the samples)")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_dense(item, f"{origin} [{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_dense(item, f"{origin} [{shown(key, 40)}]")
 
 
 def _size(count: int) -> str:
@@ -312,6 +333,7 @@ def _check_batch_shape_only(value: Any, origin: str) -> "torch.Tensor":
 
     if not isinstance(value, torch.Tensor):
         return _check_batch(value, origin)
+    check_dense(value, origin)
     if value.dim() < 2 or not value.is_floating_point():
         return _check_batch(value, origin)
     return value

@@ -1,0 +1,95 @@
+"""Trust, round four (issue 38's leftovers): bad input is never an internal error (exit 70), a config.json
+with a repeated key is refused, verify of a detector without weights compares where outputs are not empty,
+recalibrate of a model directory writes a model directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bnsurgeon.cli.commands import app
+from test_untrusted import one_line_failure
+
+runner = CliRunner()
+
+
+def run(*args, env=None):
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200", "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+SMALL = """
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+
+
+def sparse_batches():
+    return [torch.randn(2, 3, 8, 8).to_sparse()]
+
+
+def nested_batches():
+    return [(torch.nested.nested_tensor([torch.randn(3, 8, 8), torch.randn(3, 6, 6)]), 0)]
+"""
+
+
+@pytest.fixture
+def small(tmp_path, monkeypatch):
+    from _modules import install_module
+
+    return install_module(tmp_path, monkeypatch, "small", SMALL)
+
+
+# 1. bad input is a specific error, never "report it" (exit 70)
+
+def odd_tensors():
+    x = torch.randn(4, 3, 8, 8)
+    return {
+        "sparse": x.to_sparse(),
+        "sparse-in-a-list": [x.to_sparse()],
+        "csr": x[0, 0].to_sparse_csr(),
+        "nested": torch.nested.nested_tensor([torch.randn(3, 8, 8), torch.randn(3, 6, 6)]),
+        "meta": torch.empty(4, 3, 8, 8, device="meta"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(odd_tensors()))
+def test_data_of_sparse_nested_or_meta_tensors_is_refused_naming_the_kind(small, kind):
+    torch.save(odd_tensors()[kind], small / "data.pt")
+    result = run("recalibrate", "small:build", "--data", small / "data.pt", "-o", small / "out.safetensors")
+    word = {"sparse-in-a-list": "sparse_coo", "sparse": "sparse_coo", "csr": "sparse_csr", "meta": "meta-device"}
+    one_line_failure(result, 12, f"is a {word.get(kind, kind)} tensor", "dense")
+    assert not (small / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("function", ["sparse_batches", "nested_batches"])
+def test_a_data_function_yielding_sparse_or_nested_tensors_is_refused(small, function):
+    result = run("recalibrate", "small:build", "--data", f"small:{function}", "-o", small / "out.safetensors")
+    one_line_failure(result, 12, f"batch 0 of --data small:{function}", "dense")
+    assert not (small / "out.safetensors").exists()
+
+
+LONG = "a" * 300
+
+
+@pytest.mark.parametrize("args, code, named", [
+    (["inspect", LONG], 3, "SOURCE"),
+    (["inspect", LONG + ".pt"], 3, "SOURCE"),
+    (["convert", LONG, "-o", "out.safetensors"], 3, "SOURCE"),
+    (["convert", "small:build", "-o", "out.safetensors", "--example-input", LONG + ".pt"], 2, "--example-input"),
+    (["verify", "small:build", LONG + ".safetensors"], 3, "CONVERTED"),
+    (["verify", "small:build", "small:build", "--example-input", LONG + ".pt"], 2, "--example-input"),
+    (["recalibrate", "small:build", "--data", LONG, "-o", "out.safetensors"], 12, "--data"),
+    (["recalibrate", LONG + ".safetensors", "--data", "x.pt", "-o", "out.safetensors"], 3, "SOURCE"),
+])
+def test_a_name_longer_than_the_filesystem_takes_is_named_not_a_crash(small, args, code, named):
+    result = run(*args)
+    one_line_failure(result, code, named, "cannot be used: File name too long")
+    assert not (small / "out.safetensors").exists()
