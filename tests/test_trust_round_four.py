@@ -93,3 +93,56 @@ def test_a_name_longer_than_the_filesystem_takes_is_named_not_a_crash(small, arg
     result = run(*args)
     one_line_failure(result, code, named, "cannot be used: File name too long")
     assert not (small / "out.safetensors").exists()
+
+
+# 2. a config.json with a repeated key is refused, as bnsurgeon's own metadata is
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+
+
+def tiny_resnet():
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    return transformers.ResNetForImageClassification(config)
+
+
+@pytest.fixture
+def resnet_dir(tmp_path):
+    directory = tmp_path / "resnet"
+    tiny_resnet().save_pretrained(directory)
+    return directory
+
+
+def repeat_key(path: Path, key: str, value, inside: str | None = None) -> None:
+    """Append ``"key": value`` to the object (or to its member ``inside``) as raw text: a second entry for a key."""
+    text = path.read_text()
+    entry = f'"{key}": {json.dumps(value)}'
+    if inside is None:
+        text = text.rstrip().rstrip("}") + f", {entry}}}"
+    else:
+        at = text.index(f'"{inside}"')
+        at = text.index("{", at) + 1
+        text = text[:at] + entry + ", " + text[at:]
+    path.write_text(text)
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert", "recalibrate"])
+@pytest.mark.parametrize("key, value, inside", [("hidden_sizes", [8, 16000], None), ("0", "LABEL_9", "id2label")])
+def test_a_config_json_with_a_repeated_key_is_refused_naming_the_key(resnet_dir, tmp_path, command, key, value, inside):
+    repeat_key(resnet_dir / "config.json", key, value, inside)
+    data = tmp_path / "data.pt"
+    torch.save(torch.randn(4, 3, 32, 32), data)
+    extra = {"inspect": [], "convert": ["-o", tmp_path / "out.safetensors"],
+             "recalibrate": ["--data", data, "-o", tmp_path / "out.safetensors"]}[command]
+    result = run(command, resnet_dir, *extra)
+    one_line_failure(result, 4, "config.json repeats the key", repr(key), "keep one entry")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_shard_index_with_a_repeated_key_is_refused_naming_it(tmp_path):
+    directory = tmp_path / "sharded"
+    tiny_resnet().save_pretrained(directory, max_shard_size="4KB")
+    index = directory / "model.safetensors.index.json"
+    name = next(iter(json.loads(index.read_text())["weight_map"]))
+    repeat_key(index, name, "model-00001-of-00002.safetensors", "weight_map")
+    one_line_failure(run("inspect", directory), 4, "repeats the key", name)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from bnsurgeon.core.errors import (CheckpointError, ConfirmationError, SourceNotFoundError, UnsafeCheckpointError,
                                    UsageError, WeightsMismatchError, first_line)
+from bnsurgeon.core.json_text import RepeatedKeyError, unique_keys
 from bnsurgeon.core.layout import shown
 from bnsurgeon.files.model_directory import WEIGHTS_FILE
 from bnsurgeon.files.reading import read_checkpoint
@@ -59,7 +60,11 @@ def read_config(directory: Path) -> dict[str, Any]:
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise CheckpointError(f"{path} is {path.stat().st_size:,} bytes, not a model config", "pass the model directory")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+    except RepeatedKeyError as error:
+        raise CheckpointError(f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
+                              "value counts, so bnsurgeon reads neither",
+                              "keep one entry for the key (save the model again with save_pretrained)") from None
     except (ValueError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON ({first_line(error)})",
                               "the file is truncated or corrupt; save the model again") from None
@@ -324,7 +329,7 @@ def check_shard_index(directory: Path) -> None:
             if path.stat().st_size > MAX_INDEX_BYTES:
                 problem = f"is {path.stat().st_size:,} bytes, not a shard index"
             else:
-                index = json.loads(path.read_text(encoding="utf-8"))
+                index = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
                 files = index.get("weight_map") if isinstance(index, dict) else None
                 if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
                     problem = "has no weight_map of tensor names to file names"
@@ -337,6 +342,8 @@ def check_shard_index(directory: Path) -> None:
                         problem = f"names {shown(outside, 80)}, which is not a file of the directory"
                     elif other is not None:  # config.json, the index itself: not weights, whatever they hold
                         problem = f"names {shown(other, 80)}, which is not a {suffix} weights file"
+        except RepeatedKeyError as error:
+            problem = f"repeats the key {shown(error.key, 100)}"
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
             problem = f"is not valid JSON ({type(error).__name__})"
         if problem:
