@@ -146,3 +146,97 @@ def test_a_shard_index_with_a_repeated_key_is_refused_naming_it(tmp_path):
     name = next(iter(json.loads(index.read_text())["weight_map"]))
     repeat_key(index, name, "model-00001-of-00002.safetensors", "weight_map")
     one_line_failure(run("inspect", directory), 4, "repeats the key", name)
+
+
+# 3. verify of a detector whose outputs are empty compares where values exist, and says where
+
+DETECTOR = """
+import torch
+from torch import nn
+
+
+class Detector(nn.Module):
+    '''Keeps the boxes scoring above a threshold untrained weights never reach: 0 boxes, as an untrained detector.'''
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        scores = self.head(self.backbone(x)).flatten(1)
+        return [{"scores": s[s > 1e6]} for s in scores]
+
+
+def build():
+    torch.manual_seed(0)
+    return Detector()
+"""
+
+
+@pytest.fixture
+def detector(tmp_path, monkeypatch):
+    from _modules import install_module
+
+    install_module(tmp_path, monkeypatch, "detector", DETECTOR)
+    converted = tmp_path / "detector.sync.safetensors"
+    assert run("convert", "detector:build", "-o", converted).exit_code == 0
+    return converted
+
+
+def test_verify_of_a_detector_with_empty_outputs_compares_at_the_deepest_module_with_values(detector):
+    result = run("verify", "detector:build", detector, "--converted-model", "detector:build", "--json", "-q")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["compare_at"] == "head"
+    assert "outputs are empty" in data["compare_at_why"] and "compared at head" in data["compare_at_why"]
+    assert [check["passed"] for check in data["checks"]] == [True] * 6
+    assert all(check["values"] > 0 for check in data["checks"])
+
+
+def test_verify_says_where_it_compared_in_its_human_output(detector):
+    result = run("verify", "detector:build", detector, "--converted-model", "detector:build", "--no-perturb", "-w", 2)
+    assert result.exit_code == 0, result.output
+    assert "compared at head, the deepest module whose outputs hold values" in " ".join(result.output.split())
+
+
+def test_verify_json_counts_the_values_each_check_compared(small):
+    converted = small / "small.sync.safetensors"
+    assert run("convert", "small:build", "-o", converted).exit_code == 0
+    result = run("verify", "small:build", converted, "--converted-model", "small:build", "--json", "-q", "--no-perturb")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    by_name = {check["name"]: check["values"] for check in data["checks"]}
+    assert by_name["eval"] == 2 * 4 * 62 * 62  # the output of (2, 3, 64, 64): every value
+    assert by_name["train, one process"] == 2 * 4 * 62 * 62 + 4 * 4  # and the running statistics
+    assert by_name["2 ranks"] > by_name["eval"]  # outputs, input and parameter gradients, statistics
+    assert data["compare_at"] is None and data["compare_at_why"] is None
+
+
+def test_a_named_compare_at_is_kept_and_not_explained(detector):
+    result = run("verify", "detector:build", detector, "--converted-model", "detector:build", "--json", "-q",
+                 "--no-perturb", "--compare-at", "backbone")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["compare_at"] == "backbone" and data["compare_at_why"] is None
+
+
+@pytest.mark.parametrize("build, expected", [
+    ("fasterrcnn_mobilenet_v3_large_320_fpn", "rpn.head"),
+    ("retinanet_resnet50_fpn", "head"),
+])
+def test_torchvision_detectors_without_weights_are_compared_where_values_exist(build, expected):
+    torchvision = pytest.importorskip("torchvision")
+    from bnsurgeon.checks.check_input import CheckInput
+    from bnsurgeon.checks.verify import only_bn_trains, where_outputs_exist
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models.detection, build)(weights=None, weights_backbone=None, min_size=64,
+                                                         max_size=64).eval()
+    images = CheckInput("list", ((3, 64, 64), (3, 64, 64)))
+    with torch.no_grad():
+        assert not any(len(image["boxes"]) for image in model([torch.rand(3, 64, 64)] * 2))  # 0 boxes: vacuous
+    import copy
+
+    assert where_outputs_exist([model, only_bn_trains(copy.deepcopy(model))], images) == expected
+

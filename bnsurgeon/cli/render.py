@@ -266,6 +266,8 @@ class CheckStream:
 def render_verification_summary(verification, out: Console) -> None:
     failed = verification.first_failure
     total = sum(check.seconds for check in verification.checks)
+    if getattr(verification, "compare_at_why", None):
+        say(out, verification.compare_at_why, indent="")
     if failed is None:
         shown = getattr(verification, "input", "") or tuple(verification.input_shape)
         say(out, f"all checks passed (input {shown}; checks took {total:.1f}s)", indent="")
