@@ -240,3 +240,97 @@ def test_torchvision_detectors_without_weights_are_compared_where_values_exist(b
 
     assert where_outputs_exist([model, only_bn_trains(copy.deepcopy(model))], images) == expected
 
+
+# 4. recalibrate of a model directory writes a model directory; image folders use the model's own preprocessing
+
+@pytest.fixture
+def pixels(tmp_path):
+    path = tmp_path / "data.pt"
+    torch.save(torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)), path)
+    return path
+
+
+def stats(state: dict) -> dict:
+    return {key: value for key, value in state.items() if key.endswith(("running_mean", "running_var"))}
+
+
+def test_recalibrate_of_a_model_directory_writes_a_directory_from_pretrained_loads(resnet_dir, pixels, tmp_path):
+    from safetensors.torch import load_file
+
+    before = load_file(resnet_dir / "model.safetensors")
+    out = tmp_path / "recalibrated"
+    result = run("recalibrate", resnet_dir, "--data", pixels, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in " ".join(result.output.split())
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    written = load_file(out / "model.safetensors")
+    model, info = transformers.ResNetForImageClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[key], value) for key, value in stats(written).items())
+    assert any(not torch.equal(before[key], value) for key, value in stats(written).items())  # recalibrated
+    assert load_file(resnet_dir / "model.safetensors").keys() == before.keys()  # the source is untouched
+
+
+def test_recalibrate_of_a_directory_bnsurgeon_converted_stays_converted(resnet_dir, pixels, tmp_path):
+    import bnsurgeon
+    from bnsurgeon.runtime import SyncBatchNorm
+
+    converted = tmp_path / "converted"
+    assert run("convert", resnet_dir, "-o", converted).exit_code == 0
+    out = tmp_path / "recalibrated"
+    result = run("recalibrate", converted, "--data", pixels, "-o", out)
+    assert result.exit_code == 0, result.output
+    model = bnsurgeon.load(out)
+    assert sum(isinstance(m, SyncBatchNorm) for m in model.modules()) == 8
+
+
+def test_recalibrate_of_a_timm_model_to_a_directory_is_refused(small, pixels):
+    result = run("recalibrate", "small:build", "--data", pixels, "-o", small / "outdir")
+    one_line_failure(result, 2, "names a directory", "write a file instead")
+    assert not (small / "outdir").exists()
+
+
+@pytest.fixture
+def images(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for index in range(3):
+        array = (torch.rand(40, 50, 3, generator=torch.Generator().manual_seed(index)) * 255).to(torch.uint8)
+        Image.fromarray(array.numpy()).save(folder / f"{index}.png")
+    return folder
+
+
+def test_an_image_folder_is_read_with_the_model_directorys_own_preprocessor(resnet_dir, images, tmp_path):
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(resnet_dir)
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "from_images", "--json")
+    assert result.exit_code == 0, result.output
+    assert "images read with ViTImageProcessor" in result.output
+    assert (tmp_path / "from_images" / "preprocessor_config.json").read_text() == \
+        (resnet_dir / "preprocessor_config.json").read_text()
+    processor = transformers.AutoImageProcessor.from_pretrained(resnet_dir, local_files_only=True)
+    pixels = processor(images=[Image.open(p).convert("RGB") for p in sorted(images.iterdir())],
+                       return_tensors="pt")["pixel_values"]
+    torch.save(pixels, tmp_path / "pixels.pt")
+    assert run("recalibrate", resnet_dir, "--data", tmp_path / "pixels.pt", "-o", tmp_path / "from_pixels").exit_code == 0
+    ours, theirs = load_file(tmp_path / "from_images" / "model.safetensors"), load_file(tmp_path / "from_pixels" / "model.safetensors")
+    assert all(torch.equal(ours[key], theirs[key]) for key in stats(ours))
+
+
+def test_an_image_folder_for_a_directory_without_a_preprocessor_says_what_was_used(resnet_dir, images, tmp_path):
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out.safetensors")
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    assert "images read with timm's data config of the model" in flat and "has no preprocessor_config.json" in flat
+
+
+def test_a_preprocessor_config_asking_for_remote_code_is_refused(resnet_dir, images, tmp_path):
+    (resnet_dir / "preprocessor_config.json").write_text(json.dumps({"auto_map": {"AutoImageProcessor": "x.Y"}}))
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
+    one_line_failure(result, 10, "preprocessor_config.json asks for remote code")
+    assert not (tmp_path / "out").exists()

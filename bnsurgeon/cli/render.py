@@ -315,6 +315,8 @@ def render_recalibration(report, out: Console, *, verbose: bool = False) -> None
              f"{report.seconds:.1f} s)", indent="")
     if report.data:
         say(out, f"data: {report.data.get('description', '')}, sha256 {report.data.get('sha256', '')}")
+        if report.data.get("preprocessing"):
+            say(out, f"images read with {report.data['preprocessing']}")
     for item in report.skipped:
         say(out, f"skipped {item['path']}: {item['reason']}")
     for note in report.notes:

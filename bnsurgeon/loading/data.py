@@ -58,6 +58,7 @@ class DataStream:
 
     description: str
     kind: str
+    preprocessing: str = ""  # how an image folder was read ("" for tensors and functions)
     batches: int = 0  # the whole stream's, every rank
     samples: int = 0
     sha256: str = ""
@@ -68,14 +69,19 @@ class DataStream:
         return iter(self._iterable)
 
     def record(self) -> dict[str, Any]:
-        return {"description": self.description, "kind": self.kind, "batches": self.batches,
-                "samples": self.samples, "sha256": self.sha256}
+        record = {"description": self.description, "kind": self.kind, "batches": self.batches,
+                  "samples": self.samples, "sha256": self.sha256}
+        if self.preprocessing:
+            record["preprocessing"] = self.preprocessing
+        return record
 
 
 def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | None = None,
               max_batches: int | None = None, max_samples: int | None = None, rank: int = 0, world: int = 1,
-              dtype: "torch.dtype | None" = None, device: "torch.device | str | None" = None) -> DataStream:
-    """DATA as this rank's batches (see the module doc). Nothing is read until it is iterated."""
+              dtype: "torch.dtype | None" = None, device: "torch.device | str | None" = None,
+              model_directory: "Path | None" = None) -> DataStream:
+    """DATA as this rank's batches (see the module doc). Nothing is read until it is iterated. An image folder is read
+    with ``model_directory``'s own preprocessor_config.json where it has one, else with timm's data config."""
     from bnsurgeon.core.user_code import FACTORY_PATTERN
 
     max_batch_bytes()  # a bad value is refused before anything is read
@@ -91,8 +97,9 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
             images = _listed(path, IMAGE_SUFFIXES)
             if not images:
                 raise DataError(f"--data {path} holds no tensor file ({', '.join(TENSOR_SUFFIXES)}) and no image")
-            stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder")
-            batches = _image_batches(images, model, batch_size or DEFAULT_BATCH_SIZE)
+            transform, how = image_transform(model, model_directory)
+            stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder", preprocessing=how)
+            batches = _image_batches(images, transform, batch_size or DEFAULT_BATCH_SIZE)
     elif path.exists():
         _regular_file(path)
         if path.suffix not in TENSOR_SUFFIXES and not path.name.endswith(".pth.tar"):
@@ -374,17 +381,37 @@ def _function_batches(spec: str) -> Iterator[Any]:
         index += 1
 
 
-def _image_batches(images: list[Path], model: "nn.Module | None", batch_size: int) -> Iterator["torch.Tensor"]:
-    """Images through the model's own eval preprocessing (timm's data config: resize, crop, normalise)."""
+def image_transform(model: "nn.Module | None", directory: "Path | None") -> "tuple[Any, str]":
+    """(PIL image -> tensor, what it is): a transformers model directory's own image processor where it has a
+    preprocessor_config.json, else the model's timm data config (resize, crop, mean, std), said in the output."""
+    from bnsurgeon.loading.transformers_source import image_processor
+
+    found = image_processor(directory) if directory is not None else None
+    if found is not None:
+        processor, how = found
+        return (lambda image: processor(images=image, return_tensors="pt")["pixel_values"][0]), how
+    try:
+        from timm.data import create_transform, resolve_data_config
+    except ImportError as error:  # pragma: no cover - timm is a dependency
+        raise DataError(f"reading an image folder needs timm ({first_line(error)})") from None
+    config = resolve_data_config({}, model=model)
+    transform = create_transform(**config, is_training=False)
+    how = (f"timm's data config of the model (input {tuple(config.get('input_size', ()))}, "
+           f"{config.get('interpolation', '')}, crop {config.get('crop_pct', '')}, mean {tuple(config.get('mean', ()))}, "
+           f"std {tuple(config.get('std', ()))})")
+    if directory is not None:
+        how += f": {directory} has no preprocessor_config.json"
+    return transform, how
+
+
+def _image_batches(images: list[Path], transform: Any, batch_size: int) -> Iterator["torch.Tensor"]:
+    """Images through ``transform`` (``image_transform``), stacked into batches."""
     import torch
 
     try:
         from PIL import Image
-        from timm.data import create_transform, resolve_data_config
-    except ImportError as error:  # pragma: no cover - timm and Pillow are dependencies
-        raise DataError(f"reading an image folder needs Pillow and timm ({first_line(error)})") from None
-    config = resolve_data_config({}, model=model)
-    transform = create_transform(**config, is_training=False)
+    except ImportError as error:  # pragma: no cover - Pillow is a dependency
+        raise DataError(f"reading an image folder needs Pillow ({first_line(error)})") from None
     chunk: list[torch.Tensor] = []
     for path in images:
         try:

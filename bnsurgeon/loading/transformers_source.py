@@ -439,3 +439,48 @@ def bnsurgeon_weights_of(path: Path) -> Path | None:
         return None
     weights = directory / WEIGHTS_FILE
     return weights if weights.is_file() and is_bnsurgeon_file(weights) else None
+
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+def read_preprocessor_text(path: Path) -> str:
+    """preprocessor_config.json as data, checked as config.json is: bounded, one JSON object whose keys do not repeat,
+    asking for no remote code (an ``auto_map`` names code from the directory). Its text, to be used or copied."""
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path} is {path.stat().st_size:,} bytes, not a preprocessor config",
+                              "save the image processor again with save_pretrained")
+    try:
+        text = path.read_text(encoding="utf-8")
+        value = json.loads(text, object_pairs_hook=unique_keys)
+    except RepeatedKeyError as error:
+        raise CheckpointError(f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
+                              "value counts, so bnsurgeon reads neither", "keep one entry for the key") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({type(error).__name__})",
+                              "save the image processor again with save_pretrained") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is not a JSON object", "save the image processor again with save_pretrained")
+    if "auto_map" in value:
+        raise ConfirmationError(f"{path} asks for remote code (auto_map): bnsurgeon does not import it",
+                                "pass the preprocessed batches as a tensor file instead of an image folder")
+    return text
+
+
+def image_processor(directory: Path) -> "tuple[Any, str] | None":
+    """The model directory's own image preprocessing (its preprocessor_config.json, through transformers'
+    AutoImageProcessor, local files only) and a description of it; None where the directory has none."""
+    path = directory / PREPROCESSOR_FILE
+    if not path.is_file():
+        return None
+    read_preprocessor_text(path)
+    from transformers import AutoImageProcessor
+
+    try:
+        with hub_offline():
+            processor = AutoImageProcessor.from_pretrained(str(directory), local_files_only=True,
+                                                           trust_remote_code=False)
+    except Exception as error:
+        raise CheckpointError(f"{path}: transformers cannot build its image processor: {type(error).__name__}: "
+                              f"{first_line(error)}", "save the image processor again with save_pretrained") from None
+    return processor, f"{type(processor).__name__} from {path}"
