@@ -25,15 +25,17 @@ from bnsurgeon.checks.eval_check import (
     resolve_check_input,
 )
 from bnsurgeon.core.running import preserved_modes, run_forward
-from bnsurgeon.core.errors import ConfirmationError, HookedModelError, NothingToConvertError, UsageError, VerificationError
+from bnsurgeon.core.errors import (ConfirmationError, DataError, HookedModelError, NothingToConvertError,
+                                   SourceNotFoundError, UsageError, VerificationError)
+from bnsurgeon.core.paths import check_reachable
 from bnsurgeon.surgery.inspection import Inspection, inspect_model
 from bnsurgeon.loading.rebuild import recipe
 from bnsurgeon.loading.recorded import read_recorded
 from bnsurgeon.loading.sources import load_source, looks_like_file, source_inputs, unwrap_data_parallel
-from bnsurgeon.loading.transformers_source import model_directory
+from bnsurgeon.loading.transformers_source import PREPROCESSOR_FILE, model_directory, read_preprocessor_text
 from bnsurgeon.surgery.walk import ConvertResult, class_map, convert
 from bnsurgeon.files.conversion import write_conversion, write_model_directory
-from bnsurgeon.files.model_directory import check_directory_output, is_directory_output
+from bnsurgeon.files.model_directory import check_directory_output, is_directory_output, write_into_directory
 from bnsurgeon.files.history import step
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     if isinstance(source, nn.Module):
         model, wrapper = unwrap_data_parallel(source)
         return inspect_model(model, source=type(source).__name__ + wrapper)
+    check_source_name(source)
     as_directory = model_directory(Path(source)) is not None and (Path(source).is_dir() or Path(source).name == "config.json")
     if not looks_like_file(source) or as_directory:
         loaded, note = _load_for_inspection(source, **source_options)
@@ -100,6 +103,12 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     if loaded.weights_key:
         result.notes.append(f"weights taken from '{loaded.weights_key}' (choose another with --weights)")
     return result
+
+
+def check_source_name(source: "str | os.PathLike", what: str = "SOURCE") -> None:
+    """A SOURCE the filesystem refuses as a name (too long, in a directory that cannot be searched) is named as
+    such, before any check of what it is."""
+    check_reachable(source, what, SourceNotFoundError, "check the path (or name a timm model or package.module:function)")
 
 
 def _load_for_inspection(source: str, **options: Any) -> "tuple[LoadedSource, str | None]":
@@ -213,6 +222,9 @@ def convert_source(
         raise UsageError("--verify needs the eval check", "drop --no-check")
     timeout = verify_timeout_s() if verify_world_sizes else None
     example_file = example_input if isinstance(example_input, (str, os.PathLike)) else None
+    check_source_name(source)
+    if example_file is not None:
+        check_reachable(example_file, "--example-input", UsageError, "pass a file of this machine with a shorter path")
     inputs = [source, *source_inputs(source)] + ([(example_file, "the --example-input file")]
                                                  if example_file is not None else [])
     directory_output = output is not None and is_directory_output(output)
@@ -348,6 +360,8 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
                          "each is a process on this machine)", "use 2 or 3 on a CPU machine")
     if atol is not None and not (math.isfinite(atol) and atol >= 0):  # inf would pass any difference
         raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
+    check_source_name(source)
+    check_source_name(converted, "CONVERTED")
     if isinstance(example_input, (str, os.PathLike)):  # as the CLI's --example-input: read (weights_only)
         from bnsurgeon.checks.check_input import load_example_input
 
@@ -441,12 +455,22 @@ def recalibrate_source(
         raise UsageError(f"--samples must be at least 1 (got {samples})", "pass --samples 1 or more")
     max_batch_bytes()  # every variable recalibrate reads is checked before any work
     rank, world, device = _torchrun_rank()
+    check_source_name(source)
+    check_reachable(data, "--data", DataError, "pass a tensor file, a folder of tensor files or images, or pkg.mod:function")
     inputs = [source, *source_inputs(source)] + [(file, "a --data file") for file in data_files(data)]
-    out = check_output_path(output, inputs, force=force) if output is not None else None
+    directory_output = output is not None and is_directory_output(output)
+    if directory_output:  # -o DIR: config.json + model.safetensors (from_pretrained loads it), as convert writes
+        out = check_directory_output(Path(output), inputs, force=force)
+    else:
+        out = check_output_path(output, inputs, force=force) if output is not None else None
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
                          accept_recorded_args=accept_recorded_args)
     refuse_fused_source(loaded, "SOURCE")
+    if directory_output and loaded.architecture.kind != "transformers":
+        raise UsageError(f"output {output} names a directory (no file suffix, or an existing directory): a model "
+                         f"directory is what save_pretrained writes for Hugging Face models, and "
+                         f"{loaded.description} is not one", "write a file instead (-o OUT.safetensors)")
     refuse_invalid_weights(loaded.model, loaded.description)
     if out is not None:
         check_output_format(out, loaded.checkpoint, loaded.weights_key)
@@ -455,7 +479,8 @@ def recalibrate_source(
         loaded.model.to(device)
     parameter = next((p for p in loaded.model.parameters() if p.is_floating_point()), None)
     stream = open_data(data, model=loaded.model, batch_size=batch_size, max_batches=batches, max_samples=samples,
-                       rank=rank, world=world, dtype=parameter.dtype if parameter is not None else None, device=device)
+                       rank=rank, world=world, dtype=parameter.dtype if parameter is not None else None, device=device,
+                       model_directory=source_directory(source, loaded))
     phase(f"recalibrating on {stream.description}" + (f" (rank {rank} of {world})" if world > 1 else ""))
     report = recalibrate(loaded.model, stream, include_frozen=include_frozen, progress=on_batch,
                          fast_normalization=fast_normalization)
@@ -467,14 +492,45 @@ def recalibrate_source(
               "modules": len(report.modules), "unreached": list(report.unreached)}
     if rank != 0 or out is None:
         return RecalibrateOutcome(report, loaded, None, None, rank)
-    report.output = str(out)
-    phase(f"writing {out}")
+    report.output = str(out.parent if directory_output else out)
+    phase(f"writing {report.output}")
     writers = recalibrated_writers(out, loaded.checkpoint, loaded.weights_key, loaded.stripped_prefix, loaded.model,
                                    [m.path for m in report.modules], record, report.to_json(), report.to_markdown())
-    write_recalibrated(writers, force=force)
     from bnsurgeon.files.writing import report_paths
 
+    if directory_output:
+        writers.update(directory_extras(out.parent, loaded, source_directory(source, loaded)))
+        write_into_directory(out.parent, writers, force=force)
+        return RecalibrateOutcome(report, loaded, out.parent, report_paths(out), rank)
+    write_recalibrated(writers, force=force)
     return RecalibrateOutcome(report, loaded, out, report_paths(out), rank)
+
+
+def source_directory(source: str, loaded: LoadedSource) -> "Path | None":
+    """The model directory SOURCE names (a Hugging Face model's, or one bnsurgeon wrote), or None."""
+    if loaded.architecture.kind != "transformers":
+        return None
+    try:
+        return model_directory(Path(source))
+    except OSError:
+        return None
+
+
+def directory_extras(directory: Path, loaded: LoadedSource, source: "Path | None") -> dict:
+    """A recalibrated model directory's config.json (the one the model was built from) and, where the source directory
+    has one, its preprocessor_config.json unchanged: from_pretrained and AutoImageProcessor read it as they read the
+    source."""
+    import json
+
+    from bnsurgeon.files.model_directory import CONFIG_FILE
+
+    text = json.dumps(loaded.architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
+    writers = {directory / CONFIG_FILE: lambda temp: temp.write_text(text)}
+    preprocessor = source / PREPROCESSOR_FILE if source is not None else None
+    if preprocessor is not None and preprocessor.is_file():
+        data = read_preprocessor_text(preprocessor)
+        writers[directory / PREPROCESSOR_FILE] = lambda temp: temp.write_text(data)
+    return writers
 
 
 def own_buffers(model: "nn.Module") -> None:

@@ -238,6 +238,9 @@ def load_example_input(path: "str | Path") -> CheckInput:
     from bnsurgeon.core.errors import CheckpointError
     from bnsurgeon.files.reading import UNSUPPORTED_GLOBAL, refuse_compressed_records, unpickler_refusal, unsupported_global
 
+    from bnsurgeon.core.paths import check_reachable
+
+    check_reachable(path, "--example-input", UsageError, "pass a file of this machine with a shorter path")
     path = Path(path)
     flag = f"--example-input {path}"
     save_hint = "save it with torch.save(x, 'x.pt'): a tensor, a list of tensors or a dict of str -> tensor"

@@ -44,6 +44,7 @@ class CheckOutcome:
     detail: str = ""
     first_divergence: str | None = None
     seconds: float = 0.0  # wall time of this check in the verifying process
+    values: int = 0  # how many values the check compared: 0 is a check that proved nothing
 
 
 @dataclass
@@ -54,6 +55,8 @@ class Verification:
     checks: list[CheckOutcome] = field(default_factory=list)
     input: str = ""
     compare_at: str | None = None  # the submodule whose output was compared (None: the model's)
+    #: why verify chose ``compare_at`` itself (the model's own outputs were empty); None: the user named it, or none
+    compare_at_why: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -327,6 +330,55 @@ def check_compare_at(compare_at: str | None, *models: "nn.Module") -> None:
                              f"name a module path, e.g. one of: {children}") from None
 
 
+def where_outputs_exist(models: "list[nn.Module]", check_input: CheckInput, seed: int = SEED) -> str | None:
+    """Where the model's own outputs are empty for any of ``models`` (the source as the checks run it: eval and
+    train, perturbed or not; a detector without trained weights keeps 0 boxes), the deepest submodule whose output
+    holds values in all of them: batch-first floating tensors, computed after a BN module, by the module's one call
+    per forward. The checks compare there instead of failing as vacuous. None where the outputs hold values, or
+    where no submodule qualifies (the checks then say they are vacuous)."""
+    import torch
+
+    batch = check_input.batch
+    empty, usable = False, []
+    for model in models:
+        order, calls, normalized, handles = [], {}, [False], []
+
+        def mark(module, args):
+            normalized[0] = True
+
+        def record(module, args, output, path):
+            calls[path] = calls.get(path, 0) + 1
+            if normalized[0] and _holds_values(output, batch):
+                order.append(path)
+
+        for path, module in model.named_modules():
+            if is_bn_like(module):
+                handles.append(module.register_forward_pre_hook(mark))
+            if path:
+                handles.append(module.register_forward_hook(lambda m, a, o, path=path: record(m, a, o, path)))
+        try:
+            with torch.no_grad():
+                output = model(_input(check_input, model, seed))
+        finally:
+            for handle in handles:
+                handle.remove()
+        empty = empty or not any(t.numel() for t in flatten_tensors(output))
+        usable.append([path for path in order if calls[path] == 1])
+    if not empty:
+        return None
+    everywhere = [path for path in usable[0] if all(path in other for other in usable[1:])]
+    return everywhere[-1] if everywhere else None
+
+
+def _holds_values(output: Any, batch: int) -> bool:
+    """An output the checks can compare and the N-rank check can cut per sample: batch-first tensors, some
+    floating with values, all finite."""
+    tensors = flatten_tensors(output)
+    return (bool(tensors) and all(t.dim() and t.shape[0] == batch for t in tensors)
+            and any(t.is_floating_point() and t.numel() for t in tensors)
+            and all(bool(t.isfinite().all()) for t in tensors if t.is_floating_point()))
+
+
 def _vacuous(label: str, outputs: list, detail: str = "") -> CheckOutcome | None:
     reason = vacuous_reason(outputs)
     if reason is None:
@@ -370,7 +422,12 @@ def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, l
     if not ok and not tol.exact and _is_detections(raw):
         detail += ("; the outputs are detections: top-k and NMS can turn a rounding-level difference into "
                    "different boxes, so compare before the head (--compare-at backbone)")
-    return _vacuous(label, expected) or CheckOutcome(label, ok, diff, detail, where)
+    return _vacuous(label, expected) or CheckOutcome(label, ok, diff, detail, where, values=_count(expected))
+
+
+def _count(tensors: list) -> int:
+    """The values a comparison of ``tensors`` looks at."""
+    return sum(t.numel() for t in tensors)
 
 
 def _judged_in_float64(source, converted, x, compare_at) -> str:
@@ -428,7 +485,8 @@ def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, 
         where = first_divergent_module(source, converted, x, tol)
     detail = "outputs and running statistics" + (f"; {fields}" if fields else "") + \
         ("" if stats_ok else "; running statistics differ")
-    return _vacuous(label, expected) or CheckOutcome(label, ok and stats_ok, max(diff, stats_diff), detail, where)
+    return _vacuous(label, expected) or CheckOutcome(label, ok and stats_ok, max(diff, stats_diff), detail, where,
+                                                     values=_count(expected) + _count(list(stats_expected.values())))
 
 
 def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
@@ -445,7 +503,8 @@ def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
         expected = flatten_tensors(raw)
         ok, diff, fields = compare_outputs(raw, run_model(converted, clone_value(x), compare_at), tol)
     return _vacuous(label, expected) or CheckOutcome(
-        label, ok, diff, f"{tol.describe()}; frozen BN ignores batch statistics" + (f"; {fields}" if fields else ""))
+        label, ok, diff, f"{tol.describe()}; frozen BN ignores batch statistics" + (f"; {fields}" if fields else ""),
+        values=_count(expected))
 
 
 def _loss(samples: list, grads: list):
@@ -637,12 +696,13 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     except RankFailure as error:
         return CheckOutcome(label, False, float("inf"), f"ranks failed: {str(error).splitlines()[0]}")
 
-    problems, worst = [], 0.0
+    problems, worst, values = [], 0.0, 0
 
     tolerance = Tolerance(rtol=DIST_RTOL)
 
     def compare(name, expected, actual):
-        nonlocal worst
+        nonlocal worst, values
+        values += _count(expected)
         ok, diff = (_within_norm(expected, actual, FLOAT32_NORM_RTOL) if reference.why_float32
                     else _within(expected, actual, tolerance))
         worst = max(worst, diff)
@@ -667,7 +727,7 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
                  f"float64: {reference.why_float32})"
                  if reference.why_float32 else "float64")
     detail = f"splits {splits}, {precision}, per sample" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
-    return CheckOutcome(label, not problems, worst, detail)  # what differs is a tensor (in detail), not a module
+    return CheckOutcome(label, not problems, worst, detail, values=values)  # what differs: a tensor (detail), not a module
 
 
 def _timed(check: Callable[[], CheckOutcome], on_check: Callable[[CheckOutcome], None] | None) -> CheckOutcome:
@@ -701,14 +761,24 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
     """
     from bnsurgeon.checks.multiproc import RankPool
 
+    from bnsurgeon.core.running import preserved_modes
+
     check_compare_at(compare_at, source, converted)
     check_input = CheckInput.of_shape(input_shape)
     tol = Tolerance(atol=atol or 0.0, rtol=0.0 if exact else INEXACT_RTOL)
-    result = Verification(source_name, converted_name, list(check_input.shape or []), input=check_input.describe(),
-                          compare_at=compare_at)
     variants = [("", source, converted)]
     if perturb:
         variants.append((" (perturbed)", perturb_bn(copy.deepcopy(source)), perturb_bn(copy.deepcopy(converted))))
+    why = None
+    if compare_at is None:  # the model's outputs empty (0 boxes): compare where values exist, and say where
+        with preserved_modes(*(src for _, src, _ in variants)):
+            runs = [src.eval() for _, src, _ in variants] + [only_bn_trains(copy.deepcopy(src)) for _, src, _ in variants]
+            compare_at = where_outputs_exist(runs, check_input)
+        if compare_at is not None:
+            why = (f"the model's outputs are empty (e.g. a detector returned 0 boxes): compared at {compare_at}, the "
+                   "deepest module whose outputs hold values")
+    result = Verification(source_name, converted_name, list(check_input.shape or []), input=check_input.describe(),
+                          compare_at=compare_at, compare_at_why=why)
     frozen = _is_frozen_model(converted)
     distributed = bool(world_sizes) and not frozen and _has_sync_layers(converted)
     pool = RankPool(max(world_sizes), collective_timeout=collective_timeout) if distributed and share_work else None

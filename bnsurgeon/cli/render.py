@@ -266,6 +266,8 @@ class CheckStream:
 def render_verification_summary(verification, out: Console) -> None:
     failed = verification.first_failure
     total = sum(check.seconds for check in verification.checks)
+    if getattr(verification, "compare_at_why", None):
+        say(out, verification.compare_at_why, indent="")
     if failed is None:
         shown = getattr(verification, "input", "") or tuple(verification.input_shape)
         say(out, f"all checks passed (input {shown}; checks took {total:.1f}s)", indent="")
@@ -313,6 +315,8 @@ def render_recalibration(report, out: Console, *, verbose: bool = False) -> None
              f"{report.seconds:.1f} s)", indent="")
     if report.data:
         say(out, f"data: {report.data.get('description', '')}, sha256 {report.data.get('sha256', '')}")
+        if report.data.get("preprocessing"):
+            say(out, f"images read with {report.data['preprocessing']}")
     for item in report.skipped:
         say(out, f"skipped {item['path']}: {item['reason']}")
     for note in report.notes:

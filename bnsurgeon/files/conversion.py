@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bnsurgeon import __version__
-from bnsurgeon.core.errors import OutputError
 from bnsurgeon.files.history import step
-from bnsurgeon.files.model_directory import CONFIG_FILE, WEIGHTS_FILE, pretrained_layout
+from bnsurgeon.files.model_directory import CONFIG_FILE, WEIGHTS_FILE, pretrained_layout, write_into_directory
 from bnsurgeon.files.safewrite import write_files
 from bnsurgeon.files.writing import checkpoint_writer, report_paths, write_checkpoint
 from bnsurgeon.surgery.walk import ConvertResult, class_map
@@ -91,30 +89,11 @@ def write_model_directory(result: ConvertResult, directory: Path, architecture: 
         metadata["counts"] = counts
     reports = report_writers(result, weights)
     text = json.dumps(architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
-    try:
-        os.mkdir(directory)
-        created = True
-    except FileExistsError:  # it existed (checked before any work), or another run made it since: ours to fill
-        created = False
-    except OSError as error:
-        raise OutputError(f"cannot create output directory {directory}: {error.strerror or error}; nothing was written",
-                          "choose a directory you can write to") from None
-    if not directory.is_dir():
-        raise OutputError(f"output {directory} is no longer a directory (changed while bnsurgeon worked); "
-                          "nothing was written", "choose another output")
-    try:
-        write_files({
-            weights: checkpoint_writer(weights, result.model, metadata, leave_out=leave_out),
-            config: lambda temp: temp.write_text(text),
-            **reports,
-        }, force=force)
-    except BaseException:
-        if created:  # nothing of this run is left behind: not even an empty directory
-            try:
-                os.rmdir(directory)
-            except OSError:
-                pass
-        raise
+    write_into_directory(directory, {
+        weights: checkpoint_writer(weights, result.model, metadata, leave_out=leave_out),
+        config: lambda temp: temp.write_text(text),
+        **reports,
+    }, force=force)
     return tuple(reports)
 
 

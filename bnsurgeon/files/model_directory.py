@@ -85,6 +85,33 @@ def _checked_directory(directory: Path, inputs: "list", *, force: bool) -> Path:
     return directory / WEIGHTS_FILE
 
 
+def write_into_directory(directory: Path, writers: dict, *, force: bool) -> None:
+    """Every file of ``writers`` (paths inside ``directory``) written as one unit; the directory is created only for
+    them, and removed again when the write fails, so that nothing of the run is left behind."""
+    from bnsurgeon.files.safewrite import write_files
+
+    try:
+        os.mkdir(directory)
+        created = True
+    except FileExistsError:  # it existed (checked before any work), or another run made it since: ours to fill
+        created = False
+    except OSError as error:
+        raise OutputError(f"cannot create output directory {directory}: {error.strerror or error}; nothing was written",
+                          "choose a directory you can write to") from None
+    if not directory.is_dir():
+        raise OutputError(f"output {directory} is no longer a directory (changed while bnsurgeon worked); "
+                          "nothing was written", "choose another output")
+    try:
+        write_files(writers, force=force)
+    except BaseException:
+        if created:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass
+        raise
+
+
 def pretrained_layout(model: "nn.Module", expected: Iterable[str]) -> tuple[set[str], dict[str, int]]:
     """(keys to leave out of the weights, the counters recorded instead) for ``model`` written where the
     class with state-dict keys ``expected`` will load it; refuses what from_pretrained could not load."""

@@ -58,6 +58,7 @@ class DataStream:
 
     description: str
     kind: str
+    preprocessing: str = ""  # how an image folder was read ("" for tensors and functions)
     batches: int = 0  # the whole stream's, every rank
     samples: int = 0
     sha256: str = ""
@@ -68,14 +69,19 @@ class DataStream:
         return iter(self._iterable)
 
     def record(self) -> dict[str, Any]:
-        return {"description": self.description, "kind": self.kind, "batches": self.batches,
-                "samples": self.samples, "sha256": self.sha256}
+        record = {"description": self.description, "kind": self.kind, "batches": self.batches,
+                  "samples": self.samples, "sha256": self.sha256}
+        if self.preprocessing:
+            record["preprocessing"] = self.preprocessing
+        return record
 
 
 def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | None = None,
               max_batches: int | None = None, max_samples: int | None = None, rank: int = 0, world: int = 1,
-              dtype: "torch.dtype | None" = None, device: "torch.device | str | None" = None) -> DataStream:
-    """DATA as this rank's batches (see the module doc). Nothing is read until it is iterated."""
+              dtype: "torch.dtype | None" = None, device: "torch.device | str | None" = None,
+              model_directory: "Path | None" = None) -> DataStream:
+    """DATA as this rank's batches (see the module doc). Nothing is read until it is iterated. An image folder is read
+    with ``model_directory``'s own preprocessor_config.json where it has one, else with timm's data config."""
     from bnsurgeon.core.user_code import FACTORY_PATTERN
 
     max_batch_bytes()  # a bad value is refused before anything is read
@@ -91,8 +97,9 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
             images = _listed(path, IMAGE_SUFFIXES)
             if not images:
                 raise DataError(f"--data {path} holds no tensor file ({', '.join(TENSOR_SUFFIXES)}) and no image")
-            stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder")
-            batches = _image_batches(images, model, batch_size or DEFAULT_BATCH_SIZE)
+            transform, how = image_transform(model, model_directory)
+            stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder", preprocessing=how)
+            batches = _image_batches(images, transform, batch_size or DEFAULT_BATCH_SIZE)
     elif path.exists():
         _regular_file(path)
         if path.suffix not in TENSOR_SUFFIXES and not path.name.endswith(".pth.tar"):
@@ -161,6 +168,7 @@ def _shard(stream: DataStream, batches: Iterable[Any], max_batches, max_samples,
         if max_samples is not None and stream.samples >= max_samples:
             break
         value = batch_input(batch)
+        check_dense(value, f"batch {index} of --data {stream.description}")
         size = batch_size(value)
         if max_samples is not None and stream.samples + size > max_samples:
             value = _cut(value, max_samples - stream.samples)
@@ -248,6 +256,7 @@ def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
     if not isinstance(tensor, torch.Tensor):
         raise DataError(f"{origin} holds {type(tensor).__name__}, not a tensor",
                         "save a tensor (N, C, H, W) or a list of them with torch.save")
+    check_dense(tensor, origin)
     if not tensor.is_floating_point():
         raise DataError(f"{origin} is a {str(tensor.dtype).replace('torch.', '')} tensor; batches must be floating point "
                         "(normalised as the model expects)",
@@ -261,6 +270,25 @@ def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
                         f"{_size(limit)} ({BATCH_BYTES_VARIABLE})",
                         "pass --batch-size to cut it, or save smaller batches")
     return tensor
+
+
+def check_dense(value: Any, origin: str) -> None:
+    """Every tensor in a batch is an ordinary dense tensor with data: a sparse, nested or meta tensor has no
+    shape or memory that BN statistics can be computed from (torch fails deep inside the model)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        kind = ("nested" if value.is_nested else "meta-device" if value.is_meta
+                else None if value.layout is torch.strided else str(value.layout).replace("torch.", ""))
+        if kind is not None:
+            raise DataError(f"{origin} is a {kind} tensor; batches must be dense tensors holding their values",
+                            "save batches as ordinary tensors (.to_dense(), or torch.stack of the samples)")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_dense(item, f"{origin} [{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_dense(item, f"{origin} [{shown(key, 40)}]")
 
 
 def _size(count: int) -> str:
@@ -312,6 +340,7 @@ def _check_batch_shape_only(value: Any, origin: str) -> "torch.Tensor":
 
     if not isinstance(value, torch.Tensor):
         return _check_batch(value, origin)
+    check_dense(value, origin)
     if value.dim() < 2 or not value.is_floating_point():
         return _check_batch(value, origin)
     return value
@@ -352,17 +381,37 @@ def _function_batches(spec: str) -> Iterator[Any]:
         index += 1
 
 
-def _image_batches(images: list[Path], model: "nn.Module | None", batch_size: int) -> Iterator["torch.Tensor"]:
-    """Images through the model's own eval preprocessing (timm's data config: resize, crop, normalise)."""
+def image_transform(model: "nn.Module | None", directory: "Path | None") -> "tuple[Any, str]":
+    """(PIL image -> tensor, what it is): a transformers model directory's own image processor where it has a
+    preprocessor_config.json, else the model's timm data config (resize, crop, mean, std), said in the output."""
+    from bnsurgeon.loading.transformers_source import image_processor
+
+    found = image_processor(directory) if directory is not None else None
+    if found is not None:
+        processor, how = found
+        return (lambda image: processor(images=image, return_tensors="pt")["pixel_values"][0]), how
+    try:
+        from timm.data import create_transform, resolve_data_config
+    except ImportError as error:  # pragma: no cover - timm is a dependency
+        raise DataError(f"reading an image folder needs timm ({first_line(error)})") from None
+    config = resolve_data_config({}, model=model)
+    transform = create_transform(**config, is_training=False)
+    how = (f"timm's data config of the model (input {tuple(config.get('input_size', ()))}, "
+           f"{config.get('interpolation', '')}, crop {config.get('crop_pct', '')}, mean {tuple(config.get('mean', ()))}, "
+           f"std {tuple(config.get('std', ()))})")
+    if directory is not None:
+        how += f": {directory} has no preprocessor_config.json"
+    return transform, how
+
+
+def _image_batches(images: list[Path], transform: Any, batch_size: int) -> Iterator["torch.Tensor"]:
+    """Images through ``transform`` (``image_transform``), stacked into batches."""
     import torch
 
     try:
         from PIL import Image
-        from timm.data import create_transform, resolve_data_config
-    except ImportError as error:  # pragma: no cover - timm and Pillow are dependencies
-        raise DataError(f"reading an image folder needs Pillow and timm ({first_line(error)})") from None
-    config = resolve_data_config({}, model=model)
-    transform = create_transform(**config, is_training=False)
+    except ImportError as error:  # pragma: no cover - Pillow is a dependency
+        raise DataError(f"reading an image folder needs Pillow ({first_line(error)})") from None
     chunk: list[torch.Tensor] = []
     for path in images:
         try:

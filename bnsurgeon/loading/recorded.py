@@ -15,6 +15,7 @@ from bnsurgeon.loading.architecture import Architecture
 from bnsurgeon.files.reading import PREFIX, RawCheckpoint, expand_aliases, pick_weights, state_dict_candidates, why_not_a_state_dict
 from bnsurgeon.core.errors import CheckpointError, MetadataError
 from bnsurgeon.core.anatomy import qualname
+from bnsurgeon.core.json_text import unique_keys
 from bnsurgeon.core.layout import counted, shown
 from bnsurgeon.surgery.walk import class_map
 
@@ -58,17 +59,6 @@ def _bad(raw: RawCheckpoint, key: str, problem: str) -> MetadataError:
     return MetadataError(f"{raw.path}: metadata {PREFIX}{key} {problem}")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys repeat reads differently in different parsers (Python keeps the last):
-    ambiguous metadata, so refused."""
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"the key {shown(key, 100)} appears twice")
-        result[key] = value
-    return result
-
-
 def _field(raw: RawCheckpoint, key: str, default: Any = None) -> Any:
     text = raw.metadata.get(PREFIX + key)
     if text is None:
@@ -76,7 +66,7 @@ def _field(raw: RawCheckpoint, key: str, default: Any = None) -> Any:
     if not isinstance(text, str):
         raise _bad(raw, key, f"is a {type(text).__name__}, not a JSON string")
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except ValueError as error:
         raise _bad(raw, key, f"is not valid JSON ({error})") from None
     except RecursionError:  # ``[[[[...`` nested past the interpreter's limit

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from bnsurgeon.core.errors import (CheckpointError, ConfirmationError, SourceNotFoundError, UnsafeCheckpointError,
                                    UsageError, WeightsMismatchError, first_line)
+from bnsurgeon.core.json_text import RepeatedKeyError, unique_keys
 from bnsurgeon.core.layout import shown
 from bnsurgeon.files.model_directory import WEIGHTS_FILE
 from bnsurgeon.files.reading import read_checkpoint
@@ -59,7 +60,11 @@ def read_config(directory: Path) -> dict[str, Any]:
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise CheckpointError(f"{path} is {path.stat().st_size:,} bytes, not a model config", "pass the model directory")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+    except RepeatedKeyError as error:
+        raise CheckpointError(f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
+                              "value counts, so bnsurgeon reads neither",
+                              "keep one entry for the key (save the model again with save_pretrained)") from None
     except (ValueError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON ({first_line(error)})",
                               "the file is truncated or corrupt; save the model again") from None
@@ -324,7 +329,7 @@ def check_shard_index(directory: Path) -> None:
             if path.stat().st_size > MAX_INDEX_BYTES:
                 problem = f"is {path.stat().st_size:,} bytes, not a shard index"
             else:
-                index = json.loads(path.read_text(encoding="utf-8"))
+                index = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
                 files = index.get("weight_map") if isinstance(index, dict) else None
                 if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
                     problem = "has no weight_map of tensor names to file names"
@@ -337,6 +342,8 @@ def check_shard_index(directory: Path) -> None:
                         problem = f"names {shown(outside, 80)}, which is not a file of the directory"
                     elif other is not None:  # config.json, the index itself: not weights, whatever they hold
                         problem = f"names {shown(other, 80)}, which is not a {suffix} weights file"
+        except RepeatedKeyError as error:
+            problem = f"repeats the key {shown(error.key, 100)}"
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
             problem = f"is not valid JSON ({type(error).__name__})"
         if problem:
@@ -432,3 +439,48 @@ def bnsurgeon_weights_of(path: Path) -> Path | None:
         return None
     weights = directory / WEIGHTS_FILE
     return weights if weights.is_file() and is_bnsurgeon_file(weights) else None
+
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+def read_preprocessor_text(path: Path) -> str:
+    """preprocessor_config.json as data, checked as config.json is: bounded, one JSON object whose keys do not repeat,
+    asking for no remote code (an ``auto_map`` names code from the directory). Its text, to be used or copied."""
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path} is {path.stat().st_size:,} bytes, not a preprocessor config",
+                              "save the image processor again with save_pretrained")
+    try:
+        text = path.read_text(encoding="utf-8")
+        value = json.loads(text, object_pairs_hook=unique_keys)
+    except RepeatedKeyError as error:
+        raise CheckpointError(f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
+                              "value counts, so bnsurgeon reads neither", "keep one entry for the key") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({type(error).__name__})",
+                              "save the image processor again with save_pretrained") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is not a JSON object", "save the image processor again with save_pretrained")
+    if "auto_map" in value:
+        raise ConfirmationError(f"{path} asks for remote code (auto_map): bnsurgeon does not import it",
+                                "pass the preprocessed batches as a tensor file instead of an image folder")
+    return text
+
+
+def image_processor(directory: Path) -> "tuple[Any, str] | None":
+    """The model directory's own image preprocessing (its preprocessor_config.json, through transformers'
+    AutoImageProcessor, local files only) and a description of it; None where the directory has none."""
+    path = directory / PREPROCESSOR_FILE
+    if not path.is_file():
+        return None
+    read_preprocessor_text(path)
+    from transformers import AutoImageProcessor
+
+    try:
+        with hub_offline():
+            processor = AutoImageProcessor.from_pretrained(str(directory), local_files_only=True,
+                                                           trust_remote_code=False)
+    except Exception as error:
+        raise CheckpointError(f"{path}: transformers cannot build its image processor: {type(error).__name__}: "
+                              f"{first_line(error)}", "save the image processor again with save_pretrained") from None
+    return processor, f"{type(processor).__name__} from {path}"
