@@ -222,23 +222,25 @@ def convert_source(
         raise UsageError("--verify needs the eval check", "drop --no-check")
     timeout = verify_timeout_s() if verify_world_sizes else None
     example_file = example_input if isinstance(example_input, (str, os.PathLike)) else None
+    example = None if isinstance(example_input, (str, os.PathLike)) else example_input
     check_source_name(source)
     if example_file is not None:
         check_reachable(example_file, "--example-input", UsageError, "pass a file of this machine with a shorter path")
-    inputs = [source, *source_inputs(source)] + ([(example_file, "the --example-input file")]
-                                                 if example_file is not None else [])
+    inputs: list[Any] = [source, *source_inputs(source)] + ([(example_file, "the --example-input file")]
+                                                            if example_file is not None else [])
     directory_output = output is not None and is_directory_output(output)
     if directory_output and to == "fused":
         raise UsageError("a fused model is not the class its config.json names, so it cannot be a model directory",
                          "write a file instead (-o OUT.safetensors)")
-    if directory_output:
+    out: Path | None = None
+    if directory_output and output is not None:
         out = check_directory_output(Path(output), inputs, force=force)
-    else:
-        out = check_output_path(output, inputs, force=force) if output is not None else None
+    elif output is not None:
+        out = check_output_path(output, inputs, force=force)
     if example_file is not None:
         from bnsurgeon.checks.check_input import load_example_input
 
-        example_input = load_example_input(example_file)
+        example = load_example_input(example_file)
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights,
                          trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
@@ -251,18 +253,18 @@ def convert_source(
     fused = to == "fused"
     # fused finds producers on it before converting; otherwise chosen after the surgery, which
     # refuses an uninitialized lazy BN before any forward (inferring the input runs one)
-    check_input = _check_input(loaded, input_shape, example_input) if fused else None
-    shape = _fused_shape(check_input) if fused else None
+    check_input = _check_input(loaded, input_shape, example) if fused else None
+    shape = _fused_shape(check_input) if check_input is not None else None
     input_dims = None
     if to == "plain" and needs_input_dims(loaded.model):  # _BatchNormXd and SyncBN: which BatchNormNd?
         shown_by = check_input or resolve_check_input(loaded.model, input_shape=input_shape,
-                                                      example_input=example_input, recorded=loaded.check_input,
+                                                      example_input=example, recorded=loaded.check_input,
                                                       own_shape=loaded.input_shape)
         input_dims = observed_input_dims(loaded.model, shown_by) if shown_by is not None else None
         check_input = shown_by
     phase(f"converting to {to}" + (f" (finding producers on {shape})" if fused else ""))
-    options = {"frozen": frozen, "allow_unhandled": allow_unhandled, "include": include, "exclude": exclude,
-               "input_dims": input_dims}  # every carried state dict is converted with the same ones
+    options: dict[str, Any] = {"frozen": frozen, "allow_unhandled": allow_unhandled, "include": include,
+                               "exclude": exclude, "input_dims": input_dims}  # every carried state dict is converted with the same ones
     result = convert(loaded.model, to, example_input=shape, **options)
     result.report.source = loaded.description
     result.report.tool_version = __version__
@@ -272,11 +274,12 @@ def convert_source(
     carried = carry_entries(loaded, result, out, options)
     result.report.carried = carried.summary
     if check:
-        check_input = check_input or _check_input(loaded, input_shape, example_input)
+        check_input = check_input or _check_input(loaded, input_shape, example)
         phase(f"checking eval outputs on {check_input.describe()}")
         if fused:
             from bnsurgeon.checks.fused_check import fused_check_result
 
+            assert shape is not None  # set above for every fused conversion
             result.report.check = fused_check_result(loaded.model, result, shape, CHECK_SEED)
         else:
             result.report.check = compare_eval(loaded.model, result.model, check_input, exact=result.exact)
@@ -293,6 +296,7 @@ def convert_source(
             if fused:
                 from bnsurgeon.checks.fused_check import verify_fused
 
+                assert result.report.fusion is not None and shape is not None  # a fused conversion records its folds
                 verification = verify_fused(loaded.model, result.model, result.report.fusion["folded"], shape,
                                             source_name=loaded.description)
             else:
@@ -300,7 +304,7 @@ def convert_source(
                                  class_map(result.model))
                 verification = verify_models(loaded.model, result.model, check_input, world_sizes=verify_world_sizes,
                                              exact=result.exact, source_name=loaded.description,
-                                             collective_timeout=timeout, rebuild_converted=rebuild)
+                                             collective_timeout=timeout or 120.0, rebuild_converted=rebuild)
             result.report.verification = verification.to_dict()
             if not verification.passed:
                 failed = verification.first_failure
@@ -362,10 +366,11 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
         raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
     check_source_name(source)
     check_source_name(converted, "CONVERTED")
+    example = None if isinstance(example_input, (str, os.PathLike)) else example_input
     if isinstance(example_input, (str, os.PathLike)):  # as the CLI's --example-input: read (weights_only)
         from bnsurgeon.checks.check_input import load_example_input
 
-        example_input = load_example_input(example_input)
+        example = load_example_input(example_input)
     left = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
                        accept_recorded_args=accept_recorded_args)
     right = load_source(converted, model=converted_model, model_args=converted_model_args, weights=converted_weights,
@@ -378,13 +383,13 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     fused = recorded is not None and recorded.target == "fused"
     if not fused:  # a fused model lacks the folded BN modules by design
         require_same_architecture(left.model, right.model, left.description, right.description)
-    check_input = resolve_check_input(left.model, input_shape=input_shape, example_input=example_input,
+    check_input = resolve_check_input(left.model, input_shape=input_shape, example_input=example,
                                       recorded=left.check_input or right.check_input,
                                       own_shape=left.input_shape or right.input_shape)
     if check_input is None:
         raise UsageError("cannot tell what input the models take",
                          "pass --input-shape N,C,... (e.g. 4,16,32) or --example-input x.pt")
-    if fused:
+    if fused and recorded is not None:
         from bnsurgeon.checks.fused_check import verify_fused
 
         if compare_at:
@@ -457,12 +462,13 @@ def recalibrate_source(
     rank, world, device = _torchrun_rank()
     check_source_name(source)
     check_reachable(data, "--data", DataError, "pass a tensor file, a folder of tensor files or images, or pkg.mod:function")
-    inputs = [source, *source_inputs(source)] + [(file, "a --data file") for file in data_files(data)]
+    inputs: list[Any] = [source, *source_inputs(source)] + [(file, "a --data file") for file in data_files(data)]
     directory_output = output is not None and is_directory_output(output)
-    if directory_output:  # -o DIR: config.json + model.safetensors (from_pretrained loads it), as convert writes
+    out: Path | None = None
+    if directory_output and output is not None:  # -o DIR: config.json + model.safetensors, as convert writes
         out = check_directory_output(Path(output), inputs, force=force)
-    else:
-        out = check_output_path(output, inputs, force=force) if output is not None else None
+    elif output is not None:
+        out = check_output_path(output, inputs, force=force)
     phase(f"loading {source}")
     loaded = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
                          accept_recorded_args=accept_recorded_args)

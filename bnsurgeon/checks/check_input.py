@@ -11,6 +11,8 @@ here before it sizes any tensor.
 
 from __future__ import annotations
 
+import os
+
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +61,7 @@ class CheckInput:
         kind, raw = data["kind"], data["shapes"]
         try:
             if kind == "dict":
-                shapes = tuple((key, _valid_shape(shape)) for key, shape in raw)
+                shapes: tuple = tuple((key, _valid_shape(shape)) for key, shape in raw)
                 if any(not isinstance(key, str) or not _KEY.match(key) for key, _ in shapes):
                     raise ValueError("dict keys must be identifiers")
             else:
@@ -223,7 +225,7 @@ def total_elements(check_input: CheckInput) -> int:
     return sum(math.prod(shape) for shape in shapes)
 
 
-def load_example_input(path: "str | Path") -> CheckInput:
+def load_example_input(path: "str | os.PathLike") -> CheckInput:
     """``--example-input x.pt``: a tensor, a list of tensors or a dict of tensors, read without running code.
 
     Only the structure (shapes) is kept: the checks feed seeded noise of those shapes, in
@@ -352,7 +354,7 @@ def _guess(layer: "nn.Module", batch: int) -> CheckInput | None:
     dims = len(getattr(layer, "kernel_size", ()))
     if dims not in _SPATIAL:
         return None
-    return CheckInput.of_shape((batch, layer.in_channels, *_SPATIAL[dims]))
+    return CheckInput.of_shape((batch, int(getattr(layer, "in_channels")), *_SPATIAL[dims]))  # noqa: B009
 
 
 def infer_check_input(model: "nn.Module", batch: int = 2, *, attempts: int = 3) -> CheckInput | None:
@@ -382,7 +384,7 @@ def infer_check_input(model: "nn.Module", batch: int = 2, *, attempts: int = 3) 
             break
         tried.add(guess)
         reached: list = []
-        handles = [layer.register_forward_pre_hook(lambda m, args: reached.append(m) if not reached else None)
+        handles = [layer.register_forward_pre_hook(lambda m, args, reached=reached: reached.append(m) if not reached else None)
                    for layer in layers]
         try:
             with preserved_modes(model), torch.no_grad():

@@ -37,10 +37,10 @@ def relative_error(expected: list, actual: list) -> tuple[float, float]:
     where either side holds NaN (a NaN difference would otherwise vanish in ``max(0, nan)``)."""
     import math
 
-    if len(expected) != len(actual) or not expected or any(a.shape != b.shape for a, b in zip(expected, actual)):
+    if len(expected) != len(actual) or not expected or any(a.shape != b.shape for a, b in zip(expected, actual, strict=True)):
         return float("inf"), float("inf")
     worst_abs = worst_rel = 0.0
-    for a, b in zip(expected, actual):
+    for a, b in zip(expected, actual, strict=True):
         if not a.numel():
             continue
         diff = (a.double() - b.double()).abs().max().item()
@@ -164,10 +164,11 @@ def _nudged(source64: "nn.Module", folds: list[dict[str, Any]]) -> "nn.Module":
     with torch.no_grad():
         for fold in folds:
             bn = nudged.get_submodule(fold["bn"])
-            if bn._parameters.get("weight") is not None:
-                bn.weight.mul_(1 + 1e-15)
+            weight = bn._parameters.get("weight")
+            if weight is not None:
+                weight.mul_(1 + 1e-15)
             else:
-                bn.running_var.mul_(1 + 2e-15)
+                getattr(bn, "running_var").mul_(1 + 2e-15)  # noqa: B009  (typed: Module.__getattr__)
     return nudged
 
 
@@ -253,8 +254,9 @@ def verify_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, 
                   + ("; no check could judge the fold" if undecided and outcome.passed is None else ""))
         result.checks.append(CheckOutcome(label, passed, outcome.max_abs_diff, detail, seconds=seconds))
     result.checks.append(CheckOutcome("train", None, detail=TRAIN_NOT_APPLICABLE))
-    for check in result.checks if on_check is not None else ():
-        on_check(check)
+    if on_check is not None:
+        for check in result.checks:
+            on_check(check)
     return result
 
 

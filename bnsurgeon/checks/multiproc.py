@@ -18,6 +18,7 @@ import queue
 import socket
 import time
 import traceback
+from typing import Any, cast
 from datetime import timedelta
 
 import torch.multiprocessing as mp
@@ -78,7 +79,7 @@ def run_world(world_size: int, fn, *args, timeout: float = 180.0, collective_tim
     ]
     for process in processes:
         process.start()
-    collected = {}
+    collected: dict[int, tuple[str, Any]] = {}
     try:
         deadline = time.monotonic() + timeout
         while len(collected) < world_size:
@@ -91,7 +92,7 @@ def run_world(world_size: int, fn, *args, timeout: float = 180.0, collective_tim
                 dead = {r: p.exitcode for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in collected}
                 if dead and len(collected) + len(dead) >= world_size:
                     if not allow_errors:
-                        raise RankFailure(f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}")
+                        raise RankFailure(f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}") from None
                     collected.update({r: ("died", f"exit code {code}") for r, code in dead.items()})
                 continue
             if status == "ok":
@@ -192,7 +193,7 @@ class RankPool:
         import torch
 
         self.task_seconds.append(seconds)
-        return [torch.load(io.BytesIO(collected[rank][1]), weights_only=False) for rank in range(world_size)]
+        return [torch.load(io.BytesIO(cast(bytes, collected[rank][1])), weights_only=False) for rank in range(world_size)]
 
     def close(self) -> None:
         for inbox in self._inboxes:

@@ -56,6 +56,7 @@ def per_sample(output: Any, batch: int) -> "list[list] | None":
             return [flatten_tensors(o) for o in output]
     else:
         return [[] for _ in range(batch)]  # not a tensor: nothing to compare
-    if any(part is None for part in parts):
+    complete = [part for part in parts if part is not None]
+    if len(complete) < len(parts):
         return None
-    return [[t for part in parts for t in part[i]] for i in range(batch)]
+    return [[t for part in complete for t in part[i]] for i in range(batch)]

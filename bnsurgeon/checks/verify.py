@@ -8,6 +8,8 @@ N-rank check runs in float64, so any difference above rounding is a bug.
 
 from __future__ import annotations
 
+from functools import partial
+
 import copy
 import glob
 import io
@@ -111,9 +113,9 @@ def perturb_bn(model: "nn.Module", seed: int = SEED, strength: float = 1.0) -> "
 
 
 def _max_diff(expected: list, actual: list) -> tuple[float, bool]:
-    if len(expected) != len(actual) or any(a.shape != b.shape for a, b in zip(expected, actual)):
+    if len(expected) != len(actual) or any(a.shape != b.shape for a, b in zip(expected, actual, strict=True)):
         return float("inf"), False
-    diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(expected, actual) if a.numel()), default=0.0)
+    diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(expected, actual, strict=True) if a.numel()), default=0.0)
     return diff, True
 
 
@@ -144,11 +146,11 @@ def _within(expected: list, actual: list, tol: Tolerance = EXACT) -> tuple[bool,
     if not comparable:
         return False, diff
     if tol.exact:
-        return all(torch.equal(a, b) for a, b in zip(expected, actual)), diff
+        return all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True)), diff
     ok = all(  # masks and indices (bool, int) compare exactly; values within the tolerance
         torch.equal(a, b) if not a.is_floating_point() and not a.is_complex() else
         torch.allclose(a.double(), b.double(), rtol=0.0, atol=tol.atol + tol.rtol * max(a.abs().max().item(), 1.0))
-        for a, b in zip(expected, actual) if a.numel()
+        for a, b in zip(expected, actual, strict=True) if a.numel()
     )
     return ok, diff
 
@@ -160,7 +162,7 @@ def _within_norm(expected: list, actual: list, rtol: float) -> tuple[bool, float
     diff, comparable = _max_diff(expected, actual)
     if not comparable:
         return False, diff
-    ok = all(torch_equal_or_close(a, b, rtol) for a, b in zip(expected, actual))
+    ok = all(torch_equal_or_close(a, b, rtol) for a, b in zip(expected, actual, strict=True))
     return ok, diff
 
 
@@ -341,12 +343,14 @@ def where_outputs_exist(models: "list[nn.Module]", check_input: CheckInput, seed
     batch = check_input.batch
     empty, usable = False, []
     for model in models:
-        order, calls, normalized, handles = [], {}, [False], []
+        order: list[str] = []
+        normalized, handles = [False], []
+        calls: dict = {}
 
-        def mark(module, args):
+        def mark(module, args, normalized=normalized):  # this model's flags (bound: the loop moves on)
             normalized[0] = True
 
-        def record(module, args, output, path):
+        def record(module, args, output, path, calls=calls, normalized=normalized, order=order):
             calls[path] = calls.get(path, 0) + 1
             if normalized[0] and _holds_values(output, batch):
                 order.append(path)
@@ -509,8 +513,8 @@ def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
 
 def _loss(samples: list, grads: list):
     """sum(output * grad) over every floating output tensor of every sample."""
-    terms = [(o * g).sum() for sample, sample_grads in zip(samples, grads)
-             for o, g in zip(sample, sample_grads) if o.is_floating_point()]
+    terms = [(o * g).sum() for sample, sample_grads in zip(samples, grads, strict=True)
+             for o, g in zip(sample, sample_grads, strict=True) if o.is_floating_point()]
     return sum(terms) if terms else None
 
 
@@ -710,13 +714,14 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
             problems.append(name)
 
     rank_samples = [sample for r in ranks for sample in r["outputs"]]
-    for index, (expected, actual) in enumerate(zip(reference.samples, rank_samples)):
+    for index, (expected, actual) in enumerate(zip(reference.samples, rank_samples, strict=True)):
         compare(f"output of sample {index}", expected, actual)
     check_input, x = reference.check_input, reference.x
+    assert check_input is not None, "the reference run records its check input"
     grad_value = reference.input_grads[0] if check_input.kind == "tensor" else (
-        reference.input_grads if check_input.kind == "list" else dict(zip(x, reference.input_grads)))
-    for rank, (piece, r) in enumerate(zip(check_input.split(grad_value, splits), ranks)):
-        theirs = [g if g is not None else torch.zeros_like(e) for g, e in zip(r["input_grad"], leaves(piece))]
+        reference.input_grads if check_input.kind == "list" else dict(zip(x, reference.input_grads, strict=True)))
+    for rank, (piece, r) in enumerate(zip(check_input.split(grad_value, splits), ranks, strict=True)):
+        theirs = [g if g is not None else torch.zeros_like(e) for g, e in zip(r["input_grad"], leaves(piece), strict=True)]
         compare(f"input gradient (rank {rank})", leaves(piece), theirs)
     for name, grad in reference.param_grads.items():
         summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
@@ -790,22 +795,22 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
     with pool if pool is not None else nullcontext():
         references_for: dict[str, tuple] = {}  # suffix -> (reference model, label suffix)
         for suffix, src, conv in variants:
-            add(lambda: check_eval(src, conv, check_input, tol, label="eval" + suffix, **at))
+            add(partial(check_eval, src, conv, check_input, tol, label="eval" + suffix, **at))
             if frozen:
-                add(lambda: check_frozen(src, conv, check_input, tol,
-                                         label="frozen (train) == source (eval)" + suffix, **at))
+                add(partial(check_frozen, src, conv, check_input, tol, label="frozen (train) == source (eval)" + suffix,
+                            **at))
                 continue
             thawed = thawed_reference(src, conv)
             reference, against = (src, "") if thawed is None else (thawed, " vs source thawed")
             train_tol = tol if thawed is None else Tolerance(atol=tol.atol)  # thawed: batch_norm arithmetic both sides
             references_for[suffix] = (reference, against)
-            add(lambda: check_train(reference, conv, check_input, train_tol,
-                                    label="train, one process" + against + suffix, **at))
+            add(partial(check_train, reference, conv, check_input, train_tol,
+                        label="train, one process" + against + suffix, **at))
         if not frozen:
             batch = rank_batch(world_sizes) if world_sizes else 0
             references = {}  # one float64 reference per variant, shared by every world size
             for world_size in world_sizes:
-                for suffix, src, conv in variants:
+                for suffix, _, conv in variants:
                     ref_model, against = references_for[suffix]
 
                     def ranks_check(suffix=suffix, ref_model=ref_model, against=against, conv=conv,

@@ -354,7 +354,7 @@ def convert(
                                                    if outcome.reports else ""), indent="  ")
     except KeyboardInterrupt as interrupt:  # after the write, the message must not say nothing was written
         if outcome is not None and outcome.output is not None:
-            interrupt.state = f"{outcome.output} and its reports were written completely"
+            setattr(interrupt, "state", f"{outcome.output} and its reports were written completely")  # noqa: B010  (read by the CLI's interrupt handler)
         raise
 
 
@@ -488,7 +488,7 @@ def recalibrate(
                                                    if outcome.reports else ""), indent="  ")
     except KeyboardInterrupt as interrupt:
         if outcome is not None and outcome.output is not None:
-            interrupt.state = f"{outcome.output} and its reports were written completely"
+            setattr(interrupt, "state", f"{outcome.output} and its reports were written completely")  # noqa: B010  (read by the CLI's interrupt handler)
         raise
 
 

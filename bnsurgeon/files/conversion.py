@@ -30,7 +30,8 @@ def _metadata(result: ConvertResult, architecture: Architecture, source: str, *,
     }
     from bnsurgeon.rules import specs_for
 
-    used = specs_for(item.rule for item in [*result.report.changed, *result.report.kept] if item.rule)
+    rules = [getattr(item, "rule", None) for item in [*result.report.changed, *result.report.kept]]
+    used = specs_for(rule for rule in rules if rule)
     if used:  # loading the file asks for the same --rules again
         metadata["rules"] = used
     metadata["history"] = list(history or []) + [step(result.report.target, result.report.options)]
@@ -74,7 +75,8 @@ def write_conversion(result: ConvertResult, output: Path, architecture: Architec
                                                                    history=history, weights=weights), extras),
         **reports,
     }, force=force)
-    return tuple(reports)
+    json_path, md_path = reports
+    return json_path, md_path
 
 
 def write_model_directory(result: ConvertResult, directory: Path, architecture: Architecture,
@@ -94,11 +96,13 @@ def write_model_directory(result: ConvertResult, directory: Path, architecture: 
         config: lambda temp: temp.write_text(text),
         **reports,
     }, force=force)
-    return tuple(reports)
+    json_path, md_path = reports
+    return json_path, md_path
 
 
 def write_reports(result: ConvertResult, output: Path, *, force: bool = True) -> tuple[Path, Path]:
     """Only the two reports (atomic each)."""
     reports = report_writers(result, output)
     write_files(reports, force=force)
-    return tuple(reports)
+    json_path, md_path = reports
+    return json_path, md_path

@@ -260,7 +260,7 @@ def _read_safetensors_copy(path: Path, header: dict[str, Any]) -> dict[str, "tor
             dtype, shape = _torch_layout(path, key, info)
             data = torch.empty(end - start, dtype=torch.uint8)
             stream.seek(8 + length + start)
-            if stream.readinto(memoryview(data.numpy())) != end - start:
+            if stream.readinto(data.numpy().data) != end - start:
                 raise ValueError(f"tensor {key!r} ends past the end of the file")
             tensors[key] = data.view(dtype).reshape(shape)
     return tensors
@@ -413,7 +413,7 @@ def state_dict_candidates(obj: Any) -> dict[str, dict[str, "torch.Tensor"]]:
         return {"": obj.state_dict()}
     if _is_tensor_dict(obj):
         return {"": obj}
-    found: dict[str, dict] = {}
+    found: dict[str, Any] = {}
     if isinstance(obj, dict):
         for key in NESTED_KEYS:
             value = obj.get(key)

@@ -74,7 +74,7 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_temps(directory: Path, name: str) -> list[Path]:
     """Remove staging directories for ``name`` left by runs whose process is gone."""
     pattern = re.compile(re.escape(f".{name}{TEMP_MARK}") + r"(\d+)-[0-9a-f]+$")
-    removed = []
+    removed: list = []
     try:
         entries = list(directory.iterdir())
     except OSError:
@@ -144,10 +144,11 @@ def _roll_back(committed: list[Path], backups: dict[Path, Path | None], force: b
             final.unlink(missing_ok=True)
         elif final in backups:
             try:
-                if backups[final] is None:
+                backup = backups[final]
+                if backup is None:
                     final.unlink(missing_ok=True)
                 else:
-                    os.replace(backups[final], final)
+                    os.replace(backup, final)
             except OSError:
                 left.append(final)
         else:

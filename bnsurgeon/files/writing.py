@@ -61,7 +61,8 @@ def check_name_length(out: Path) -> None:
         )
 
 
-def _check_output_path(out: Path, inputs: list[str | os.PathLike], *, force: bool) -> Path:
+def _check_output_path(out: Path, inputs: "list[str | os.PathLike | tuple[str | os.PathLike, str]]", *,
+                       force: bool) -> Path:
     parent = out.parent if str(out.parent) else Path(".")
     check_name_length(out)
     if out.suffix not in OUTPUT_SUFFIXES and not out.name.endswith(".pth.tar"):
@@ -167,7 +168,7 @@ def checkpoint_writer(path: Path, model: "nn.Module", metadata: dict[str, Any],
         # any temp file safetensors makes lands next to ``temp``: inside our staging directory
         return lambda temp: safetensors.torch.save_file(tensors, str(temp), metadata=flat)
     main = metadata.get("weights", "state_dict")
-    payload = {main: tensors, "bnsurgeon": {k[len(PREFIX):]: v for k, v in flat.items() if k.startswith(PREFIX)}}
+    payload: dict[str, Any] = {main: tensors, "bnsurgeon": {k[len(PREFIX):]: v for k, v in flat.items() if k.startswith(PREFIX)}}
     payload["bnsurgeon"]["format"] = "pt"
     clash = sorted(set(extras or {}) & set(payload), key=str)
     if clash:
@@ -187,7 +188,8 @@ class _WriteErrorKeeper:
     """
 
     def __init__(self, handle) -> None:
-        self.handle, self.error = handle, None
+        self.handle = handle
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         try:
@@ -206,7 +208,7 @@ def _torch_save(payload: Any, temp: Path) -> None:
     with open(temp, "wb") as handle:
         writer = _WriteErrorKeeper(handle)
         try:
-            torch.save(payload, writer)
+            torch.save(payload, writer)  # type: ignore[arg-type]  # file-like: torch.save only writes and flushes
         except RuntimeError:
             if writer.error is not None:
                 raise writer.error from None

@@ -14,7 +14,7 @@ from typing import Any
 try:
     from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 except ImportError:  # the older package name
-    from pytorch_lightning.plugins.layer_sync import TorchSyncBatchNorm  # type: ignore[no-redef]
+    from pytorch_lightning.plugins.layer_sync import TorchSyncBatchNorm  # type: ignore[assignment]
 
 from torch.nn import Module
 
@@ -59,7 +59,7 @@ class BNSurgeonLayerSync(TorchSyncBatchNorm):
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
-    from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
 
 
 class RecalibrateBN(Callback):
@@ -83,7 +83,7 @@ class RecalibrateBN(Callback):
         self.options = {"max_batches": max_batches, "max_samples": max_samples, "include_frozen": include_frozen}
         self.before_validation = before_validation
         self.at_fit_end = at_fit_end
-        self.report = None
+        self.report: Any = None  # the last pass's RecalibrationReport
 
     def _averaged(self, pl_module: Module) -> Any:
         if self.model is None:

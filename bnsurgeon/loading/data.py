@@ -92,7 +92,7 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
         files = _listed(path, TENSOR_SUFFIXES)
         if files:
             stream = DataStream(f"{counted(len(files), 'tensor file')} in {path}", "tensor-folder")
-            batches = (b for file in files for b in _file_batches(file, batch_size))
+            batches: Iterator[Any] = (b for file in files for b in _file_batches(file, batch_size))
         else:
             images = _listed(path, IMAGE_SUFFIXES)
             if not images:

@@ -138,7 +138,7 @@ def layer_count(config: dict[str, Any]) -> int:
                for key, value in part.items() if isinstance(key, str) and LAYER_KEY.search(key))
 
 
-def model_class(name: str) -> type:
+def model_class(name: str) -> Any:
     """The transformers model class called ``name`` (from the package itself)."""
     try:
         import transformers
@@ -189,6 +189,7 @@ def build(name: str, kwargs: dict[str, Any], origin: str | None = None) -> "nn.M
     cls = model_class(name)
     config = kwargs.get("config")
     check_config(config, origin or f"the recorded config of {name}")
+    assert isinstance(config, dict)  # check_config refused anything else
     try:
         with hub_offline():
             return cls(cls.config_class.from_dict(local_config(config))).eval()
@@ -394,7 +395,7 @@ def stored_dtype(tensors: "dict[str, torch.Tensor]") -> "torch.dtype | None":
     for tensor in tensors.values():
         if tensor.is_floating_point():
             counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
-    return max(counts, key=counts.get) if counts else None
+    return max(counts, key=lambda dtype: counts[dtype]) if counts else None
 
 
 def check_as_stored(directory: Path, model: "nn.Module", tensors: "dict[str, torch.Tensor]") -> None:

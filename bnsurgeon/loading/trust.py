@@ -123,7 +123,8 @@ def confirmation_hints(unconfirmed: dict[str, Any], flag: str) -> tuple[str, str
     if all(text is not None for text in retyped.values()):
         typed = " ".join(f"{flag}-arg {_shell_word(f'{key}={text}')}" for key, text in retyped.items())
         hints = (f"confirm each with {typed} (or all with --accept-recorded-args)",
-                 python_args_hint(retyped, flag, " (or all with accept_recorded_args=True)"))
+                 python_args_hint({key: text for key, text in retyped.items() if text is not None}, flag,
+                                  " (or all with accept_recorded_args=True)"))
         if max(map(len, hints)) <= MAX_TEXT - 200:  # whole, or not at all: a cut command would be wrong
             return hints
         why = " (the recorded values are too long together to retype)"
