@@ -1,4 +1,4 @@
-"""Per-channel float64 moments (count, mean, M2) and their exact merge.
+"""Per-channel moments (count, mean, M2): per batch in the activation's precision, merged in float64.
 
 M2 is the sum of squared deviations from the mean. Two sets of moments merge with Chan et
 al.'s pairwise update, which is count-weighted and includes the between-set term; it never
@@ -15,13 +15,20 @@ import torch
 
 #: batches whose moments wait to be folded in at once (one vectorised merge instead of one per call)
 PENDING = 64
+#: planes (the spatial extent of one sample's channel) at least this large are squared and summed by a
+#: batched dot product, which reads them once; smaller ones by an in-place square and a sum
+PLANE_DOT = 16
 
 
 def batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(elements per channel, mean, M2) of a (N, C, ...) or (N, C) input, computed in float64.
+    """(elements per channel, mean, M2) of a (N, C, ...) or (N, C) input, returned in float64.
 
-    The two-pass form (mean first, then the squared deviations from it) in float64: exact to
-    float64 round-off whatever the input's offset.
+    Computed in the activation's own precision (float32 for half types), which is what makes it
+    cost about one pass over the input instead of a float64 copy: the corrected two-pass algorithm
+    (shift s = the batch mean, d = x - s; mean = s + sum(d)/n, M2 = sum(d^2) - sum(d)^2/n). d is
+    centred, so nothing cancels whatever the offset: the mean is within a few roundings of the
+    spread (not of |mean|) and M2 within a few roundings of itself; float64 inputs stay exact to
+    float64 round-off. Only the merge across batches and ranks is float64.
     """
     if x.dim() < 2:
         raise ValueError(f"a batch norm input has at least 2 dimensions (N, C, ...), not shape {tuple(x.shape)}")
@@ -30,20 +37,22 @@ def batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     if count == 0:
         zeros = torch.zeros(channels, dtype=torch.float64, device=x.device)
         return 0, zeros, zeros.clone()
-    if x.dim() == 2 or x[0, 0].numel() <= 16:  # little or no spatial extent: reduce rows of a channel-major copy
-        wide = torch.empty((channels, x.shape[0], x[0, 0].numel()), dtype=torch.float64, device=x.device)
-        wide.copy_(x.detach().reshape(x.shape[0], channels, -1).transpose(0, 1))
-        wide = wide.view(channels, -1)
-        mean = wide.sum(1).div_(count)
-        wide.sub_(mean[:, None])
-        return count, mean, wide.mul_(wide).sum(1)
+    x = x.detach()
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
     dims = [0, *range(2, x.dim())]
-    wide = x.detach().to(torch.float64)
-    if wide.data_ptr() == x.data_ptr():  # already float64: never centre the caller's tensor in place
-        wide = wide.clone()
-    mean = wide.sum(dims).div_(count)
-    wide.sub_(mean.view([1, channels] + [1] * (x.dim() - 2)))
-    m2 = wide.mul_(wide).sum(dims)
+    shift = x.sum(dims).div_(count)
+    centred = x - shift.view([1, channels] + [1] * (x.dim() - 2))
+    total = centred.sum(dims).to(torch.float64)
+    plane = centred[0, 0].numel()
+    if plane >= PLANE_DOT and centred.is_contiguous():
+        # one dot product per (sample, channel) plane, reading d once; the planes summed in float64
+        rows = centred.view(-1, 1, plane)
+        squares = torch.bmm(rows, rows.transpose(1, 2)).view(x.shape[0], channels).to(torch.float64).sum(0)
+    else:
+        squares = centred.mul_(centred).sum(dims).to(torch.float64)
+    mean = shift.to(torch.float64).add_(total / count)
+    m2 = squares.sub_(total.square().div_(count)).clamp_(min=0)
     return count, mean, m2
 
 
