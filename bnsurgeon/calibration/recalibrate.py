@@ -133,14 +133,20 @@ class _Tracked:
     calls: int = 0
     first_call: int = -1
     batch_stats_in_eval: bool = False  # normalised in eval mode with the batch's exact statistics in its buffers
+    #: (mean, var) buffers that its training-mode forward fills with each batch's statistics (momentum 1)
+    captured: "tuple[torch.Tensor, torch.Tensor] | None" = None
+    momentum: Any = None  # its own, restored after the pass
+    waiting: int = 0  # elements per channel of the call whose statistics the forward is computing
 
 
 def _normalises_with_buffers(module: "nn.Module") -> bool:
-    """Classes whose eval forward is F.batch_norm with the running buffers (then drop and act for the
-    norm-act ones): in eval mode, with the batch's own statistics put in those buffers by the hook,
-    they normalise exactly as training mode does (with the exact statistics rounded once to the
-    buffers' dtype, where training mode rounds its own), without computing the statistics a second
-    time. Any other class (a user's subclass, a rule's library class) runs its own training mode."""
+    """Classes whose forward is F.batch_norm with the running buffers and ``momentum`` as torch's
+    BatchNorm runs it (then drop and act for the norm-act ones). In eval mode, with the batch's own
+    statistics put in those buffers by the hook, they normalise exactly as training mode does (with
+    the exact statistics rounded once to the buffers' dtype, where training mode rounds its own). In
+    training mode with momentum 1, their running buffers end each call holding the batch's mean and
+    unbiased variance, as the kernel computed them for the normalisation. Any other class (a user's
+    subclass, a rule's library class) runs its own training mode and the hook computes its statistics."""
     from torch import nn
 
     exact = {nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm}
@@ -306,9 +312,13 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
             item.batch_stats_in_eval = fast_normalization and not lockstep and _normalises_with_buffers(item.module)
             if not _is_frozen(item.module) and not item.batch_stats_in_eval:
                 item.module.training = True  # the BN module alone: its act/drop children stay in eval
+                if not lockstep and _normalises_with_buffers(item.module):
+                    _capture_batch_statistics(item)
         call_order = [0]
         for item in tracked:
             hooks.append(item.module.register_forward_pre_hook(_make_hook(item, call_order)))
+            if item.captured is not None:
+                hooks.append(item.module.register_forward_hook(_make_capture_hook(item)))
         torch.set_grad_enabled(False)
         if device is not None:
             forward = _on_device(forward, torch.device(device))
@@ -330,6 +340,9 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     finally:
         for handle in hooks:
             handle.remove()
+        for item in tracked:
+            if item.captured is not None:  # its buffers are back (the snapshot's own tensors): its momentum too
+                item.module.momentum = item.momentum
         for module, training in saved_modes:
             module.training = training
         torch.set_grad_enabled(grad_enabled)
@@ -371,21 +384,66 @@ def _has_collective_layers(model: "nn.Module", tracked: list[_Tracked]) -> bool:
     return any(isinstance(item.module, SyncBatchNorm) for item in tracked)
 
 
+def _capture_batch_statistics(item: _Tracked) -> None:
+    """Let a training-mode module's own kernel compute each batch's statistics (it does for its
+    normalisation anyway): its running buffers are swapped for scratch ones and its momentum set to 1,
+    so after each call they hold that batch's mean and unbiased variance (its output does not depend
+    on either). The snapshot puts the module's own buffers back; the momentum is restored with the
+    training flags."""
+    buffers = item.module._buffers
+    mean, var = buffers["running_mean"], buffers["running_var"]
+    item.captured = (torch.zeros_like(mean), torch.ones_like(var))
+    buffers["running_mean"], buffers["running_var"] = item.captured
+    item.momentum = item.module.momentum
+    item.module.momentum = 1.0
+
+
+def _kernel_statistics_exact(x: torch.Tensor, captured: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the training kernel's statistics of ``x`` are as good as ``batch_moments``: CUDA (Welford),
+    or a contiguous (N, C, H, ...) CPU input with spatial extent (two passes, double accumulators). CPU
+    (N, C) and channels-last inputs are summed in the input's dtype, one element after another, which
+    loses digits over large batches: those get ``batch_moments``. Dtypes must match the buffers."""
+    if x.dtype != captured[0].dtype or x.dtype not in (torch.float32, torch.float64):
+        return False
+    if x.is_cuda:
+        return True
+    return x.dim() > 2 and x.is_contiguous() and x.numel() > x.shape[0] * x.shape[1]
+
+
 def _make_hook(item: _Tracked, call_order: list[int]):
     def hook(module, args):
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor):
             raise DataError(f"{item.path} was called with {type(x).__name__}, not a tensor")
+        item.calls += 1
+        if item.first_call < 0:
+            item.first_call = call_order[0]
+            call_order[0] += 1
+        if item.captured is not None and x.dim() > 1:
+            count = x.numel() // x.shape[1] if x.shape[1] else 0
+            if count > 1 and _kernel_statistics_exact(x, item.captured):
+                item.waiting = count  # the forward hook takes them from the kernel
+                return None
+        item.waiting = 0
         count, mean, m2 = batch_moments(x)
         item.moments.push(count, mean, m2)
         if item.batch_stats_in_eval and count:
             buffers = module._buffers
             buffers["running_mean"].copy_(mean)
             buffers["running_var"].copy_(m2 / count)  # the biased variance, as training mode normalises with
-        item.calls += 1
-        if item.first_call < 0:
-            item.first_call = call_order[0]
-            call_order[0] += 1
+        return None
+
+    return hook
+
+
+def _make_capture_hook(item: _Tracked):
+    def hook(module, args, output):
+        count = item.waiting
+        if count:
+            item.waiting = 0
+            mean, var = item.captured
+            # M2 = unbiased variance * (n - 1): the kernel's variance rounded once to the buffer's dtype
+            item.moments.push(count, mean.to(torch.float64, copy=True), var.to(torch.float64, copy=True).mul_(count - 1))
         return None
 
     return hook
