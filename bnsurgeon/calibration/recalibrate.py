@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from bnsurgeon.calibration.statistics import Moments, batch_moments, merge_rows
+from bnsurgeon.calibration.statistics import Moments, batch_sums, merge_rows
 from bnsurgeon.core.anatomy import is_uninitialized_lazy, qualname
 from bnsurgeon.core.errors import (
     BnSurgeonError,
@@ -136,6 +136,7 @@ class _Tracked:
     #: (mean, var) buffers that its training-mode forward fills with each batch's statistics (momentum 1)
     captured: "tuple[torch.Tensor, torch.Tensor] | None" = None
     momentum: Any = None  # its own, restored after the pass
+    no_correction: "torch.Tensor | None" = None
     waiting: int = 0  # elements per channel of the call whose statistics the forward is computing
 
 
@@ -393,6 +394,7 @@ def _capture_batch_statistics(item: _Tracked) -> None:
     buffers = item.module._buffers
     mean, var = buffers["running_mean"], buffers["running_var"]
     item.captured = (torch.zeros_like(mean), torch.ones_like(var))
+    item.no_correction = torch.zeros_like(mean)  # the kernel's mean is the mean: no sum(d) to add
     buffers["running_mean"], buffers["running_var"] = item.captured
     item.momentum = item.module.momentum
     item.module.momentum = 1.0
@@ -425,12 +427,13 @@ def _make_hook(item: _Tracked, call_order: list[int]):
                 item.waiting = count  # the forward hook takes them from the kernel
                 return None
         item.waiting = 0
-        count, mean, m2 = batch_moments(x)
-        item.moments.push(count, mean, m2)
+        count, shift, total, squares = batch_sums(x)
+        item.moments.push_sums(count, shift, total, squares)
         if item.batch_stats_in_eval and count:
             buffers = module._buffers
-            buffers["running_mean"].copy_(mean)
-            buffers["running_var"].copy_(m2 / count)  # the biased variance, as training mode normalises with
+            buffers["running_mean"].copy_(torch.add(shift, total, alpha=1.0 / count))
+            # the biased variance, as training mode normalises with
+            buffers["running_var"].copy_(torch.addcmul(squares, total, total, value=-1.0 / count).div_(count).clamp_(min=0))
         return None
 
     return hook
@@ -443,7 +446,7 @@ def _make_capture_hook(item: _Tracked):
             item.waiting = 0
             mean, var = item.captured
             # M2 = unbiased variance * (n - 1): the kernel's variance rounded once to the buffer's dtype
-            item.moments.push(count, mean.to(torch.float64, copy=True), var.to(torch.float64, copy=True).mul_(count - 1))
+            item.moments.push_sums(count, mean.clone(), item.no_correction, var.clone(), scale=count - 1)
         return None
 
     return hook

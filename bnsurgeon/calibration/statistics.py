@@ -20,40 +20,54 @@ PENDING = 64
 PLANE_DOT = 16
 
 
-def batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(elements per channel, mean, M2) of a (N, C, ...) or (N, C) input, returned in float64.
-
-    Computed in the activation's own precision (float32 for half types), which is what makes it
-    cost about one pass over the input instead of a float64 copy: the corrected two-pass algorithm
-    (shift s = the batch mean, d = x - s; mean = s + sum(d)/n, M2 = sum(d^2) - sum(d)^2/n). d is
-    centred, so nothing cancels whatever the offset: the mean is within a few roundings of the
-    spread (not of |mean|) and M2 within a few roundings of itself; float64 inputs stay exact to
-    float64 round-off. Only the merge across batches and ranks is float64.
-    """
+def batch_sums(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, shift, sum(d), sum(d^2)) per channel of a (N, C, ...) or (N, C) input, d = x - shift, shift
+    its mean: the sums of the corrected two-pass algorithm (``finish_sums`` turns them into mean and
+    M2), in the activation's own dtype (float32 for half types), so that they cost about two reads of
+    the input and one write of d instead of a float64 copy and five passes over it. d is centred, so
+    nothing cancels whatever the offset: the mean comes out within a few roundings of the spread (not
+    of |mean|), M2 within a few roundings of itself; float64 inputs stay exact to float64 round-off.
+    Few operations on purpose: this runs for every BN call of a recalibration pass."""
     if x.dim() < 2:
         raise ValueError(f"a batch norm input has at least 2 dimensions (N, C, ...), not shape {tuple(x.shape)}")
-    channels = x.shape[1]
+    batch, channels = x.shape[0], x.shape[1]
     count = x.numel() // channels if channels else 0
     if count == 0:
         zeros = torch.zeros(channels, dtype=torch.float64, device=x.device)
-        return 0, zeros, zeros.clone()
-    x = x.detach()
+        return 0, zeros, zeros.clone(), zeros.clone()
+    if x.requires_grad:
+        x = x.detach()
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
     dims = [0, *range(2, x.dim())]
-    shift = x.sum(dims).div_(count)
+    shift = x.mean(dims)
     centred = x - shift.view([1, channels] + [1] * (x.dim() - 2))
-    total = centred.sum(dims).to(torch.float64)
-    plane = centred[0, 0].numel()
+    total = centred.sum(dims)
+    plane = count // batch
     if plane >= PLANE_DOT and centred.is_contiguous():
-        # one dot product per (sample, channel) plane, reading d once; the planes summed in float64
-        rows = centred.view(-1, 1, plane)
-        squares = torch.bmm(rows, rows.transpose(1, 2)).view(x.shape[0], channels).to(torch.float64).sum(0)
+        rows = centred.view(-1, 1, plane)  # one dot product per (sample, channel) plane, reading d once
+        squares = torch.bmm(rows, rows.transpose(1, 2)).view(batch, channels).sum(0)
     else:
-        squares = centred.mul_(centred).sum(dims).to(torch.float64)
-    mean = shift.to(torch.float64).add_(total / count)
-    m2 = squares.sub_(total.square().div_(count)).clamp_(min=0)
-    return count, mean, m2
+        squares = centred.mul_(centred).sum(dims)
+    return count, shift, total, squares
+
+
+def finish_sums(count, shift: torch.Tensor, total: torch.Tensor, squares: torch.Tensor,
+                scale=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, M2) in float64 from ``batch_sums``: mean = shift + sum(d)/n, M2 = scale * sum(d^2) - sum(d)^2/n.
+    ``count`` and ``scale`` may be (K, 1) tensors for K stacked batches."""
+    shift, total, squares = (t.to(torch.float64) for t in (shift, total, squares))
+    mean = shift + total / count
+    m2 = (squares * scale).sub_(total.square() / count).clamp_(min=0)
+    return mean, m2
+
+
+def batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(elements per channel, mean, M2) of a (N, C, ...) or (N, C) input, in float64 (``batch_sums``)."""
+    count, shift, total, squares = batch_sums(x)
+    if count == 0:
+        return 0, shift, squares
+    return (count, *finish_sums(count, shift, total, squares))
 
 
 def merge_moments(count_a: float, mean_a: torch.Tensor, m2_a: torch.Tensor,
@@ -101,12 +115,18 @@ class Moments:
                    torch.zeros(channels, dtype=torch.float64, device=device))
 
     def add(self, x: torch.Tensor) -> None:
-        self.push(*batch_moments(x))
+        self.push_sums(*batch_sums(x))
 
     def push(self, count: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
-        """One batch's moments (``batch_moments``), folded in with the next ``settle``."""
+        """One batch's float64 moments (``batch_moments``), folded in with the next ``settle``."""
+        self.push_sums(count, mean, torch.zeros_like(mean), m2)
+
+    def push_sums(self, count: int, shift: torch.Tensor, total: torch.Tensor, squares: torch.Tensor,
+                  scale: float = 1.0) -> None:
+        """One batch's ``batch_sums`` (M2 = scale * squares - total^2 / n), kept as they are: turned into
+        float64 moments and folded in with the next ``settle``, all waiting batches in one step."""
         if count:
-            self.pending.append((count, mean, m2))
+            self.pending.append((count, scale, shift, total, squares))
         if len(self.pending) >= PENDING:
             self.settle()
 
@@ -114,10 +134,16 @@ class Moments:
         """Fold the waiting batches in (with the moments so far as one more set)."""
         if not self.pending:
             return
-        sets = ([(self.count, self.mean, self.m2)] if self.count else []) + self.pending
-        self.pending = []
-        total, mean, m2 = fold_moments([n for n, _, _ in sets], torch.stack([m for _, m, _ in sets]),
-                                       torch.stack([q for _, _, q in sets]))
+        pending, self.pending = self.pending, []
+        counts = [entry[0] for entry in pending]
+        columns = [torch.tensor([entry[i] for entry in pending], dtype=torch.float64, device=self.mean.device)[:, None]
+                   for i in (0, 1)]
+        stacked = [_stack([entry[i] for entry in pending]) for i in (2, 3, 4)]
+        means, m2s = finish_sums(columns[0], *stacked, scale=columns[1])
+        if self.count:
+            counts = [self.count] + counts
+            means, m2s = torch.cat([self.mean[None], means]), torch.cat([self.m2[None], m2s])
+        total, mean, m2 = fold_moments(counts, means, m2s)
         self.count, self.mean, self.m2 = int(total), mean, m2
 
     def merge(self, count: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
@@ -143,6 +169,13 @@ class Moments:
         self.settle()
         head = torch.tensor([float(self.count)], dtype=torch.float64, device=self.mean.device)
         return torch.cat([head, self.mean, self.m2])
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One (K, C) tensor in float64 (one cast for the stack, one per tensor only where dtypes differ)."""
+    if len({t.dtype for t in tensors}) > 1:
+        tensors = [t.to(torch.float64) for t in tensors]
+    return torch.stack(tensors).to(torch.float64)
 
 
 def merge_rows(rows: torch.Tensor, channels: int) -> Moments:
