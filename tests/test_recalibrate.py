@@ -116,6 +116,11 @@ def test_one_process_closed_form_and_state(fast):
     assert report.collectives == 0 and report.unreached == []
     assert [m.path for m in report.modules] == list(cases.BN_PATHS)
     assert all(m.calls == 8 and m.mean_change_max > 0 for m in report.modules)
+    for m in report.modules:  # the report's changes are those of the buffers
+        mean_change = float((after[f"{m.path}.running_mean"].double() - before[f"{m.path}.running_mean"].double()).abs().max())
+        var_change = float((after[f"{m.path}.running_var"].double() - before[f"{m.path}.running_var"].double()).abs().max())
+        assert abs(m.mean_change_max - mean_change) <= 1e-6 * mean_change, m.path
+        assert abs(m.var_change_max - var_change) <= 1e-6 * var_change, m.path
 
 
 def offset_batches(layout: str) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from bnsurgeon.calibration.statistics import Moments, batch_sums, merge_rows
+from bnsurgeon.calibration.statistics import Moments, batch_sums, merge_rows, settle_all
 from bnsurgeon.core.anatomy import is_uninitialized_lazy, qualname
 from bnsurgeon.core.errors import (
     BnSurgeonError,
@@ -300,8 +300,9 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     model = _unwrap(model)
     group, world, rank = _resolve_group(group)
     report = RecalibrationReport(ranks=world)
-    tracked = _tracked_modules(model, include_frozen, report)
-    snapshot = _snapshot(model)
+    entries = plan(model)  # walked once: the tracked modules and the snapshot both read it
+    tracked = _tracked_modules(entries, include_frozen, report)
+    snapshot = _snapshot(entries)
     hooks = []
     grad_enabled = torch.is_grad_enabled()
     saved_modes = [(module, module.training) for module in model.modules()]
@@ -351,9 +352,9 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     return report
 
 
-def _tracked_modules(model: "nn.Module", include_frozen: bool, report: RecalibrationReport) -> list[_Tracked]:
+def _tracked_modules(entries: list, include_frozen: bool, report: RecalibrationReport) -> list[_Tracked]:
     tracked = []
-    for entry in plan(model):
+    for entry in entries:
         module, reason = entry.module, None
         if entry.rule is None:
             reason = "no rule claims this class (bnsurgeon.rules.register one to recalibrate it)"
@@ -452,10 +453,10 @@ def _make_capture_hook(item: _Tracked):
     return hook
 
 
-def _snapshot(model: "nn.Module") -> list[tuple[dict, str, torch.Tensor, torch.Tensor]]:
-    """A copy of every BN-family buffer, to undo the forward's own running-stat updates."""
+def _snapshot(entries: list) -> list[tuple[dict, str, torch.Tensor, torch.Tensor]]:
+    """A copy of every BN-family buffer of the plan's ``entries``, to undo the forward's own running-stat updates."""
     saved = []
-    for entry in plan(model):
+    for entry in entries:
         for name in (*STAT_BUFFERS, "num_batches_tracked"):
             buffer = entry.module._buffers.get(name)
             if buffer is not None and not buffer.is_meta:
@@ -583,9 +584,9 @@ def _merge(tracked: list[_Tracked], report: RecalibrationReport, failure, group,
     One process: its own moments as they are (no packing)."""
     if world == 1:
         report.batches, report.samples = report.rank_batches[0], report.rank_samples[0]
-        for item in tracked:
-            item.moments.settle()
+        settle_all([item.moments for item in tracked])
         return ([(item.calls, item.first_call, item.moments) for item in tracked], {"failed": failure is not None})
+    settle_all([item.moments for item in tracked])
     width = [3 + 2 * item.channels for item in tracked]
     local = torch.cat([torch.tensor([float(report.rank_batches[0]), float(report.rank_samples[0]),
                                      float(failure is not None)], dtype=torch.float64)] +
@@ -629,16 +630,22 @@ def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
                         "nothing was written; pass data with at least one batch")
     if report.samples == 0:
         raise DataError("the data's batches hold no sample", "nothing was written; pass batches with samples in them")
-    non_finite = [(first, item.path) for item, (calls, first, moments) in zip(tracked, merged)
-                  if moments.count and not bool(torch.isfinite(moments.mean).all() & torch.isfinite(moments.m2).all())]
-    if non_finite:
+    reached = [(item, calls, first, moments) for item, (calls, first, moments) in zip(tracked, merged) if moments.count]
+    if reached and not _all_finite([m.mean for *_, m in reached] + [m.m2 for *_, m in reached]):
+        non_finite = [(first, item.path) for item, _, first, moments in reached
+                      if not bool(torch.isfinite(moments.mean).all() & torch.isfinite(moments.m2).all())]
         first, path = min(non_finite)
         others = len(non_finite) - 1
         raise NonFiniteActivationsError(
             f"the input of {path} held NaN or Inf during recalibration"
             + (f" (and {counted(others, 'module')} after it)" if others else "") + ": its statistics would be meaningless")
-    for item, (_, _, moments) in zip(tracked, merged):  # Inf in a buffer is no statistic: refused, naming it
-        if moments.count:
+    by_dtype: dict[torch.dtype, list] = {}
+    for item, _, _, moments in reached:
+        by_dtype.setdefault(item.module._buffers["running_mean"].dtype, []).append((item, moments))
+    for dtype, group in by_dtype.items():  # Inf in a buffer is no statistic: refused, naming it
+        if _all_finite([torch.cat([m.mean for _, m in group] + [m.unbiased_var for _, m in group]).to(dtype)]):
+            continue
+        for item, moments in group:
             buffers = item.module._buffers
             overflow = statistics_overflow(item.path, {"running_mean": moments.mean.cpu()}, buffers["running_mean"].dtype) \
                 or statistics_overflow(item.path, {"running_var": moments.unbiased_var.cpu()}, buffers["running_var"].dtype)
@@ -650,28 +657,41 @@ def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
             f"{counted(len(tracked), 'tracked BN module')}")
 
 
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """One check (one host read) for many tensors of one device."""
+    return bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors])).all())
+
+
 def _write(tracked, merged, report: RecalibrationReport) -> None:
+    """Each reached module's buffers get its statistics; the report's changes are computed for every
+    module at once (channels end to end, one max per module segment), not a dozen operations each."""
+    written = []
     with torch.no_grad():
         for item, (calls, _, moments) in zip(tracked, merged):
             if moments.count == 0:
                 report.unreached.append(item.path)
                 continue
             buffers = item.module._buffers
-            old_mean = buffers["running_mean"].detach().to(torch.float64).cpu()
-            old_var = buffers["running_var"].detach().to(torch.float64).cpu()
-            new_mean, new_var = moments.mean.cpu(), moments.unbiased_var.cpu()
-            buffers["running_mean"].copy_(new_mean.to(buffers["running_mean"].dtype))
-            buffers["running_var"].copy_(new_var.to(buffers["running_var"].dtype))
-            report.statistics[item.path] = (moments.count, moments.mean.clone(), moments.population_var.clone())
-            mean_diff = (new_mean - old_mean).abs()
-            var_diff = (new_var - old_var).abs()
-            scale = new_var.clamp(min=1e-12).sqrt()
+            new_mean, new_var = moments.mean, moments.unbiased_var
+            written.append((item, calls, moments, buffers["running_mean"].detach().clone(),
+                            buffers["running_var"].detach().clone(), new_mean, new_var))
+            buffers["running_mean"].copy_(new_mean)
+            buffers["running_var"].copy_(new_var)
+            report.statistics[item.path] = (moments.count, new_mean.clone(), moments.population_var)
+    if written:
+        old_mean, old_var, new_mean, new_var = (torch.cat([row[i].to(torch.float64).cpu() for row in written])
+                                                for i in (3, 4, 5, 6))
+        mean_diff, var_diff = (new_mean - old_mean).abs(), (new_var - old_var).abs()
+        changes = torch.stack([mean_diff, mean_diff / new_var.clamp(min=1e-12).sqrt(), var_diff,
+                               var_diff / old_var.abs().clamp(min=1e-12)], 1)
+        lengths = torch.tensor([row[0].channels for row in written])
+        maxima = torch.segment_reduce(changes.nan_to_num(nan=float("inf")), "max", lengths=lengths)
+        for (item, calls, moments, *_), values in zip(written, maxima.tolist()):
             report.modules.append(ModuleRecalibration(
                 path=item.path, cls=qualname(type(item.module)), channels=item.channels, elements=moments.count,
                 calls=calls, calls_per_batch=calls / max(report.batches, 1),
-                mean_change_max=_finite(mean_diff.max()), mean_change_rel=_finite((mean_diff / scale).max()),
-                var_change_max=_finite(var_diff.max()),
-                var_change_rel=_finite((var_diff / old_var.abs().clamp(min=1e-12)).max()),
+                mean_change_max=_finite_number(values[0]), mean_change_rel=_finite_number(values[1]),
+                var_change_max=_finite_number(values[2]), var_change_rel=_finite_number(values[3]),
                 aliases=list(item.aliases)))
     several = report.called_several_times
     if several:
@@ -681,8 +701,7 @@ def _write(tracked, merged, report: RecalibrationReport) -> None:
         report.notes.append(f"{counted(len(report.unreached), 'module')} never reached by the forward, left unchanged")
 
 
-def _finite(value: torch.Tensor) -> float:
-    number = float(value)
+def _finite_number(number: float) -> float:
     return number if math.isfinite(number) else float("inf")
 
 
