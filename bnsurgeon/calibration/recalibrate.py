@@ -431,13 +431,23 @@ def _make_hook(item: _Tracked, call_order: list[int]):
         count, shift, total, squares = batch_sums(x)
         item.moments.push_sums(count, shift, total, squares)
         if item.batch_stats_in_eval and count:
-            buffers = module._buffers
-            buffers["running_mean"].copy_(torch.add(shift, total, alpha=1.0 / count))
-            # the biased variance, as training mode normalises with
-            buffers["running_var"].copy_(torch.addcmul(squares, total, total, value=-1.0 / count).div_(count).clamp_(min=0))
+            _put_batch_statistics(module._buffers, count, shift, total, squares)
         return None
 
     return hook
+
+
+def _put_batch_statistics(buffers: dict, count: int, shift: torch.Tensor, total: torch.Tensor,
+                          squares: torch.Tensor) -> None:
+    """The batch's mean and biased variance (what training mode normalises with) into the running buffers,
+    written in place where the dtypes agree (three operations a call instead of six)."""
+    mean, var = buffers["running_mean"], buffers["running_var"]
+    if mean.dtype == shift.dtype and var.dtype == squares.dtype:
+        torch.add(shift, total, alpha=1.0 / count, out=mean)
+        torch.addcmul(squares, total, total, value=-1.0 / count, out=var).div_(count)
+    else:
+        mean.copy_(torch.add(shift, total, alpha=1.0 / count))
+        var.copy_(torch.addcmul(squares, total, total, value=-1.0 / count).div_(count))
 
 
 def _make_capture_hook(item: _Tracked):

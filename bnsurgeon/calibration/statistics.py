@@ -16,8 +16,9 @@ import torch
 #: batches whose moments wait to be folded in at once (one vectorised merge instead of one per call)
 PENDING = 64
 #: planes (the spatial extent of one sample's channel) at least this large are squared and summed by a
-#: batched dot product, which reads them once; smaller ones by an in-place square and a sum
-PLANE_DOT = 16
+#: batched dot product, which reads them once; smaller ones by an in-place square and a sum (on this
+#: project's CPUs the batched dot of many small planes costs more than the extra pass)
+PLANE_DOT = 1024
 
 
 def batch_sums(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
