@@ -4,10 +4,14 @@ rank, and writes them into its running statistics.
 
 The pass: non-BN modules run in eval (no dropout), BN modules normalise as in training
 (batch statistics; bnsurgeon's sync layers under a process group normalise over the global
-batch, as in training). A forward pre-hook on each tracked module adds its input to float64
-per-channel moments (``statistics.py``). The forward's own running-stat updates are undone
-(every BN buffer is restored from a snapshot), then each module that was reached gets exactly
-the population statistics. Across ranks the moments are merged ONCE per pass: one all_gather
+batch, as in training). Each batch's per-channel moments are taken in the activation's own dtype
+and merged in float64 (``statistics.py``): torch's BN classes in training mode hand over the
+statistics their kernel computed for the normalisation (scratch running buffers, momentum 1), so
+the activation is read once; every other call gets them from a forward pre-hook (the corrected
+two-pass sums). The forward's own running-stat updates are undone (every BN buffer is restored
+from a snapshot), then each module that was reached gets the population statistics: a float64
+model exact to float64 round-off, a float32 one within what one more float32 rounding of each
+activation can do (README, "Recalibrate BN statistics"). Across ranks the moments are merged ONCE per pass: one all_gather
 of every tracked module's [calls, n, first call, mean, M2] row packed into one tensor (every
 rank sends a row for every tracked module, reached or not), merged in rank order on every
 rank, so every rank ends with the same bits.
@@ -280,9 +284,9 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     bit for bit those of training mode with non-BN modules in eval). ``fast_normalization``:
     torch's BatchNorm1d/2d/3d, timm's BatchNormAct2d and the sync classes outside a
     synchronising group normalise in eval mode with the batch's exact statistics, which the
-    pre-hook has computed anyway, put in their buffers: the statistics are not computed twice
-    (up to ~1.4x faster on BN-heavy models), and the activations equal training mode's to
-    float32 rounding (the statistics are then exact for those activations).
+    pre-hook computes, put in their buffers: eval-mode BN plus those statistics costs less than
+    torch's CPU training-mode BN kernel (about 2x less on BN-heavy models), and the activations
+    equal training mode's to float32 rounding (the statistics are those of these activations).
 
     Frozen BN (normalises with its buffers in every mode) is left alone unless
     ``include_frozen``. Modules the forward never reached are listed and left unchanged;
