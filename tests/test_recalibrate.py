@@ -69,8 +69,13 @@ def assert_population(statistics, seen, rtol=None):
         assert bool(((got_var - var).abs() <= var_bound).all()), (path, float(((got_var - var).abs() / var_bound).max()))
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["training-mode", "fast-normalization"])
-def test_one_process_closed_form_and_state(fast):
+@pytest.mark.parametrize("fast", [False, True, "eval-everywhere"],
+                         ids=["training-mode", "fast-normalization", "fast-normalization-eval-everywhere"])
+def test_one_process_closed_form_and_state(fast, monkeypatch):
+    if fast == "eval-everywhere":  # these inputs are small: without this they would run the training kernel
+        import bnsurgeon.calibration.recalibrate as recalibration
+
+        monkeypatch.setattr(recalibration, "SMALL_FOR_TRAINING_KERNEL", 0)
     model = cases.make_model()
     before = cases.buffers(model)
     model.train()
@@ -138,11 +143,16 @@ def offset_batches(layout: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", ["nchw", "channels-last", "nc"])
-@pytest.mark.parametrize("fast", [False, True], ids=["training-mode", "fast-normalization"])
-def test_float32_within_its_bound_when_mean_dwarfs_std(layout, fast):
+@pytest.mark.parametrize("fast", [False, True, "eval-everywhere"],
+                         ids=["training-mode", "fast-normalization", "fast-normalization-eval-everywhere"])
+def test_float32_within_its_bound_when_mean_dwarfs_std(layout, fast, monkeypatch):
     """A float32 model's statistics against the float64 truth when |mean| >> std: within ``float32_bound``,
     for every path a batch's statistics take (the training kernel's, bnsurgeon's own in float32), while
     E[x^2] - E[x]^2 in float32 lands far outside it."""
+    if fast == "eval-everywhere":
+        import bnsurgeon.calibration.recalibrate as recalibration
+
+        monkeypatch.setattr(recalibration, "SMALL_FOR_TRAINING_KERNEL", 0)
     data = offset_batches(layout)
     bn = nn.BatchNorm1d(4) if layout == "nc" else nn.BatchNorm2d(4)
     report = bnsurgeon.recalibrate(nn.Sequential(bn), data, fast_normalization=fast)
@@ -158,10 +168,15 @@ def test_float32_within_its_bound_when_mean_dwarfs_std(layout, fast):
     assert bool(((cancelled.double() - var).abs() > var_bound).any())
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["training-mode", "fast-normalization"])
-def test_float64_model_equals_the_closed_form(fast):
+@pytest.mark.parametrize("fast", [False, True, "eval-everywhere"],
+                         ids=["training-mode", "fast-normalization", "fast-normalization-eval-everywhere"])
+def test_float64_model_equals_the_closed_form(fast, monkeypatch):
     """A float64 model and data: the statistics and the buffers equal the closed-form float64 population
     statistics of the pass's own BN inputs to 1e-9, for every kind of BN input (conv, BatchNormAct2d, linear)."""
+    if fast == "eval-everywhere":
+        import bnsurgeon.calibration.recalibrate as recalibration
+
+        monkeypatch.setattr(recalibration, "SMALL_FOR_TRAINING_KERNEL", 0)
     model = cases.make_model().double()
     seen = cases.capture(model)
     data = [x.double() * 100 + 1e3 for x in cases.shard(0, (5,))]

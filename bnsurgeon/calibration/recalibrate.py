@@ -318,8 +318,8 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
             item.batch_stats_in_eval = fast_normalization and not lockstep and _normalises_with_buffers(item.module)
             if not _is_frozen(item.module) and not item.batch_stats_in_eval:
                 item.module.training = True  # the BN module alone: its act/drop children stay in eval
-                if not lockstep and _normalises_with_buffers(item.module):
-                    _capture_batch_statistics(item)
+            if not lockstep and _normalises_with_buffers(item.module) and not _is_frozen(item.module):
+                _capture_batch_statistics(item)
         call_order = [0]
         for item in tracked:
             hooks.append(item.module.register_forward_pre_hook(_make_hook(item, call_order)))
@@ -390,6 +390,12 @@ def _has_collective_layers(model: "nn.Module", tracked: list[_Tracked]) -> bool:
     return any(isinstance(item.module, SyncBatchNorm) for item in tracked)
 
 
+#: with fast_normalization, inputs smaller than this (elements) still run torch's training-mode BN and
+#: hand over its statistics: on this project's CPUs that costs less than eval BN plus bnsurgeon's own
+#: statistics (a few small operations each) for small activations, more for large ones
+SMALL_FOR_TRAINING_KERNEL = 65536
+
+
 def _capture_batch_statistics(item: _Tracked) -> None:
     """Let a training-mode module's own kernel compute each batch's statistics (it does for its
     normalisation anyway): its running buffers are swapped for scratch ones and its momentum set to 1,
@@ -428,9 +434,12 @@ def _make_hook(item: _Tracked, call_order: list[int]):
             call_order[0] += 1
         if item.captured is not None and x.dim() > 1:
             count = x.numel() // x.shape[1] if x.shape[1] else 0
-            if count > 1 and _kernel_statistics_exact(x, item.captured):
+            if count > 1 and _kernel_statistics_exact(x, item.captured) and \
+                    not (item.batch_stats_in_eval and x.numel() >= SMALL_FOR_TRAINING_KERNEL):
                 item.waiting = count  # the forward hook takes them from the kernel
+                module.training = True
                 return None
+            module.training = not item.batch_stats_in_eval
         item.waiting = 0
         count, shift, total, squares = batch_sums(x)
         item.moments.push_sums(count, shift, total, squares)
