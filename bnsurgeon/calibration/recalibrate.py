@@ -11,10 +11,10 @@ the activation is read once; every other call gets them from a forward pre-hook 
 two-pass sums). The forward's own running-stat updates are undone (every BN buffer is restored
 from a snapshot), then each module that was reached gets the population statistics: a float64
 model exact to float64 round-off, a float32 one within what one more float32 rounding of each
-activation can do (README, "Recalibrate BN statistics"). Across ranks the moments are merged ONCE per pass: one all_gather
-of every tracked module's [calls, n, first call, mean, M2] row packed into one tensor (every
-rank sends a row for every tracked module, reached or not), merged in rank order on every
-rank, so every rank ends with the same bits.
+activation can do (README, "Recalibrate BN statistics"). Across ranks the moments are merged ONCE
+per pass: one all_gather of every tracked module's [calls, n, first call, mean, M2] row packed
+into one tensor (every rank sends a row for every tracked module, reached or not), merged in rank
+order on every rank, so every rank ends with the same bits.
 
 ``num_batches_tracked`` is left as it was: it counts the training steps the statistics were
 averaged over (a schedule, or ``momentum=None``'s cumulative average, reads it), and a
@@ -287,6 +287,8 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     pre-hook computes, put in their buffers: eval-mode BN plus those statistics costs less than
     torch's CPU training-mode BN kernel (about 2x less on BN-heavy models), and the activations
     equal training mode's to float32 rounding (the statistics are those of these activations).
+    Inputs under ``SMALL_FOR_TRAINING_KERNEL`` elements still run training mode, whose kernel's
+    statistics are taken as they are: there that is the cheaper of the two.
 
     Frozen BN (normalises with its buffers in every mode) is left alone unless
     ``include_frozen``. Modules the forward never reached are listed and left unchanged;
@@ -412,10 +414,10 @@ def _capture_batch_statistics(item: _Tracked) -> None:
 
 
 def _kernel_statistics_exact(x: torch.Tensor, captured: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """Whether the training kernel's statistics of ``x`` are as good as ``batch_moments``: CUDA (Welford),
+    """Whether the training kernel's statistics of ``x`` are as good as ``batch_sums``: CUDA (Welford),
     or a contiguous (N, C, H, ...) CPU input with spatial extent (two passes, double accumulators). CPU
     (N, C) and channels-last inputs are summed in the input's dtype, one element after another, which
-    loses digits over large batches: those get ``batch_moments``. Dtypes must match the buffers."""
+    loses digits over large batches: those get ``batch_sums``. Dtypes must match the buffers."""
     if x.dtype != captured[0].dtype or x.dtype not in (torch.float32, torch.float64):
         return False
     if x.is_cuda:
