@@ -4,13 +4,17 @@ rank, and writes them into its running statistics.
 
 The pass: non-BN modules run in eval (no dropout), BN modules normalise as in training
 (batch statistics; bnsurgeon's sync layers under a process group normalise over the global
-batch, as in training). A forward pre-hook on each tracked module adds its input to float64
-per-channel moments (``statistics.py``). The forward's own running-stat updates are undone
-(every BN buffer is restored from a snapshot), then each module that was reached gets exactly
-the population statistics. Across ranks the moments are merged ONCE per pass: one all_gather
-of every tracked module's [calls, n, first call, mean, M2] row packed into one tensor (every
-rank sends a row for every tracked module, reached or not), merged in rank order on every
-rank, so every rank ends with the same bits.
+batch, as in training). Each batch's per-channel moments are taken in the activation's own dtype
+and merged in float64 (``statistics.py``): torch's BN classes in training mode hand over the
+statistics their kernel computed for the normalisation (scratch running buffers, momentum 1), so
+the activation is read once; every other call gets them from a forward pre-hook (the corrected
+two-pass sums). The forward's own running-stat updates are undone (every BN buffer is restored
+from a snapshot), then each module that was reached gets the population statistics: a float64
+model exact to float64 round-off, a float32 one within what one more float32 rounding of each
+activation can do (README, "Recalibrate BN statistics"). Across ranks the moments are merged ONCE
+per pass: one all_gather of every tracked module's [calls, n, first call, mean, M2] row packed
+into one tensor (every rank sends a row for every tracked module, reached or not), merged in rank
+order on every rank, so every rank ends with the same bits.
 
 ``num_batches_tracked`` is left as it was: it counts the training steps the statistics were
 averaged over (a schedule, or ``momentum=None``'s cumulative average, reads it), and a
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from bnsurgeon.calibration.statistics import Moments, batch_moments, merge_rows
+from bnsurgeon.calibration.statistics import Moments, batch_sums, merge_rows, settle_all
 from bnsurgeon.core.anatomy import is_uninitialized_lazy, qualname
 from bnsurgeon.core.errors import (
     BnSurgeonError,
@@ -133,14 +137,21 @@ class _Tracked:
     calls: int = 0
     first_call: int = -1
     batch_stats_in_eval: bool = False  # normalised in eval mode with the batch's exact statistics in its buffers
+    #: (mean, var) buffers that its training-mode forward fills with each batch's statistics (momentum 1)
+    captured: "tuple[torch.Tensor, torch.Tensor] | None" = None
+    momentum: Any = None  # its own, restored after the pass
+    no_correction: "torch.Tensor | None" = None
+    waiting: int = 0  # elements per channel of the call whose statistics the forward is computing
 
 
 def _normalises_with_buffers(module: "nn.Module") -> bool:
-    """Classes whose eval forward is F.batch_norm with the running buffers (then drop and act for the
-    norm-act ones): in eval mode, with the batch's own statistics put in those buffers by the hook,
-    they normalise exactly as training mode does (with the exact statistics rounded once to the
-    buffers' dtype, where training mode rounds its own), without computing the statistics a second
-    time. Any other class (a user's subclass, a rule's library class) runs its own training mode."""
+    """Classes whose forward is F.batch_norm with the running buffers and ``momentum`` as torch's
+    BatchNorm runs it (then drop and act for the norm-act ones). In eval mode, with the batch's own
+    statistics put in those buffers by the hook, they normalise exactly as training mode does (with
+    the exact statistics rounded once to the buffers' dtype, where training mode rounds its own). In
+    training mode with momentum 1, their running buffers end each call holding the batch's mean and
+    unbiased variance, as the kernel computed them for the normalisation. Any other class (a user's
+    subclass, a rule's library class) runs its own training mode and the hook computes its statistics."""
     from torch import nn
 
     exact = {nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm}
@@ -273,9 +284,11 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     bit for bit those of training mode with non-BN modules in eval). ``fast_normalization``:
     torch's BatchNorm1d/2d/3d, timm's BatchNormAct2d and the sync classes outside a
     synchronising group normalise in eval mode with the batch's exact statistics, which the
-    pre-hook has computed anyway, put in their buffers: the statistics are not computed twice
-    (up to ~1.4x faster on BN-heavy models), and the activations equal training mode's to
-    float32 rounding (the statistics are then exact for those activations).
+    pre-hook computes, put in their buffers: eval-mode BN plus those statistics costs less than
+    torch's CPU training-mode BN kernel (about 2x less on BN-heavy models), and the activations
+    equal training mode's to float32 rounding (the statistics are those of these activations).
+    Inputs under ``SMALL_FOR_TRAINING_KERNEL`` elements still run training mode, whose kernel's
+    statistics are taken as they are: there that is the cheaper of the two.
 
     Frozen BN (normalises with its buffers in every mode) is left alone unless
     ``include_frozen``. Modules the forward never reached are listed and left unchanged;
@@ -293,8 +306,9 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     model = _unwrap(model)
     group, world, rank = _resolve_group(group)
     report = RecalibrationReport(ranks=world)
-    tracked = _tracked_modules(model, include_frozen, report)
-    snapshot = _snapshot(model)
+    entries = plan(model)  # walked once: the tracked modules and the snapshot both read it
+    tracked = _tracked_modules(entries, include_frozen, report)
+    snapshot = _snapshot(entries)
     hooks = []
     grad_enabled = torch.is_grad_enabled()
     saved_modes = [(module, module.training) for module in model.modules()]
@@ -306,9 +320,13 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
             item.batch_stats_in_eval = fast_normalization and not lockstep and _normalises_with_buffers(item.module)
             if not _is_frozen(item.module) and not item.batch_stats_in_eval:
                 item.module.training = True  # the BN module alone: its act/drop children stay in eval
+            if not lockstep and _normalises_with_buffers(item.module) and not _is_frozen(item.module):
+                _capture_batch_statistics(item)
         call_order = [0]
         for item in tracked:
             hooks.append(item.module.register_forward_pre_hook(_make_hook(item, call_order)))
+            if item.captured is not None:
+                hooks.append(item.module.register_forward_hook(_make_capture_hook(item)))
         torch.set_grad_enabled(False)
         if device is not None:
             forward = _on_device(forward, torch.device(device))
@@ -330,6 +348,9 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     finally:
         for handle in hooks:
             handle.remove()
+        for item in tracked:
+            if item.captured is not None:  # its buffers are back (the snapshot's own tensors): its momentum too
+                item.module.momentum = item.momentum
         for module, training in saved_modes:
             module.training = training
         torch.set_grad_enabled(grad_enabled)
@@ -337,9 +358,9 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
     return report
 
 
-def _tracked_modules(model: "nn.Module", include_frozen: bool, report: RecalibrationReport) -> list[_Tracked]:
+def _tracked_modules(entries: list, include_frozen: bool, report: RecalibrationReport) -> list[_Tracked]:
     tracked = []
-    for entry in plan(model):
+    for entry in entries:
         module, reason = entry.module, None
         if entry.rule is None:
             reason = "no rule claims this class (bnsurgeon.rules.register one to recalibrate it)"
@@ -371,30 +392,96 @@ def _has_collective_layers(model: "nn.Module", tracked: list[_Tracked]) -> bool:
     return any(isinstance(item.module, SyncBatchNorm) for item in tracked)
 
 
+#: with fast_normalization, inputs smaller than this (elements) still run torch's training-mode BN and
+#: hand over its statistics: on this project's CPUs that costs less than eval BN plus bnsurgeon's own
+#: statistics (a few small operations each) for small activations, more for large ones
+SMALL_FOR_TRAINING_KERNEL = 65536
+
+
+def _capture_batch_statistics(item: _Tracked) -> None:
+    """Let a training-mode module's own kernel compute each batch's statistics (it does for its
+    normalisation anyway): its running buffers are swapped for scratch ones and its momentum set to 1,
+    so after each call they hold that batch's mean and unbiased variance (its output does not depend
+    on either). The snapshot puts the module's own buffers back; the momentum is restored with the
+    training flags."""
+    buffers = item.module._buffers
+    mean, var = buffers["running_mean"], buffers["running_var"]
+    item.captured = (torch.zeros_like(mean), torch.ones_like(var))
+    item.no_correction = torch.zeros_like(mean)  # the kernel's mean is the mean: no sum(d) to add
+    buffers["running_mean"], buffers["running_var"] = item.captured
+    item.momentum = item.module.momentum
+    item.module.momentum = 1.0
+
+
+def _kernel_statistics_exact(x: torch.Tensor, captured: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the training kernel's statistics of ``x`` are as good as ``batch_sums``: CUDA (Welford),
+    or a contiguous (N, C, H, ...) CPU input with spatial extent (two passes, double accumulators). CPU
+    (N, C) and channels-last inputs are summed in the input's dtype, one element after another, which
+    loses digits over large batches: those get ``batch_sums``. Dtypes must match the buffers."""
+    if x.dtype != captured[0].dtype or x.dtype not in (torch.float32, torch.float64):
+        return False
+    if x.is_cuda:
+        return True
+    return x.dim() > 2 and x.is_contiguous() and x.numel() > x.shape[0] * x.shape[1]
+
+
 def _make_hook(item: _Tracked, call_order: list[int]):
     def hook(module, args):
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor):
             raise DataError(f"{item.path} was called with {type(x).__name__}, not a tensor")
-        count, mean, m2 = batch_moments(x)
-        item.moments.push(count, mean, m2)
-        if item.batch_stats_in_eval and count:
-            buffers = module._buffers
-            buffers["running_mean"].copy_(mean)
-            buffers["running_var"].copy_(m2 / count)  # the biased variance, as training mode normalises with
         item.calls += 1
         if item.first_call < 0:
             item.first_call = call_order[0]
             call_order[0] += 1
+        if item.captured is not None and x.dim() > 1:
+            count = x.numel() // x.shape[1] if x.shape[1] else 0
+            if count > 1 and _kernel_statistics_exact(x, item.captured) and \
+                    not (item.batch_stats_in_eval and x.numel() >= SMALL_FOR_TRAINING_KERNEL):
+                item.waiting = count  # the forward hook takes them from the kernel
+                module.training = True
+                return None
+            module.training = not item.batch_stats_in_eval
+        item.waiting = 0
+        count, shift, total, squares = batch_sums(x)
+        item.moments.push_sums(count, shift, total, squares)
+        if item.batch_stats_in_eval and count:
+            _put_batch_statistics(module._buffers, count, shift, total, squares)
         return None
 
     return hook
 
 
-def _snapshot(model: "nn.Module") -> list[tuple[dict, str, torch.Tensor, torch.Tensor]]:
-    """A copy of every BN-family buffer, to undo the forward's own running-stat updates."""
+def _put_batch_statistics(buffers: dict, count: int, shift: torch.Tensor, total: torch.Tensor,
+                          squares: torch.Tensor) -> None:
+    """The batch's mean and biased variance (what training mode normalises with) into the running buffers,
+    written in place where the dtypes agree (three operations a call instead of six)."""
+    mean, var = buffers["running_mean"], buffers["running_var"]
+    if mean.dtype == shift.dtype and var.dtype == squares.dtype:
+        torch.add(shift, total, alpha=1.0 / count, out=mean)
+        torch.addcmul(squares, total, total, value=-1.0 / count, out=var).div_(count)
+    else:
+        mean.copy_(torch.add(shift, total, alpha=1.0 / count))
+        var.copy_(torch.addcmul(squares, total, total, value=-1.0 / count).div_(count))
+
+
+def _make_capture_hook(item: _Tracked):
+    def hook(module, args, output):
+        count = item.waiting
+        if count:
+            item.waiting = 0
+            mean, var = item.captured
+            # M2 = unbiased variance * (n - 1): the kernel's variance rounded once to the buffer's dtype
+            item.moments.push_sums(count, mean.clone(), item.no_correction, var.clone(), scale=count - 1)
+        return None
+
+    return hook
+
+
+def _snapshot(entries: list) -> list[tuple[dict, str, torch.Tensor, torch.Tensor]]:
+    """A copy of every BN-family buffer of the plan's ``entries``, to undo the forward's own running-stat updates."""
     saved = []
-    for entry in plan(model):
+    for entry in entries:
         for name in (*STAT_BUFFERS, "num_batches_tracked"):
             buffer = entry.module._buffers.get(name)
             if buffer is not None and not buffer.is_meta:
@@ -522,9 +609,9 @@ def _merge(tracked: list[_Tracked], report: RecalibrationReport, failure, group,
     One process: its own moments as they are (no packing)."""
     if world == 1:
         report.batches, report.samples = report.rank_batches[0], report.rank_samples[0]
-        for item in tracked:
-            item.moments.settle()
+        settle_all([item.moments for item in tracked])
         return ([(item.calls, item.first_call, item.moments) for item in tracked], {"failed": failure is not None})
+    settle_all([item.moments for item in tracked])
     width = [3 + 2 * item.channels for item in tracked]
     local = torch.cat([torch.tensor([float(report.rank_batches[0]), float(report.rank_samples[0]),
                                      float(failure is not None)], dtype=torch.float64)] +
@@ -568,16 +655,22 @@ def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
                         "nothing was written; pass data with at least one batch")
     if report.samples == 0:
         raise DataError("the data's batches hold no sample", "nothing was written; pass batches with samples in them")
-    non_finite = [(first, item.path) for item, (calls, first, moments) in zip(tracked, merged)
-                  if moments.count and not bool(torch.isfinite(moments.mean).all() & torch.isfinite(moments.m2).all())]
-    if non_finite:
+    reached = [(item, calls, first, moments) for item, (calls, first, moments) in zip(tracked, merged) if moments.count]
+    if reached and not _all_finite([m.mean for *_, m in reached] + [m.m2 for *_, m in reached]):
+        non_finite = [(first, item.path) for item, _, first, moments in reached
+                      if not bool(torch.isfinite(moments.mean).all() & torch.isfinite(moments.m2).all())]
         first, path = min(non_finite)
         others = len(non_finite) - 1
         raise NonFiniteActivationsError(
             f"the input of {path} held NaN or Inf during recalibration"
             + (f" (and {counted(others, 'module')} after it)" if others else "") + ": its statistics would be meaningless")
-    for item, (_, _, moments) in zip(tracked, merged):  # Inf in a buffer is no statistic: refused, naming it
-        if moments.count:
+    by_dtype: dict[torch.dtype, list] = {}
+    for item, _, _, moments in reached:
+        by_dtype.setdefault(item.module._buffers["running_mean"].dtype, []).append((item, moments))
+    for dtype, group in by_dtype.items():  # Inf in a buffer is no statistic: refused, naming it
+        if _all_finite([torch.cat([m.mean for _, m in group] + [m.unbiased_var for _, m in group]).to(dtype)]):
+            continue
+        for item, moments in group:
             buffers = item.module._buffers
             overflow = statistics_overflow(item.path, {"running_mean": moments.mean.cpu()}, buffers["running_mean"].dtype) \
                 or statistics_overflow(item.path, {"running_var": moments.unbiased_var.cpu()}, buffers["running_var"].dtype)
@@ -589,28 +682,41 @@ def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
             f"{counted(len(tracked), 'tracked BN module')}")
 
 
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """One check (one host read) for many tensors of one device."""
+    return bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors])).all())
+
+
 def _write(tracked, merged, report: RecalibrationReport) -> None:
+    """Each reached module's buffers get its statistics; the report's changes are computed for every
+    module at once (channels end to end, one max per module segment), not a dozen operations each."""
+    written = []
     with torch.no_grad():
         for item, (calls, _, moments) in zip(tracked, merged):
             if moments.count == 0:
                 report.unreached.append(item.path)
                 continue
             buffers = item.module._buffers
-            old_mean = buffers["running_mean"].detach().to(torch.float64).cpu()
-            old_var = buffers["running_var"].detach().to(torch.float64).cpu()
-            new_mean, new_var = moments.mean.cpu(), moments.unbiased_var.cpu()
-            buffers["running_mean"].copy_(new_mean.to(buffers["running_mean"].dtype))
-            buffers["running_var"].copy_(new_var.to(buffers["running_var"].dtype))
-            report.statistics[item.path] = (moments.count, moments.mean.clone(), moments.population_var.clone())
-            mean_diff = (new_mean - old_mean).abs()
-            var_diff = (new_var - old_var).abs()
-            scale = new_var.clamp(min=1e-12).sqrt()
+            new_mean, new_var = moments.mean, moments.unbiased_var
+            written.append((item, calls, moments, buffers["running_mean"].detach().clone(),
+                            buffers["running_var"].detach().clone(), new_mean, new_var))
+            buffers["running_mean"].copy_(new_mean)
+            buffers["running_var"].copy_(new_var)
+            report.statistics[item.path] = (moments.count, new_mean.clone(), moments.population_var)
+    if written:
+        old_mean, old_var, new_mean, new_var = (torch.cat([row[i].to(torch.float64).cpu() for row in written])
+                                                for i in (3, 4, 5, 6))
+        mean_diff, var_diff = (new_mean - old_mean).abs(), (new_var - old_var).abs()
+        changes = torch.stack([mean_diff, mean_diff / new_var.clamp(min=1e-12).sqrt(), var_diff,
+                               var_diff / old_var.abs().clamp(min=1e-12)], 1)
+        lengths = torch.tensor([row[0].channels for row in written])
+        maxima = torch.segment_reduce(changes.nan_to_num(nan=float("inf")), "max", lengths=lengths)
+        for (item, calls, moments, *_), values in zip(written, maxima.tolist()):
             report.modules.append(ModuleRecalibration(
                 path=item.path, cls=qualname(type(item.module)), channels=item.channels, elements=moments.count,
                 calls=calls, calls_per_batch=calls / max(report.batches, 1),
-                mean_change_max=_finite(mean_diff.max()), mean_change_rel=_finite((mean_diff / scale).max()),
-                var_change_max=_finite(var_diff.max()),
-                var_change_rel=_finite((var_diff / old_var.abs().clamp(min=1e-12)).max()),
+                mean_change_max=_finite_number(values[0]), mean_change_rel=_finite_number(values[1]),
+                var_change_max=_finite_number(values[2]), var_change_rel=_finite_number(values[3]),
                 aliases=list(item.aliases)))
     several = report.called_several_times
     if several:
@@ -620,8 +726,7 @@ def _write(tracked, merged, report: RecalibrationReport) -> None:
         report.notes.append(f"{counted(len(report.unreached), 'module')} never reached by the forward, left unchanged")
 
 
-def _finite(value: torch.Tensor) -> float:
-    number = float(value)
+def _finite_number(number: float) -> float:
     return number if math.isfinite(number) else float("inf")
 
 

@@ -447,7 +447,7 @@ def recalibrate(
     samples: Optional[int] = typer.Option(None, "--samples", metavar="N", help="Use the first N samples, the last batch cut (DATA must hold them)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", metavar="N", help="Cut tensors of samples (and image folders) into batches of N (default 32)."),
     include_frozen: bool = typer.Option(False, "--include-frozen", help="Also recalibrate frozen BN (default: left as it is)."),
-    fast_normalization: bool = typer.Option(False, "--fast-normalization", help="Plain BN and BN+act layers normalise in eval mode with the batch's exact statistics instead of computing them again in training mode (faster; activations equal training mode's to float32 rounding)."),
+    fast_normalization: bool = typer.Option(False, "--fast-normalization", help="Plain BN and BN+act layers normalise in eval mode with the batch's exact statistics instead of running torch's training-mode BN (faster on CPU; activations equal training mode's to float32 rounding)."),
     model: Optional[str] = ModelOption,
     model_arg: Optional[List[str]] = ModelArgOption,
     weights: Optional[str] = WeightsOption,
