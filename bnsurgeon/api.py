@@ -7,7 +7,8 @@ in its own module; nothing imports back from here.
 
 from __future__ import annotations
 
-from bnsurgeon.loading.architecture import Architecture, LoadedSource  # noqa: F401
+from bnsurgeon.calibration.recalibrate import RecalibrationReport, recalibrate  # noqa: F401
+from bnsurgeon.calibration.training import averaged_module, recalibrate_averaged  # noqa: F401
 from bnsurgeon.checks.eval_check import (  # noqa: F401
     CHECK_SEED,
     CHECK_SIDE,
@@ -17,11 +18,12 @@ from bnsurgeon.checks.eval_check import (  # noqa: F401
     infer_input_shape,
 )
 from bnsurgeon.core.running import preserved_modes  # noqa: F401
-from bnsurgeon.pipeline import ConvertOutcome, convert_source, inspect, verify  # noqa: F401
-from bnsurgeon.pipeline import RecalibrateOutcome, recalibrate_source  # noqa: F401
-from bnsurgeon.loading.rebuild import load, rebuild_from_checkpoint  # noqa: F401
-from bnsurgeon.surgery.walk import class_map  # noqa: F401
-from bnsurgeon.surgery.walk import ConvertResult, convert  # noqa: F401
 from bnsurgeon.files.conversion import save, write_reports  # noqa: F401
-from bnsurgeon.calibration.recalibrate import RecalibrationReport, recalibrate  # noqa: F401
-from bnsurgeon.calibration.training import averaged_module, recalibrate_averaged  # noqa: F401
+from bnsurgeon.loading.architecture import Architecture, LoadedSource  # noqa: F401
+from bnsurgeon.loading.rebuild import load, rebuild_from_checkpoint  # noqa: F401
+from bnsurgeon.pipeline import ConvertOutcome, RecalibrateOutcome, convert_source, inspect, recalibrate_source, verify  # noqa: F401  # noqa: F401
+from bnsurgeon.surgery.walk import (  # noqa: F401
+    ConvertResult,
+    class_map,  # noqa: F401
+    convert,
+)

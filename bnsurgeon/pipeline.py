@@ -10,9 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from bnsurgeon import __version__
-from bnsurgeon.loading.architecture import LoadedSource
-from bnsurgeon.files.reading import describe_checkpoint, read_checkpoint
-from bnsurgeon.files.writing import check_output_path
 from bnsurgeon.checks.eval_check import (
     CHECK_SEED,
     compare_eval,
@@ -24,19 +21,29 @@ from bnsurgeon.checks.eval_check import (
     require_same_architecture,
     resolve_check_input,
 )
-from bnsurgeon.core.running import preserved_modes, run_forward
-from bnsurgeon.core.errors import (ConfirmationError, DataError, HookedModelError, NothingToConvertError,
-                                   SourceNotFoundError, UsageError, VerificationError)
+from bnsurgeon.core.errors import (
+    ConfirmationError,
+    DataError,
+    HookedModelError,
+    NothingToConvertError,
+    SourceNotFoundError,
+    UsageError,
+    VerificationError,
+)
 from bnsurgeon.core.paths import check_reachable
-from bnsurgeon.surgery.inspection import Inspection, inspect_model
+from bnsurgeon.core.running import preserved_modes, run_forward
+from bnsurgeon.files.conversion import write_conversion, write_model_directory
+from bnsurgeon.files.history import step
+from bnsurgeon.files.model_directory import check_directory_output, is_directory_output, write_into_directory
+from bnsurgeon.files.reading import describe_checkpoint, read_checkpoint
+from bnsurgeon.files.writing import check_output_path
+from bnsurgeon.loading.architecture import LoadedSource
 from bnsurgeon.loading.rebuild import recipe
 from bnsurgeon.loading.recorded import read_recorded
 from bnsurgeon.loading.sources import load_source, looks_like_file, source_inputs, unwrap_data_parallel
 from bnsurgeon.loading.transformers_source import PREPROCESSOR_FILE, model_directory, read_preprocessor_text
+from bnsurgeon.surgery.inspection import Inspection, inspect_model
 from bnsurgeon.surgery.walk import ConvertResult, class_map, convert
-from bnsurgeon.files.conversion import write_conversion, write_model_directory
-from bnsurgeon.files.model_directory import check_directory_output, is_directory_output, write_into_directory
-from bnsurgeon.files.history import step
 
 if TYPE_CHECKING:
     from torch import nn
@@ -212,8 +219,8 @@ def convert_source(
     (``training_checkpoint.carry_entries``). ``example_input`` given as a path (``--example-input``)
     is an input like SOURCE: refused as an output, then read.
     """
-    from bnsurgeon.rules import check_target
     from bnsurgeon.files.training_checkpoint import carry_entries
+    from bnsurgeon.rules import check_target
 
     phase = progress or (lambda text: None)
 
@@ -353,7 +360,6 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     import torch
 
     from bnsurgeon.checks.check_input import clone_value
-
     from bnsurgeon.checks.verify import verify_models
 
     timeout = verify_timeout_s()

@@ -175,7 +175,7 @@ def _unwrap(model: "nn.Module") -> "nn.Module":
         if isinstance(model, DistributedDataParallel):
             model = model.module
         elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-            model = model._orig_mod
+            model = getattr(model, "_orig_mod")  # noqa: B009  (typed: Module.__getattr__ is Tensor | Module)
         else:
             return model
 
@@ -406,11 +406,12 @@ def _capture_batch_statistics(item: _Tracked) -> None:
     training flags."""
     buffers = item.module._buffers
     mean, var = buffers["running_mean"], buffers["running_var"]
+    assert mean is not None and var is not None  # only modules that track running statistics are captured
     item.captured = (torch.zeros_like(mean), torch.ones_like(var))
     item.no_correction = torch.zeros_like(mean)  # the kernel's mean is the mean: no sum(d) to add
     buffers["running_mean"], buffers["running_var"] = item.captured
     item.momentum = item.module.momentum
-    item.module.momentum = 1.0
+    setattr(item.module, "momentum", 1.0)  # noqa: B010  (a float attribute; Module.__setattr__ is typed for tensors)
 
 
 def _kernel_statistics_exact(x: torch.Tensor, captured: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -630,7 +631,7 @@ def _merge(tracked: list[_Tracked], report: RecalibrationReport, failure, group,
     report.batches, report.samples = sum(report.rank_batches), sum(report.rank_samples)
     merged = []
     offset = 3
-    for item, size in zip(tracked, width):
+    for item, size in zip(tracked, width, strict=True):
         block = rows[:, offset:offset + size]
         offset += size
         calls = int(block[:, 0].sum().item())
@@ -655,7 +656,7 @@ def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
                         "nothing was written; pass data with at least one batch")
     if report.samples == 0:
         raise DataError("the data's batches hold no sample", "nothing was written; pass batches with samples in them")
-    reached = [(item, calls, first, moments) for item, (calls, first, moments) in zip(tracked, merged) if moments.count]
+    reached = [(item, calls, first, moments) for item, (calls, first, moments) in zip(tracked, merged, strict=True) if moments.count]
     if reached and not _all_finite([m.mean for *_, m in reached] + [m.m2 for *_, m in reached]):
         non_finite = [(first, item.path) for item, _, first, moments in reached
                       if not bool(torch.isfinite(moments.mean).all() & torch.isfinite(moments.m2).all())]
@@ -692,7 +693,7 @@ def _write(tracked, merged, report: RecalibrationReport) -> None:
     module at once (channels end to end, one max per module segment), not a dozen operations each."""
     written = []
     with torch.no_grad():
-        for item, (calls, _, moments) in zip(tracked, merged):
+        for item, (calls, _, moments) in zip(tracked, merged, strict=True):
             if moments.count == 0:
                 report.unreached.append(item.path)
                 continue
@@ -711,7 +712,7 @@ def _write(tracked, merged, report: RecalibrationReport) -> None:
                                var_diff / old_var.abs().clamp(min=1e-12)], 1)
         lengths = torch.tensor([row[0].channels for row in written])
         maxima = torch.segment_reduce(changes.nan_to_num(nan=float("inf")), "max", lengths=lengths)
-        for (item, calls, moments, *_), values in zip(written, maxima.tolist()):
+        for (item, calls, moments, *_), values in zip(written, maxima.tolist(), strict=True):
             report.modules.append(ModuleRecalibration(
                 path=item.path, cls=qualname(type(item.module)), channels=item.channels, elements=moments.count,
                 calls=calls, calls_per_batch=calls / max(report.batches, 1),

@@ -140,7 +140,7 @@ class Moments:
         columns = [torch.tensor([entry[i] for entry in pending], dtype=torch.float64, device=self.mean.device)[:, None]
                    for i in (0, 1)]
         stacked = [_stack([entry[i] for entry in pending]) for i in (2, 3, 4)]
-        means, m2s = finish_sums(columns[0], *stacked, scale=columns[1])
+        means, m2s = finish_sums(columns[0], stacked[0], stacked[1], stacked[2], scale=columns[1])
         if self.count:
             counts = [self.count] + counts
             means, m2s = torch.cat([self.mean[None], means]), torch.cat([self.m2[None], m2s])
@@ -183,7 +183,8 @@ def settle_all(moments: "list[Moments]") -> None:
         return
     if not waiting:
         return
-    entries, owners, offsets, start = [], [], [], 0
+    entries: list[tuple] = []
+    owners, offsets, start = [], [], 0
     for index, m in enumerate(waiting):
         offsets.append(start)
         if m.count:

@@ -12,7 +12,6 @@ here before it sizes any tensor.
 from __future__ import annotations
 
 import os
-
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,11 +235,14 @@ def load_example_input(path: "str | os.PathLike") -> CheckInput:
 
     import torch
 
-    from bnsurgeon.core.errors import first_line
-    from bnsurgeon.core.errors import CheckpointError
-    from bnsurgeon.files.reading import UNSUPPORTED_GLOBAL, refuse_compressed_records, unpickler_refusal, unsupported_global
-
+    from bnsurgeon.core.errors import CheckpointError, first_line
     from bnsurgeon.core.paths import check_reachable
+    from bnsurgeon.files.reading import (
+        UNSUPPORTED_GLOBAL,
+        refuse_compressed_records,
+        unpickler_refusal,
+        unsupported_global,
+    )
 
     check_reachable(path, "--example-input", UsageError, "pass a file of this machine with a shorter path")
     path = Path(path)

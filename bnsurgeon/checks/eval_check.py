@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bnsurgeon.checks.outputs import flatten_tensors
 from bnsurgeon.core.errors import ModelCannotRunError, NonFiniteWeightsError
+from bnsurgeon.core.layout import counted
 from bnsurgeon.core.running import preserved_modes, run_forward
 from bnsurgeon.files.weights import has_non_finite
-from bnsurgeon.core.layout import counted
-from bnsurgeon.checks.outputs import flatten_tensors
 from bnsurgeon.surgery.report import CheckResult
 
 if TYPE_CHECKING:

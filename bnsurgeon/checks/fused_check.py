@@ -13,8 +13,8 @@ import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from bnsurgeon.core.layout import counted
 from bnsurgeon.checks.outputs import flatten_tensors
+from bnsurgeon.core.layout import counted
 
 if TYPE_CHECKING:
     from torch import nn
@@ -203,8 +203,8 @@ def compare_perturbed(source: "nn.Module", folds: list[dict[str, Any]], x, rtol:
     Deep nets overflow at full perturbation; the strength is lowered 10x at a time until
     the source's outputs are finite (and the strength used is reported).
     """
-    from bnsurgeon.surgery.walk import convert
     from bnsurgeon.checks.verify import perturb_bn
+    from bnsurgeon.surgery.walk import convert
 
     strength = 1.0
     while True:
@@ -234,8 +234,8 @@ def verify_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, 
     """
     import time
 
-    from bnsurgeon.surgery.fusion import example_tensor
     from bnsurgeon.checks.verify import CheckOutcome, Verification
+    from bnsurgeon.surgery.fusion import example_tensor
 
     rtol = atol if atol is not None else FUSED_RTOL
     x = example_tensor(source, tuple(input_shape))

@@ -18,8 +18,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, cast
 from datetime import timedelta
+from typing import Any, cast
 
 import torch.multiprocessing as mp
 

@@ -8,8 +8,6 @@ N-rank check runs in float64, so any difference above rounding is a bug.
 
 from __future__ import annotations
 
-from functools import partial
-
 import copy
 import glob
 import io
@@ -18,6 +16,7 @@ import time
 import zlib
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 from bnsurgeon.checks.check_input import CheckInput, clone_value, leaves
@@ -765,7 +764,6 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
     model's structure in each rank when the model itself does not pickle.
     """
     from bnsurgeon.checks.multiproc import RankPool
-
     from bnsurgeon.core.running import preserved_modes
 
     check_compare_at(compare_at, source, converted)

@@ -422,8 +422,8 @@ def rules(
 
     Example: `bnsurgeon rules` (or `bnsurgeon rules --json | jq '.[].name'`)
     """
-    from bnsurgeon.cli.render import console, emit_json, render_rules
     from bnsurgeon.cli.catalog import describe_rules
+    from bnsurgeon.cli.render import console, emit_json, render_rules
 
     data = describe_rules()
     if as_json:

@@ -10,7 +10,6 @@ import re
 from bnsurgeon.core.errors import UsageError
 from bnsurgeon.core.layout import shown
 
-
 #: ``package.module:function``, every part a Python identifier, no relative imports
 FACTORY_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 

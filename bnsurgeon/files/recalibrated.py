@@ -94,13 +94,13 @@ def check_output_format(output: Path, raw: "RawCheckpoint | None", weights_key: 
 
 def recalibrated_writers(output: Path, raw: "RawCheckpoint | None", weights_key: str | None, prefix: str,
                          model: "nn.Module", paths: list[str], record: dict[str, Any],
-                         report_json: str, report_md: str) -> "dict[Path, Callable[[Path], None]]":
+                         report_json: str, report_md: str) -> "dict[Path, Callable[[Path], object]]":
     """The output (the source file with new statistics, or the model's state dict) and its two reports."""
     import torch
 
     new = new_statistics(model, paths)
     json_path, md_path = report_paths(output)
-    writers: dict[Path, Callable[[Path], None]] = {
+    writers: dict[Path, Callable[[Path], object]] = {
         json_path: lambda temp: temp.write_text(report_json + "\n"),
         md_path: lambda temp: temp.write_text(report_md),
     }
@@ -138,13 +138,13 @@ def recalibrated_writers(output: Path, raw: "RawCheckpoint | None", weights_key:
         writers[output] = _bare_writer(output, obj, dict(raw.metadata), record)
         return writers
     obj = dict(obj)
-    previous = obj.get(RECORD_ENTRY)
-    obj[RECORD_ENTRY] = (list(previous) if isinstance(previous, list) else []) + [record]
+    recorded = obj.get(RECORD_ENTRY)
+    obj[RECORD_ENTRY] = (list(recorded) if isinstance(recorded, list) else []) + [record]
     writers[output] = lambda temp: torch.save(obj, temp)
     return writers
 
 
-def write_recalibrated(writers: "dict[Path, Callable[[Path], None]]", *, force: bool) -> None:
+def write_recalibrated(writers: "dict[Path, Callable[[Path], object]]", *, force: bool) -> None:
     """All three files, or none changed (atomic, as every bnsurgeon write)."""
     write_files(writers, force=force)
 

@@ -168,7 +168,7 @@ def _names(paths: list[Path]) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-def write_files(writers: dict[Path, Callable[[Path], None]], *, force: bool) -> list[Path]:
+def write_files(writers: dict[Path, Callable[[Path], object]], *, force: bool) -> list[Path]:
     """Write every ``path: write(temp_path)`` as one unit; returns the paths written.
 
     On any failure or interruption nothing is committed (existing files are untouched)

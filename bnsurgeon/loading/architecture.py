@@ -11,9 +11,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bnsurgeon.files.reading import RawCheckpoint
 from bnsurgeon.core.errors import FactoryRaisedError, SourceNotFoundError, UsageError, first_line
 from bnsurgeon.core.layout import describe_kwargs
+from bnsurgeon.files.reading import RawCheckpoint
 
 if TYPE_CHECKING:
     from torch import nn

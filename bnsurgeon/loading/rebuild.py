@@ -6,18 +6,17 @@ import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from bnsurgeon.loading.architecture import Architecture, LoadedSource, own_input_shape
-from bnsurgeon.files.reading import RawCheckpoint, read_checkpoint
 from bnsurgeon.core.errors import CheckpointError, MetadataError
-from bnsurgeon.files.history import replay
-from bnsurgeon.loading.recorded import (Recorded, apply_trainability, check_rebuilt, read_recorded,
-                                       state_from_checkpoint)
-from bnsurgeon.surgery.walk import name_sync_layers
-from bnsurgeon.loading.trust import confirm_architecture
-from bnsurgeon.loading.transformers_source import CONFIG_NAME, bnsurgeon_weights_of, model_directory, read_config
-from bnsurgeon.files.model_directory import WEIGHTS_FILE
 from bnsurgeon.core.layout import shown
+from bnsurgeon.files.history import replay
+from bnsurgeon.files.model_directory import WEIGHTS_FILE
+from bnsurgeon.files.reading import RawCheckpoint, read_checkpoint
 from bnsurgeon.files.weights import check_fit, load_weights, materialize
+from bnsurgeon.loading.architecture import Architecture, LoadedSource, own_input_shape
+from bnsurgeon.loading.recorded import Recorded, apply_trainability, check_rebuilt, read_recorded, state_from_checkpoint
+from bnsurgeon.loading.transformers_source import CONFIG_NAME, bnsurgeon_weights_of, model_directory, read_config
+from bnsurgeon.loading.trust import confirm_architecture
+from bnsurgeon.surgery.walk import name_sync_layers
 
 if TYPE_CHECKING:
     from torch import nn

@@ -11,12 +11,19 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bnsurgeon.loading.architecture import Architecture
-from bnsurgeon.files.reading import PREFIX, RawCheckpoint, expand_aliases, pick_weights, state_dict_candidates, why_not_a_state_dict
-from bnsurgeon.core.errors import CheckpointError, MetadataError
 from bnsurgeon.core.anatomy import qualname
+from bnsurgeon.core.errors import CheckpointError, MetadataError
 from bnsurgeon.core.json_text import unique_keys
 from bnsurgeon.core.layout import counted, shown
+from bnsurgeon.files.reading import (
+    PREFIX,
+    RawCheckpoint,
+    expand_aliases,
+    pick_weights,
+    state_dict_candidates,
+    why_not_a_state_dict,
+)
+from bnsurgeon.loading.architecture import Architecture
 from bnsurgeon.surgery.walk import class_map
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-from bnsurgeon.loading.architecture import Architecture, LoadedSource, parse_architecture, own_input_shape
+from bnsurgeon.core.errors import FLAG_KEYWORDS, CheckpointError, UsageError
 from bnsurgeon.files.reading import (
     SAFETENSORS_SUFFIXES,
     TORCH_SUFFIXES,
@@ -26,13 +26,24 @@ from bnsurgeon.files.reading import (
     strip_common_prefix,
     why_not_a_state_dict,
 )
-from bnsurgeon.core.errors import FLAG_KEYWORDS, CheckpointError, UsageError
+from bnsurgeon.files.weights import check_fit, materialize
+from bnsurgeon.loading.architecture import Architecture, LoadedSource, own_input_shape, parse_architecture
 from bnsurgeon.loading.rebuild import rebuild_from_checkpoint
 from bnsurgeon.loading.recorded import MAX_NAME_CHARS, read_recorded
-from bnsurgeon.loading.transformers_source import (bnsurgeon_weights_of, directory_inputs, is_bnsurgeon_file,
-                                                   load_directory, model_directory)
-from bnsurgeon.loading.trust import TIMM_NAME_PATTERN, confirm_architecture, is_plain_literal, python_args_hint, size_arg_problem
-from bnsurgeon.files.weights import check_fit, materialize
+from bnsurgeon.loading.transformers_source import (
+    bnsurgeon_weights_of,
+    directory_inputs,
+    is_bnsurgeon_file,
+    load_directory,
+    model_directory,
+)
+from bnsurgeon.loading.trust import (
+    TIMM_NAME_PATTERN,
+    confirm_architecture,
+    is_plain_literal,
+    python_args_hint,
+    size_arg_problem,
+)
 
 TRAINING_ARG_NAMES = ("num_classes", "in_chans", "global_pool")
 

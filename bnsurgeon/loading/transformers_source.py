@@ -20,8 +20,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from bnsurgeon.core.errors import (CheckpointError, ConfirmationError, SourceNotFoundError, UnsafeCheckpointError,
-                                   UsageError, WeightsMismatchError, first_line)
+from bnsurgeon.core.errors import (
+    CheckpointError,
+    ConfirmationError,
+    SourceNotFoundError,
+    UnsafeCheckpointError,
+    UsageError,
+    WeightsMismatchError,
+    first_line,
+)
 from bnsurgeon.core.json_text import RepeatedKeyError, unique_keys
 from bnsurgeon.core.layout import shown
 from bnsurgeon.files.model_directory import WEIGHTS_FILE

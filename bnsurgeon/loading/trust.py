@@ -14,9 +14,9 @@ import math
 import re
 from typing import Any
 
-from bnsurgeon.loading.architecture import Architecture, parse_architecture
 from bnsurgeon.core.errors import FLAG_KEYWORDS, MAX_TEXT, ConfirmationError
 from bnsurgeon.core.layout import describe_kwargs, shown
+from bnsurgeon.loading.architecture import Architecture, parse_architecture
 
 #: timm model names, with an optional pretrained tag (``resnet50.a1_in1k``)
 TIMM_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")

@@ -8,7 +8,17 @@ or a zero-argument callable returning either.
 from __future__ import annotations
 
 from bnsurgeon.rules.base import ENTRY_POINT_GROUP, FROZEN_POLICIES, TARGETS, BuildContext, Registry, Rule, check_target
-from bnsurgeon.rules.builders import keep_if, to_frozen, to_frozen_act, to_fused, to_fused_act, to_plain, to_plain_act, to_sync, to_sync_act
+from bnsurgeon.rules.builders import (
+    keep_if,
+    to_frozen,
+    to_frozen_act,
+    to_fused,
+    to_fused_act,
+    to_plain,
+    to_plain_act,
+    to_sync,
+    to_sync_act,
+)
 
 __all__ = [
     "FROZEN_POLICIES",
@@ -102,8 +112,8 @@ def use_rules(specs) -> list[str]:
 def _refuse_builtin_overrides(found: list[Rule], spec: str) -> None:
     """A --rules rule may not take a built-in rule's name or classes: that would silently change how
     every torch/timm BN converts (a subclass is its own class: claim it, not its base)."""
-    from bnsurgeon.core.errors import UsageError
     from bnsurgeon.core.anatomy import qualname
+    from bnsurgeon.core.errors import UsageError
     from bnsurgeon.rules.openmmlab import OPTIONAL_CLASSES
 
     builtin = {rule.name for rule in builtin_rules()} | {name for _, name, _ in OPTIONAL_CLASSES.values()}

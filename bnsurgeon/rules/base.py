@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
-from bnsurgeon.core.errors import UsageError
 from bnsurgeon.core.anatomy import qualname
+from bnsurgeon.core.errors import UsageError
 
 if TYPE_CHECKING:
     from torch import nn

@@ -4,7 +4,16 @@ and bnsurgeon's own frozen classes."""
 from __future__ import annotations
 
 from bnsurgeon.rules.base import Rule
-from bnsurgeon.rules.builders import keep_if, thaw_or_keep, to_fused, to_fused_act, to_plain, to_plain_act, to_sync, to_sync_act
+from bnsurgeon.rules.builders import (
+    keep_if,
+    thaw_or_keep,
+    to_fused,
+    to_fused_act,
+    to_plain,
+    to_plain_act,
+    to_sync,
+    to_sync_act,
+)
 
 
 def _frozen_rule(name: str, cls: type, description: str, *, act: bool, exact: bool = True) -> Rule:

@@ -19,7 +19,8 @@ def rules() -> list[Rule]:
         )
     ]
     try:
-        from timm.layers import BatchNormAct2d, SyncBatchNormAct as TimmSyncBatchNormAct
+        from timm.layers import BatchNormAct2d
+        from timm.layers import SyncBatchNormAct as TimmSyncBatchNormAct
     except ImportError:  # timm is a dependency, but rules must not make it a hard import
         return result
     result.insert(

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from bnsurgeon.core.anatomy import attach_affine, attach_stats, qualname, read_fields
 from bnsurgeon.core.module_copy import shallow_clone
 from bnsurgeon.rules.base import BuildContext, Rule
-from bnsurgeon.rules.builders import (keep_if, register_frozen_origin, thaw_or_keep, to_fused, to_plain,
-                                      to_sync)
+from bnsurgeon.rules.builders import keep_if, register_frozen_origin, thaw_or_keep, to_fused, to_plain, to_sync
 
 if TYPE_CHECKING:
     from torch import nn

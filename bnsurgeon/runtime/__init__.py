@@ -1,10 +1,10 @@
 """Runtime layers a converted model trains with: import cost is torch only."""
 
+from bnsurgeon.runtime import ddp_compat
 from bnsurgeon.runtime.debug import set_sync_debug
 from bnsurgeon.runtime.distributed import DistributedInfo, init_distributed
 from bnsurgeon.runtime.layers import FrozenBatchNorm, FrozenBatchNormAct, SyncBatchNorm, SyncBatchNormAct
 from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
-from bnsurgeon.runtime import ddp_compat
 
 ddp_compat.install()
 

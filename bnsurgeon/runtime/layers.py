@@ -21,11 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, attach_stats, read_fields
+from bnsurgeon.runtime import replicas
 from bnsurgeon.runtime.identity import LayerIdentity, default_name
 from bnsurgeon.runtime.recompute import recomputing
-from bnsurgeon.runtime import replicas
 from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
-
 
 _TORCH_TAKES_BIAS = "bias" in inspect.signature(nn.SyncBatchNorm.__init__).parameters
 

@@ -39,8 +39,8 @@ import sys
 import threading
 import time
 import weakref
-from types import FrameType
 from collections import deque
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch

@@ -23,8 +23,8 @@ import torch
 
 from bnsurgeon.runtime import debug, device_path
 from bnsurgeon.runtime.collectives import all_gather_rows, all_reduce_sum
-from bnsurgeon.runtime.identity import HEADER, backward_header, check_headers, describe_header
 from bnsurgeon.runtime.device_path import one_value_message
+from bnsurgeon.runtime.identity import HEADER, backward_header, check_headers, describe_header
 from bnsurgeon.runtime.kernels import GenericKernels, uses_device_path
 from bnsurgeon.runtime.recompute import GlobalStats, may_be_recomputed, recomputing
 

@@ -42,7 +42,12 @@ from bnsurgeon.runtime.identity import HEADER, identity_for
 from bnsurgeon.runtime.kernels import channel_view, stats_dtype
 from bnsurgeon.runtime.recompute import recomputing
 from bnsurgeon.runtime.sync_function import (
-    statistics_precision, counts_on_host, global_stats, local_count, sum_over_ranks, update_running_stats,
+    counts_on_host,
+    global_stats,
+    local_count,
+    statistics_precision,
+    sum_over_ranks,
+    update_running_stats,
 )
 
 

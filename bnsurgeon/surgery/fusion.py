@@ -24,11 +24,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bnsurgeon.core.errors import CheckpointError, HookedModelError, UsageError
 from bnsurgeon.core.anatomy import qualname
+from bnsurgeon.core.errors import CheckpointError, HookedModelError, UsageError
 from bnsurgeon.core.layout import counted, shown
-from bnsurgeon.rules.fold import is_mixed_conv, out_features, producer_types
 from bnsurgeon.core.module_copy import BACKWARD_HOOKS, FORWARD_HOOKS, STATE_DICT_HOOKS, hook_kinds
+from bnsurgeon.rules.fold import is_mixed_conv, out_features, producer_types
 
 if TYPE_CHECKING:
     import torch

@@ -7,10 +7,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bnsurgeon.core.anatomy import qualname
+from bnsurgeon.core.anatomy import is_uninitialized_lazy, qualname
 from bnsurgeon.core.layout import counted
 from bnsurgeon.rules import TARGETS, BuildContext, Registry, default_registry
-from bnsurgeon.core.anatomy import is_uninitialized_lazy
 from bnsurgeon.surgery.walk import plan
 
 if TYPE_CHECKING:

@@ -12,12 +12,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bnsurgeon.core.anatomy import is_bn_like, is_uninitialized_lazy, qualname
-from bnsurgeon.core.errors import (BnSurgeonError, LazyModuleError, RuleRaisedError, UnhandledModuleError, UsageError,
-                                   first_line)
+from bnsurgeon.core.errors import (
+    BnSurgeonError,
+    LazyModuleError,
+    RuleRaisedError,
+    UnhandledModuleError,
+    UsageError,
+    first_line,
+)
 from bnsurgeon.core.layout import counted, shown
 from bnsurgeon.core.module_copy import carry_hooks, shallow_clone
-from bnsurgeon.surgery.report import ModuleChange, ModuleKept, Report
 from bnsurgeon.rules import BuildContext, Registry, Rule, builtin_rules, check_target, default_registry
+from bnsurgeon.surgery.report import ModuleChange, ModuleKept, Report
 
 if TYPE_CHECKING:
     from torch import nn
