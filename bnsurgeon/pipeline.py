@@ -51,8 +51,9 @@ if TYPE_CHECKING:
     from bnsurgeon.checks.check_input import CheckInput
 
 
-def inspect(source: "str | nn.Module", *, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
-            **source_options: Any) -> Inspection:
+def inspect(
+    source: "str | nn.Module", *, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (), **source_options: Any
+) -> Inspection:
     """Inspect a model object or a SOURCE string (timm names are built on the meta device).
 
     ``include``/``exclude`` (module-path globs, as for convert) add a note of what they select.
@@ -72,8 +73,9 @@ def selection_note(result: Inspection, include, exclude) -> str:
     out = [path for _, path in groups if filtered_out([path], include, exclude) is not None]
     shown = ", ".join(out[:4]) + (f" (+{len(out) - 4} more)" if len(out) > 4 else "")
     flags = " ".join([f"--include {g}" for g in include] + [f"--exclude {g}" for g in exclude])
-    return (f"{flags}: {len(groups) - len(out)} of {len(groups)} BN module names selected for conversion"
-            + (f"; kept as they are: {shown}" if out else ""))
+    return f"{flags}: {len(groups) - len(out)} of {len(groups)} BN module names selected for conversion" + (
+        f"; kept as they are: {shown}" if out else ""
+    )
 
 
 def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
@@ -83,7 +85,9 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
         model, wrapper = unwrap_data_parallel(source)
         return inspect_model(model, source=type(source).__name__ + wrapper)
     check_source_name(source)
-    as_directory = model_directory(Path(source)) is not None and (Path(source).is_dir() or Path(source).name == "config.json")
+    as_directory = model_directory(Path(source)) is not None and (
+        Path(source).is_dir() or Path(source).name == "config.json"
+    )
     if not looks_like_file(source) or as_directory:
         loaded, note = _load_for_inspection(source, **source_options)
         result = inspect_model(loaded.model, source=loaded.description)
@@ -115,7 +119,9 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
 def check_source_name(source: "str | os.PathLike", what: str = "SOURCE") -> None:
     """A SOURCE the filesystem refuses as a name (too long, in a directory that cannot be searched) is named as
     such, before any check of what it is."""
-    check_reachable(source, what, SourceNotFoundError, "check the path (or name a timm model or package.module:function)")
+    check_reachable(
+        source, what, SourceNotFoundError, "check the path (or name a timm model or package.module:function)"
+    )
 
 
 def _load_for_inspection(source: str, **options: Any) -> "tuple[LoadedSource, str | None]":
@@ -151,22 +157,31 @@ def verify_timeout_s() -> float:
     return parse_timeout_s(raw) if raw and raw.strip() else 120.0
 
 
-def _check_input(loaded: LoadedSource, input_shape: "tuple[int, ...] | None",
-                 example_input: "CheckInput | None") -> "CheckInput":
+def _check_input(
+    loaded: LoadedSource, input_shape: "tuple[int, ...] | None", example_input: "CheckInput | None"
+) -> "CheckInput":
     """The input for the eval check (and for finding producers under --to fused)."""
-    chosen = resolve_check_input(loaded.model, input_shape=input_shape, example_input=example_input,
-                                 recorded=loaded.check_input, own_shape=loaded.input_shape)
+    chosen = resolve_check_input(
+        loaded.model,
+        input_shape=input_shape,
+        example_input=example_input,
+        recorded=loaded.check_input,
+        own_shape=loaded.input_shape,
+    )
     if chosen is None:
-        raise UsageError("cannot tell what input the model takes for the equivalence check",
-                         "pass --input-shape N,C,H,W or --example-input x.pt (or --no-check)")
+        raise UsageError(
+            "cannot tell what input the model takes for the equivalence check",
+            "pass --input-shape N,C,H,W or --example-input x.pt (or --no-check)",
+        )
     return chosen
 
 
 def _fused_shape(check_input: "CheckInput") -> tuple[int, ...]:
     """--to fused finds producers on one batch-first tensor."""
     if check_input.shape is None:
-        raise UsageError(f"--to fused needs a single tensor input, not {check_input.describe()}",
-                         "pass --input-shape N,C,H,W")
+        raise UsageError(
+            f"--to fused needs a single tensor input, not {check_input.describe()}", "pass --input-shape N,C,H,W"
+        )
     return tuple(check_input.shape)
 
 
@@ -175,10 +190,12 @@ def refuse_fused_source(loaded: LoadedSource, role: str) -> None:
     conversion of it could not be replayed from the original architecture on load, and it cannot
     be the reference that a fold is re-done on."""
     if any(step.get("target") == "fused" for step in loaded.history or ()):
-        raise UsageError(f"{role} {loaded.description} is a fused checkpoint (eval only; its folded BatchNorm "
-                         "layers no longer exist)",
-                         "convert the model it was folded from instead (the unfused checkpoint, timm name "
-                         "or factory); verify takes it as CONVERTED")
+        raise UsageError(
+            f"{role} {loaded.description} is a fused checkpoint (eval only; its folded BatchNorm "
+            "layers no longer exist)",
+            "convert the model it was folded from instead (the unfused checkpoint, timm name "
+            "or factory); verify takes it as CONVERTED",
+        )
 
 
 @dataclass
@@ -233,12 +250,15 @@ def convert_source(
     check_source_name(source)
     if example_file is not None:
         check_reachable(example_file, "--example-input", UsageError, "pass a file of this machine with a shorter path")
-    inputs: list[Any] = [source, *source_inputs(source)] + ([(example_file, "the --example-input file")]
-                                                            if example_file is not None else [])
+    inputs: list[Any] = [source, *source_inputs(source)] + (
+        [(example_file, "the --example-input file")] if example_file is not None else []
+    )
     directory_output = output is not None and is_directory_output(output)
     if directory_output and to == "fused":
-        raise UsageError("a fused model is not the class its config.json names, so it cannot be a model directory",
-                         "write a file instead (-o OUT.safetensors)")
+        raise UsageError(
+            "a fused model is not the class its config.json names, so it cannot be a model directory",
+            "write a file instead (-o OUT.safetensors)",
+        )
     out: Path | None = None
     if directory_output and output is not None:
         out = check_directory_output(Path(output), inputs, force=force)
@@ -249,13 +269,22 @@ def convert_source(
 
         example = load_example_input(example_file)
     phase(f"loading {source}")
-    loaded = load_source(source, model=model, model_args=model_args, weights=weights,
-                         trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args)
+    loaded = load_source(
+        source,
+        model=model,
+        model_args=model_args,
+        weights=weights,
+        trust_pickle=trust_pickle,
+        accept_recorded_args=accept_recorded_args,
+    )
     refuse_fused_source(loaded, "SOURCE")
     if directory_output and loaded.architecture.kind != "transformers":
-        raise UsageError(f"output {output} names a directory (no file suffix, or an existing directory): a model "
-                         f"directory is what save_pretrained writes for Hugging Face models, and "
-                         f"{loaded.description} is not one", "write a file instead (-o OUT.safetensors)")
+        raise UsageError(
+            f"output {output} names a directory (no file suffix, or an existing directory): a model "
+            f"directory is what save_pretrained writes for Hugging Face models, and "
+            f"{loaded.description} is not one",
+            "write a file instead (-o OUT.safetensors)",
+        )
     refuse_invalid_weights(loaded.model, loaded.description)  # the written file must be one verify accepts
     fused = to == "fused"
     # fused finds producers on it before converting; otherwise chosen after the surgery, which
@@ -264,14 +293,23 @@ def convert_source(
     shape = _fused_shape(check_input) if check_input is not None else None
     input_dims = None
     if to == "plain" and needs_input_dims(loaded.model):  # _BatchNormXd and SyncBN: which BatchNormNd?
-        shown_by = check_input or resolve_check_input(loaded.model, input_shape=input_shape,
-                                                      example_input=example, recorded=loaded.check_input,
-                                                      own_shape=loaded.input_shape)
+        shown_by = check_input or resolve_check_input(
+            loaded.model,
+            input_shape=input_shape,
+            example_input=example,
+            recorded=loaded.check_input,
+            own_shape=loaded.input_shape,
+        )
         input_dims = observed_input_dims(loaded.model, shown_by) if shown_by is not None else None
         check_input = shown_by
     phase(f"converting to {to}" + (f" (finding producers on {shape})" if fused else ""))
-    options: dict[str, Any] = {"frozen": frozen, "allow_unhandled": allow_unhandled, "include": include,
-                               "exclude": exclude, "input_dims": input_dims}  # every carried state dict is converted with the same ones
+    options: dict[str, Any] = {
+        "frozen": frozen,
+        "allow_unhandled": allow_unhandled,
+        "include": include,
+        "exclude": exclude,
+        "input_dims": input_dims,
+    }  # every carried state dict is converted with the same ones
     result = convert(loaded.model, to, example_input=shape, **options)
     result.report.source = loaded.description
     result.report.tool_version = __version__
@@ -304,47 +342,89 @@ def convert_source(
                 from bnsurgeon.checks.fused_check import verify_fused
 
                 assert result.report.fusion is not None and shape is not None  # a fused conversion records its folds
-                verification = verify_fused(loaded.model, result.model, result.report.fusion["folded"], shape,
-                                            source_name=loaded.description)
+                verification = verify_fused(
+                    loaded.model, result.model, result.report.fusion["folded"], shape, source_name=loaded.description
+                )
             else:
-                rebuild = recipe(loaded.architecture, [*loaded.history, step(to, result.report.options)],
-                                 class_map(result.model))
-                verification = verify_models(loaded.model, result.model, check_input, world_sizes=verify_world_sizes,
-                                             exact=result.exact, source_name=loaded.description,
-                                             collective_timeout=timeout or 120.0, rebuild_converted=rebuild)
+                rebuild = recipe(
+                    loaded.architecture, [*loaded.history, step(to, result.report.options)], class_map(result.model)
+                )
+                verification = verify_models(
+                    loaded.model,
+                    result.model,
+                    check_input,
+                    world_sizes=verify_world_sizes,
+                    exact=result.exact,
+                    source_name=loaded.description,
+                    collective_timeout=timeout or 120.0,
+                    rebuild_converted=rebuild,
+                )
             result.report.verification = verification.to_dict()
             if not verification.passed:
                 failed = verification.first_failure
                 raise VerificationError(
                     f"verification failed: {failed.name} (max |diff| {failed.max_abs_diff:.3g})"
-                    + (f", first divergent module {failed.first_divergence}" if failed.first_divergence
-                       else f" ({failed.detail})" if failed.detail else "")
+                    + (
+                        f", first divergent module {failed.first_divergence}"
+                        if failed.first_divergence
+                        else f" ({failed.detail})"
+                        if failed.detail
+                        else ""
+                    )
                 )
     reports = None
     if out is not None and directory_output:
         result.report.output = str(out.parent)
         phase(f"writing {out.parent}")
         expected = set(loaded.architecture.build(meta=True).state_dict())  # what from_pretrained(DIR) loads
-        reports = write_model_directory(result, out.parent, loaded.architecture, expected, source=loaded.description,
-                                        force=force, check_input=check_input or loaded.check_input,
-                                        history=loaded.history)
+        reports = write_model_directory(
+            result,
+            out.parent,
+            loaded.architecture,
+            expected,
+            source=loaded.description,
+            force=force,
+            check_input=check_input or loaded.check_input,
+            history=loaded.history,
+        )
         out = out.parent
     elif out is not None:
         result.report.output = str(out)
         phase(f"writing {out}")
-        reports = write_conversion(result, out, loaded.architecture, source=loaded.description, force=force,
-                                   extras=carried.entries, check_input=check_input or loaded.check_input,
-                                   history=loaded.history, weights=carried.weights_key)
+        reports = write_conversion(
+            result,
+            out,
+            loaded.architecture,
+            source=loaded.description,
+            force=force,
+            extras=carried.entries,
+            check_input=check_input or loaded.check_input,
+            history=loaded.history,
+            weights=carried.weights_key,
+        )
     return ConvertOutcome(result, loaded, out, reports)
 
 
-def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), input_shape: tuple[int, ...] | None = None,
-           atol: float | None = None, perturb: bool = True, model: str | None = None,
-           model_args: dict[str, Any] | None = None, converted_model: str | None = None,
-           converted_model_args: dict[str, Any] | None = None, weights: str | None = None,
-           converted_weights: str | None = None, trust_pickle: bool = False,
-           accept_recorded_args: bool = False, on_check: "Callable[[Any], None] | None" = None,
-           example_input: "CheckInput | str | os.PathLike | None" = None, compare_at: str | None = None):
+def verify(
+    source: str,
+    converted: str,
+    *,
+    world_sizes: tuple[int, ...] = (2,),
+    input_shape: tuple[int, ...] | None = None,
+    atol: float | None = None,
+    perturb: bool = True,
+    model: str | None = None,
+    model_args: dict[str, Any] | None = None,
+    converted_model: str | None = None,
+    converted_model_args: dict[str, Any] | None = None,
+    weights: str | None = None,
+    converted_weights: str | None = None,
+    trust_pickle: bool = False,
+    accept_recorded_args: bool = False,
+    on_check: "Callable[[Any], None] | None" = None,
+    example_input: "CheckInput | str | os.PathLike | None" = None,
+    compare_at: str | None = None,
+):
     """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
 
     Both arguments are loaded under the same trust rules, each confirmed by what the user
@@ -366,8 +446,11 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
     if any(w < 2 for w in world_sizes):
         raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
     if any(w > MAX_WORLD_SIZE for w in world_sizes):  # one process each: 100000 would be a fork bomb
-        raise UsageError(f"--world-size {max(world_sizes)} is more ranks than verify starts (at most {MAX_WORLD_SIZE}; "
-                         "each is a process on this machine)", "use 2 or 3 on a CPU machine")
+        raise UsageError(
+            f"--world-size {max(world_sizes)} is more ranks than verify starts (at most {MAX_WORLD_SIZE}; "
+            "each is a process on this machine)",
+            "use 2 or 3 on a CPU machine",
+        )
     if atol is not None and not (math.isfinite(atol) and atol >= 0):  # inf would pass any difference
         raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
     check_source_name(source)
@@ -377,45 +460,90 @@ def verify(source: str, converted: str, *, world_sizes: tuple[int, ...] = (2,), 
         from bnsurgeon.checks.check_input import load_example_input
 
         example = load_example_input(example_input)
-    left = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
-                       accept_recorded_args=accept_recorded_args)
-    right = load_source(converted, model=converted_model, model_args=converted_model_args, weights=converted_weights,
-                        trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args, flag="--converted-model",
-                        named_elsewhere=left.architecture)
+    left = load_source(
+        source,
+        model=model,
+        model_args=model_args,
+        weights=weights,
+        trust_pickle=trust_pickle,
+        accept_recorded_args=accept_recorded_args,
+    )
+    right = load_source(
+        converted,
+        model=converted_model,
+        model_args=converted_model_args,
+        weights=converted_weights,
+        trust_pickle=trust_pickle,
+        accept_recorded_args=accept_recorded_args,
+        flag="--converted-model",
+        named_elsewhere=left.architecture,
+    )
     refuse_fused_source(left, "SOURCE")
     refuse_non_finite(left.model, left.description)
     refuse_non_finite(right.model, right.description)
-    recorded = read_recorded(right.checkpoint) if right.checkpoint is not None and right.checkpoint.is_bnsurgeon else None
+    recorded = (
+        read_recorded(right.checkpoint) if right.checkpoint is not None and right.checkpoint.is_bnsurgeon else None
+    )
     fused = recorded is not None and recorded.target == "fused"
     if not fused:  # a fused model lacks the folded BN modules by design
         require_same_architecture(left.model, right.model, left.description, right.description)
-    check_input = resolve_check_input(left.model, input_shape=input_shape, example_input=example,
-                                      recorded=left.check_input or right.check_input,
-                                      own_shape=left.input_shape or right.input_shape)
+    check_input = resolve_check_input(
+        left.model,
+        input_shape=input_shape,
+        example_input=example,
+        recorded=left.check_input or right.check_input,
+        own_shape=left.input_shape or right.input_shape,
+    )
     if check_input is None:
-        raise UsageError("cannot tell what input the models take",
-                         "pass --input-shape N,C,... (e.g. 4,16,32) or --example-input x.pt")
+        raise UsageError(
+            "cannot tell what input the models take",
+            "pass --input-shape N,C,... (e.g. 4,16,32) or --example-input x.pt",
+        )
     if fused and recorded is not None:
         from bnsurgeon.checks.fused_check import verify_fused
 
         if compare_at:
-            raise UsageError("--compare-at does not apply to a fused checkpoint: its checks compare the whole "
-                             "model's eval output (folded BN modules no longer exist)", "drop --compare-at")
-        return verify_fused(left.model, right.model, recorded.folds, _fused_shape(check_input), atol=atol,
-                            perturb=perturb, source_name=left.description, converted_name=right.description,
-                            on_check=on_check)
+            raise UsageError(
+                "--compare-at does not apply to a fused checkpoint: its checks compare the whole "
+                "model's eval output (folded BN modules no longer exist)",
+                "drop --compare-at",
+            )
+        return verify_fused(
+            left.model,
+            right.model,
+            recorded.folds,
+            _fused_shape(check_input),
+            atol=atol,
+            perturb=perturb,
+            source_name=left.description,
+            converted_name=right.description,
+            on_check=on_check,
+        )
     with preserved_modes(left.model, right.model), torch.no_grad():
         for loaded, what in ((left, "SOURCE"), (right, "CONVERTED")):
             parameter = next(iter(loaded.model.parameters()), None)
             dtype = parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
-            run_forward(loaded.model.eval(), clone_value(check_input.make(dtype=dtype)),
-                        f"{what} ({loaded.description})", check_input.describe())
-    return verify_models(left.model, right.model, check_input, world_sizes=world_sizes, atol=atol, perturb=perturb,
-                         exact=not is_inexact(left.model, right.model), source_name=left.description,
-                         converted_name=right.description, collective_timeout=timeout, on_check=on_check,
-                         compare_at=compare_at,
-                         rebuild_converted=recipe(right.architecture, right.history,
-                                                  recorded.classes if recorded is not None else None))
+            run_forward(
+                loaded.model.eval(),
+                clone_value(check_input.make(dtype=dtype)),
+                f"{what} ({loaded.description})",
+                check_input.describe(),
+            )
+    return verify_models(
+        left.model,
+        right.model,
+        check_input,
+        world_sizes=world_sizes,
+        atol=atol,
+        perturb=perturb,
+        exact=not is_inexact(left.model, right.model),
+        source_name=left.description,
+        converted_name=right.description,
+        collective_timeout=timeout,
+        on_check=on_check,
+        compare_at=compare_at,
+        rebuild_converted=recipe(right.architecture, right.history, recorded.classes if recorded is not None else None),
+    )
 
 
 @dataclass
@@ -467,7 +595,9 @@ def recalibrate_source(
     max_batch_bytes()  # every variable recalibrate reads is checked before any work
     rank, world, device = _torchrun_rank()
     check_source_name(source)
-    check_reachable(data, "--data", DataError, "pass a tensor file, a folder of tensor files or images, or pkg.mod:function")
+    check_reachable(
+        data, "--data", DataError, "pass a tensor file, a folder of tensor files or images, or pkg.mod:function"
+    )
     inputs: list[Any] = [source, *source_inputs(source)] + [(file, "a --data file") for file in data_files(data)]
     directory_output = output is not None and is_directory_output(output)
     out: Path | None = None
@@ -476,13 +606,22 @@ def recalibrate_source(
     elif output is not None:
         out = check_output_path(output, inputs, force=force)
     phase(f"loading {source}")
-    loaded = load_source(source, model=model, model_args=model_args, weights=weights, trust_pickle=trust_pickle,
-                         accept_recorded_args=accept_recorded_args)
+    loaded = load_source(
+        source,
+        model=model,
+        model_args=model_args,
+        weights=weights,
+        trust_pickle=trust_pickle,
+        accept_recorded_args=accept_recorded_args,
+    )
     refuse_fused_source(loaded, "SOURCE")
     if directory_output and loaded.architecture.kind != "transformers":
-        raise UsageError(f"output {output} names a directory (no file suffix, or an existing directory): a model "
-                         f"directory is what save_pretrained writes for Hugging Face models, and "
-                         f"{loaded.description} is not one", "write a file instead (-o OUT.safetensors)")
+        raise UsageError(
+            f"output {output} names a directory (no file suffix, or an existing directory): a model "
+            f"directory is what save_pretrained writes for Hugging Face models, and "
+            f"{loaded.description} is not one",
+            "write a file instead (-o OUT.safetensors)",
+        )
     refuse_invalid_weights(loaded.model, loaded.description)
     if out is not None:
         check_output_format(out, loaded.checkpoint, loaded.weights_key)
@@ -490,24 +629,52 @@ def recalibrate_source(
     if device is not None:  # torchrun on GPUs (NCCL): the model and its batches on this rank's device
         loaded.model.to(device)
     parameter = next((p for p in loaded.model.parameters() if p.is_floating_point()), None)
-    stream = open_data(data, model=loaded.model, batch_size=batch_size, max_batches=batches, max_samples=samples,
-                       rank=rank, world=world, dtype=parameter.dtype if parameter is not None else None, device=device,
-                       model_directory=source_directory(source, loaded))
+    stream = open_data(
+        data,
+        model=loaded.model,
+        batch_size=batch_size,
+        max_batches=batches,
+        max_samples=samples,
+        rank=rank,
+        world=world,
+        dtype=parameter.dtype if parameter is not None else None,
+        device=device,
+        model_directory=source_directory(source, loaded),
+    )
     phase(f"recalibrating on {stream.description}" + (f" (rank {rank} of {world})" if world > 1 else ""))
-    report = recalibrate(loaded.model, stream, include_frozen=include_frozen, progress=on_batch,
-                         fast_normalization=fast_normalization)
+    report = recalibrate(
+        loaded.model, stream, include_frozen=include_frozen, progress=on_batch, fast_normalization=fast_normalization
+    )
     report.source = loaded.description
     report.data = stream.record()
-    record = {"command": "recalibrate", "version": __version__, "weights": loaded.weights_key or "",
-              "samples": report.samples, "batches": report.batches, "ranks": report.ranks,
-              "data": report.data, "include_frozen": include_frozen, "fast_normalization": fast_normalization,
-              "modules": len(report.modules), "unreached": list(report.unreached)}
+    record = {
+        "command": "recalibrate",
+        "version": __version__,
+        "weights": loaded.weights_key or "",
+        "samples": report.samples,
+        "batches": report.batches,
+        "ranks": report.ranks,
+        "data": report.data,
+        "include_frozen": include_frozen,
+        "fast_normalization": fast_normalization,
+        "modules": len(report.modules),
+        "unreached": list(report.unreached),
+    }
     if rank != 0 or out is None:
         return RecalibrateOutcome(report, loaded, None, None, rank)
     report.output = str(out.parent if directory_output else out)
     phase(f"writing {report.output}")
-    writers = recalibrated_writers(out, loaded.checkpoint, loaded.weights_key, loaded.stripped_prefix, loaded.model,
-                                   [m.path for m in report.modules], record, report.to_json(), report.to_markdown())
+    writers = recalibrated_writers(
+        out,
+        loaded.checkpoint,
+        loaded.weights_key,
+        loaded.stripped_prefix,
+        loaded.model,
+        [m.path for m in report.modules],
+        record,
+        report.to_json(),
+        report.to_markdown(),
+    )
     from bnsurgeon.files.writing import report_paths
 
     if directory_output:

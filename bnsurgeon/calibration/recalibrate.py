@@ -106,10 +106,13 @@ class RecalibrationReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def to_markdown(self) -> str:
-        lines = [f"# bnsurgeon recalibrate: {self.source or 'model'}", "",
-                 f"- {counted(len(self.modules), 'BN module')} recalibrated over {counted(self.samples, 'sample')} "
-                 f"in {_batches(self.batches)} on {counted(self.ranks, 'rank')}"
-                 f" ({counted(self.collectives, 'collective')}, {self.seconds:.2f} s)"]
+        lines = [
+            f"# bnsurgeon recalibrate: {self.source or 'model'}",
+            "",
+            f"- {counted(len(self.modules), 'BN module')} recalibrated over {counted(self.samples, 'sample')} "
+            f"in {_batches(self.batches)} on {counted(self.ranks, 'rank')}"
+            f" ({counted(self.collectives, 'collective')}, {self.seconds:.2f} s)",
+        ]
         if self.data:
             lines.append(f"- data: {self.data.get('description', '')} (sha256 {self.data.get('sha256', '')[:16]}...)")
         if self.unreached:
@@ -118,12 +121,17 @@ class RecalibrationReport:
             lines.append(f"- skipped {item['path']} ({item['cls']}): {item['reason']}")
         for note in self.notes:
             lines.append(f"- {note}")
-        lines += ["", "| module | class | elements | calls/batch | max |d mean| | rel | max |d var| | rel |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| module | class | elements | calls/batch | max |d mean| | rel | max |d var| | rel |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for m in self.modules:
-            lines.append(f"| {m.path} | {m.cls.rsplit('.', 1)[-1]} | {m.elements} | {m.calls_per_batch:g} | "
-                         f"{m.mean_change_max:.3g} | {m.mean_change_rel:.3g} | {m.var_change_max:.3g} | "
-                         f"{m.var_change_rel:.3g} |")
+            lines.append(
+                f"| {m.path} | {m.cls.rsplit('.', 1)[-1]} | {m.elements} | {m.calls_per_batch:g} | "
+                f"{m.mean_change_max:.3g} | {m.mean_change_rel:.3g} | {m.var_change_max:.3g} | "
+                f"{m.var_change_rel:.3g} |"
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -263,11 +271,19 @@ def _call(model: "nn.Module", value: Any) -> Any:
     return model(value)
 
 
-def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max_batches: int | None = None,
-                max_samples: int | None = None, include_frozen: bool = False, group: Any = None,
-                progress: "Callable[[int, int], None] | None" = None,
-                forward: "Callable[[nn.Module, Any], Any] | None" = None,
-                device: "torch.device | str | None" = None, fast_normalization: bool = False) -> RecalibrationReport:
+def recalibrate(
+    model: "nn.Module",
+    data: "Iterable[Any] | torch.Tensor",
+    *,
+    max_batches: int | None = None,
+    max_samples: int | None = None,
+    include_frozen: bool = False,
+    group: Any = None,
+    progress: "Callable[[int, int], None] | None" = None,
+    forward: "Callable[[nn.Module, Any], Any] | None" = None,
+    device: "torch.device | str | None" = None,
+    fast_normalization: bool = False,
+) -> RecalibrationReport:
     """Write the exact population statistics of ``data`` into every BN-family module of ``model``.
 
     ``data``: an iterable of batches (a tensor; an ``(input, target)`` tuple/list, whose first
@@ -330,14 +346,17 @@ def recalibrate(model: "nn.Module", data: "Iterable[Any] | torch.Tensor", *, max
         torch.set_grad_enabled(False)
         if device is not None:
             forward = _on_device(forward, torch.device(device))
-        failure = _run_pass(model, data, max_batches, max_samples, progress, forward, report, lockstep, group, world,
-                            counters)
+        failure = _run_pass(
+            model, data, max_batches, max_samples, progress, forward, report, lockstep, group, world, counters
+        )
         merged, totals = _merge(tracked, report, failure, group, world, counters)
         if totals["failed"]:
             if failure is not None:
                 raise failure
-            raise ModelCannotRunError("another rank could not run the model on its data during recalibration "
-                                      "(its own error says why)", "fix the data of the rank that failed")
+            raise ModelCannotRunError(
+                "another rank could not run the model on its data during recalibration (its own error says why)",
+                "fix the data of the rank that failed",
+            )
         report.collectives = counters["collectives"]
         _check_outcome(tracked, merged, report)
         _restore_buffers(snapshot)
@@ -374,14 +393,22 @@ def _tracked_modules(entries: list, include_frozen: bool, report: RecalibrationR
             report.skipped.append({"path": entry.path, "cls": entry.cls_name, "reason": reason})
             continue
         channels = int(module._buffers["running_mean"].numel())
-        tracked.append(_Tracked(entry.path, entry.paths[1:], module, channels,
-                                Moments.empty(channels, module._buffers["running_mean"].device)))
+        tracked.append(
+            _Tracked(
+                entry.path,
+                entry.paths[1:],
+                module,
+                channels,
+                Moments.empty(channels, module._buffers["running_mean"].device),
+            )
+        )
     if not tracked:
         reasons = "; ".join(f"{s['path']}: {s['reason']}" for s in report.skipped[:4])
         raise NothingToConvertError(
             "the model has no BatchNorm-family module to recalibrate" + (f" ({reasons})" if reasons else ""),
-            "nothing was written; recalibrate a model with BatchNorm layers" +
-            ("" if include_frozen or not report.skipped else " (frozen ones: --include-frozen)"))
+            "nothing was written; recalibrate a model with BatchNorm layers"
+            + ("" if include_frozen or not report.skipped else " (frozen ones: --include-frozen)"),
+        )
     return tracked
 
 
@@ -437,8 +464,11 @@ def _make_hook(item: _Tracked, call_order: list[int]):
             call_order[0] += 1
         if item.captured is not None and x.dim() > 1:
             count = x.numel() // x.shape[1] if x.shape[1] else 0
-            if count > 1 and _kernel_statistics_exact(x, item.captured) and \
-                    not (item.batch_stats_in_eval and x.numel() >= SMALL_FOR_TRAINING_KERNEL):
+            if (
+                count > 1
+                and _kernel_statistics_exact(x, item.captured)
+                and not (item.batch_stats_in_eval and x.numel() >= SMALL_FOR_TRAINING_KERNEL)
+            ):
                 item.waiting = count  # the forward hook takes them from the kernel
                 module.training = True
                 return None
@@ -453,8 +483,9 @@ def _make_hook(item: _Tracked, call_order: list[int]):
     return hook
 
 
-def _put_batch_statistics(buffers: dict, count: int, shift: torch.Tensor, total: torch.Tensor,
-                          squares: torch.Tensor) -> None:
+def _put_batch_statistics(
+    buffers: dict, count: int, shift: torch.Tensor, total: torch.Tensor, squares: torch.Tensor
+) -> None:
     """The batch's mean and biased variance (what training mode normalises with) into the running buffers,
     written in place where the dtypes agree (three operations a call instead of six)."""
     mean, var = buffers["running_mean"], buffers["running_var"]
@@ -497,8 +528,9 @@ def _restore_buffers(snapshot) -> None:
             buffer.copy_(copy)
 
 
-def _run_pass(model, data, max_batches, max_samples, progress, forward, report, lockstep, group, world,
-              counters) -> "BnSurgeonError | None":
+def _run_pass(
+    model, data, max_batches, max_samples, progress, forward, report, lockstep, group, world, counters
+) -> "BnSurgeonError | None":
     """This rank's forwards. Returns the error that stopped it (raised after the merge, so that
     no other rank waits for this one), or None."""
     batches = samples = 0
@@ -509,8 +541,11 @@ def _run_pass(model, data, max_batches, max_samples, progress, forward, report, 
     failure = None
     while True:
         batch = None
-        if failure is None and (max_batches is None or batches < max_batches) and \
-                (max_samples is None or samples < max_samples):
+        if (
+            failure is None
+            and (max_batches is None or batches < max_batches)
+            and (max_samples is None or samples < max_samples)
+        ):
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -561,10 +596,12 @@ def _forward(model, value, forward, index: int, empty: bool = False) -> None:
         tensor = _first_tensor(value)
         shape = tuple(tensor.shape) if tensor is not None else type(value).__name__
         what = "an empty batch (this rank's data ran out)" if empty else f"batch {index} of shape {shape}"
-        raise ModelCannotRunError(f"the model cannot run on {what}: {type(error).__name__}: {first_line(error)}",
-                                  "pass batches the model takes (N, C, H, W in its input size and dtype; in training "
-                                  "mode a BN needs more than one value per channel, so no batch of one sample after "
-                                  "a pooling layer)") from None
+        raise ModelCannotRunError(
+            f"the model cannot run on {what}: {type(error).__name__}: {first_line(error)}",
+            "pass batches the model takes (N, C, H, W in its input size and dtype; in training "
+            "mode a BN needs more than one value per channel, so no batch of one sample after "
+            "a pooling layer)",
+        ) from None
 
 
 #: the step header of a lockstep pass: [has a batch, failed, dims, shape...] (shapes of up to this many dims)
@@ -581,12 +618,13 @@ def _agree_step(value, template, group, world, counters, failure, empty_like):
     header = torch.zeros(3 + MAX_DIMS, dtype=torch.int64)
     if tensor is not None and isinstance(value, torch.Tensor) and tensor.dim() <= MAX_DIMS:
         header[0], header[2] = 1, tensor.dim()
-        header[3:3 + tensor.dim()] = torch.tensor(tensor.shape)
+        header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape)
     elif value is not None:
         header[0] = 1
     header[1] = int(failure is not None)
-    rows = all_gather_rows(header.to(_collective_device(group)), world, group,
-                           lambda: "bnsurgeon recalibrate's step header").cpu()
+    rows = all_gather_rows(
+        header.to(_collective_device(group)), world, group, lambda: "bnsurgeon recalibrate's step header"
+    ).cpu()
     counters["collectives"] += 1
     if bool(rows[:, 1].any()):  # a rank failed: every rank stops here, and the merge says so
         return None
@@ -599,10 +637,12 @@ def _agree_step(value, template, group, world, counters, failure, empty_like):
     for row in rows:
         dims = int(row[2])
         if row[0] and dims:
-            shape = [0, *[int(s) for s in row[4:3 + dims]]]
+            shape = [0, *[int(s) for s in row[4 : 3 + dims]]]
             return torch.zeros(shape, dtype=empty_like[0], device=empty_like[1])
-    raise DataError("a rank with no data cannot join a step of a model with sync BN layers whose batches are not "
-                    "single tensors", "give every rank at least one batch, or pass tensor batches")
+    raise DataError(
+        "a rank with no data cannot join a step of a model with sync BN layers whose batches are not single tensors",
+        "give every rank at least one batch, or pass tensor batches",
+    )
 
 
 def _merge(tracked: list[_Tracked], report: RecalibrationReport, failure, group, world, counters):
@@ -614,10 +654,23 @@ def _merge(tracked: list[_Tracked], report: RecalibrationReport, failure, group,
         return ([(item.calls, item.first_call, item.moments) for item in tracked], {"failed": failure is not None})
     settle_all([item.moments for item in tracked])
     width = [3 + 2 * item.channels for item in tracked]
-    local = torch.cat([torch.tensor([float(report.rank_batches[0]), float(report.rank_samples[0]),
-                                     float(failure is not None)], dtype=torch.float64)] +
-                      [torch.cat([torch.tensor([float(item.calls), float(item.first_call)], dtype=torch.float64),
-                                  item.moments.row().cpu()]) for item in tracked])
+    local = torch.cat(
+        [
+            torch.tensor(
+                [float(report.rank_batches[0]), float(report.rank_samples[0]), float(failure is not None)],
+                dtype=torch.float64,
+            )
+        ]
+        + [
+            torch.cat(
+                [
+                    torch.tensor([float(item.calls), float(item.first_call)], dtype=torch.float64),
+                    item.moments.row().cpu(),
+                ]
+            )
+            for item in tracked
+        ]
+    )
     if world > 1:
         from bnsurgeon.runtime.collectives import all_gather_rows
 
@@ -632,7 +685,7 @@ def _merge(tracked: list[_Tracked], report: RecalibrationReport, failure, group,
     merged = []
     offset = 3
     for item, size in zip(tracked, width, strict=True):
-        block = rows[:, offset:offset + size]
+        block = rows[:, offset : offset + size]
         offset += size
         calls = int(block[:, 0].sum().item())
         firsts = [int(v) for v in block[:, 1].tolist() if v >= 0]
@@ -652,19 +705,30 @@ def _collective_device(group) -> torch.device:
 
 def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
     if report.batches == 0:
-        raise DataError("the data holds no batch (on any rank): nothing to compute statistics from",
-                        "nothing was written; pass data with at least one batch")
+        raise DataError(
+            "the data holds no batch (on any rank): nothing to compute statistics from",
+            "nothing was written; pass data with at least one batch",
+        )
     if report.samples == 0:
         raise DataError("the data's batches hold no sample", "nothing was written; pass batches with samples in them")
-    reached = [(item, calls, first, moments) for item, (calls, first, moments) in zip(tracked, merged, strict=True) if moments.count]
+    reached = [
+        (item, calls, first, moments)
+        for item, (calls, first, moments) in zip(tracked, merged, strict=True)
+        if moments.count
+    ]
     if reached and not _all_finite([m.mean for *_, m in reached] + [m.m2 for *_, m in reached]):
-        non_finite = [(first, item.path) for item, _, first, moments in reached
-                      if not bool(torch.isfinite(moments.mean).all() & torch.isfinite(moments.m2).all())]
+        non_finite = [
+            (first, item.path)
+            for item, _, first, moments in reached
+            if not bool(torch.isfinite(moments.mean).all() & torch.isfinite(moments.m2).all())
+        ]
         first, path = min(non_finite)
         others = len(non_finite) - 1
         raise NonFiniteActivationsError(
             f"the input of {path} held NaN or Inf during recalibration"
-            + (f" (and {counted(others, 'module')} after it)" if others else "") + ": its statistics would be meaningless")
+            + (f" (and {counted(others, 'module')} after it)" if others else "")
+            + ": its statistics would be meaningless"
+        )
     by_dtype: dict[torch.dtype, list] = {}
     for item, _, _, moments in reached:
         by_dtype.setdefault(item.module._buffers["running_mean"].dtype, []).append((item, moments))
@@ -673,14 +737,18 @@ def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
             continue
         for item, moments in group:
             buffers = item.module._buffers
-            overflow = statistics_overflow(item.path, {"running_mean": moments.mean.cpu()}, buffers["running_mean"].dtype) \
-                or statistics_overflow(item.path, {"running_var": moments.unbiased_var.cpu()}, buffers["running_var"].dtype)
+            overflow = statistics_overflow(
+                item.path, {"running_mean": moments.mean.cpu()}, buffers["running_mean"].dtype
+            ) or statistics_overflow(
+                item.path, {"running_var": moments.unbiased_var.cpu()}, buffers["running_var"].dtype
+            )
             if overflow is not None:
                 raise overflow
     if not any(moments.count for _, _, moments in merged):
         raise NoBatchNormReachedError(
             f"the forward over {_batches(report.batches)} never called any of the model's "
-            f"{counted(len(tracked), 'tracked BN module')}")
+            f"{counted(len(tracked), 'tracked BN module')}"
+        )
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -699,30 +767,58 @@ def _write(tracked, merged, report: RecalibrationReport) -> None:
                 continue
             buffers = item.module._buffers
             new_mean, new_var = moments.mean, moments.unbiased_var
-            written.append((item, calls, moments, buffers["running_mean"].detach().clone(),
-                            buffers["running_var"].detach().clone(), new_mean, new_var))
+            written.append(
+                (
+                    item,
+                    calls,
+                    moments,
+                    buffers["running_mean"].detach().clone(),
+                    buffers["running_var"].detach().clone(),
+                    new_mean,
+                    new_var,
+                )
+            )
             buffers["running_mean"].copy_(new_mean)
             buffers["running_var"].copy_(new_var)
             report.statistics[item.path] = (moments.count, new_mean.clone(), moments.population_var)
     if written:
-        old_mean, old_var, new_mean, new_var = (torch.cat([row[i].to(torch.float64).cpu() for row in written])
-                                                for i in (3, 4, 5, 6))
+        old_mean, old_var, new_mean, new_var = (
+            torch.cat([row[i].to(torch.float64).cpu() for row in written]) for i in (3, 4, 5, 6)
+        )
         mean_diff, var_diff = (new_mean - old_mean).abs(), (new_var - old_var).abs()
-        changes = torch.stack([mean_diff, mean_diff / new_var.clamp(min=1e-12).sqrt(), var_diff,
-                               var_diff / old_var.abs().clamp(min=1e-12)], 1)
+        changes = torch.stack(
+            [
+                mean_diff,
+                mean_diff / new_var.clamp(min=1e-12).sqrt(),
+                var_diff,
+                var_diff / old_var.abs().clamp(min=1e-12),
+            ],
+            1,
+        )
         lengths = torch.tensor([row[0].channels for row in written])
         maxima = torch.segment_reduce(changes.nan_to_num(nan=float("inf")), "max", lengths=lengths)
         for (item, calls, moments, *_), values in zip(written, maxima.tolist(), strict=True):
-            report.modules.append(ModuleRecalibration(
-                path=item.path, cls=qualname(type(item.module)), channels=item.channels, elements=moments.count,
-                calls=calls, calls_per_batch=calls / max(report.batches, 1),
-                mean_change_max=_finite_number(values[0]), mean_change_rel=_finite_number(values[1]),
-                var_change_max=_finite_number(values[2]), var_change_rel=_finite_number(values[3]),
-                aliases=list(item.aliases)))
+            report.modules.append(
+                ModuleRecalibration(
+                    path=item.path,
+                    cls=qualname(type(item.module)),
+                    channels=item.channels,
+                    elements=moments.count,
+                    calls=calls,
+                    calls_per_batch=calls / max(report.batches, 1),
+                    mean_change_max=_finite_number(values[0]),
+                    mean_change_rel=_finite_number(values[1]),
+                    var_change_max=_finite_number(values[2]),
+                    var_change_rel=_finite_number(values[3]),
+                    aliases=list(item.aliases),
+                )
+            )
     several = report.called_several_times
     if several:
-        report.notes.append(f"called several times per batch, statistics over all their calls: {', '.join(several[:8])}"
-                            + (f" (+{len(several) - 8} more)" if len(several) > 8 else ""))
+        report.notes.append(
+            f"called several times per batch, statistics over all their calls: {', '.join(several[:8])}"
+            + (f" (+{len(several) - 8} more)" if len(several) > 8 else "")
+        )
     if report.unreached:
         report.notes.append(f"{counted(len(report.unreached), 'module')} never reached by the forward, left unchanged")
 

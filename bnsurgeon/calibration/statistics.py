@@ -53,8 +53,9 @@ def batch_sums(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, torch.
     return count, shift, total, squares
 
 
-def finish_sums(count, shift: torch.Tensor, total: torch.Tensor, squares: torch.Tensor,
-                scale=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def finish_sums(
+    count, shift: torch.Tensor, total: torch.Tensor, squares: torch.Tensor, scale=1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, M2) in float64 from ``batch_sums``: mean = shift + sum(d)/n, M2 = scale * sum(d^2) - sum(d)^2/n.
     ``count`` and ``scale`` may be (K, 1) tensors for K stacked batches."""
     shift, total, squares = (t.to(torch.float64) for t in (shift, total, squares))
@@ -71,8 +72,9 @@ def batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     return (count, *finish_sums(count, shift, total, squares))
 
 
-def merge_moments(count_a: float, mean_a: torch.Tensor, m2_a: torch.Tensor,
-                  count_b: float, mean_b: torch.Tensor, m2_b: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
+def merge_moments(
+    count_a: float, mean_a: torch.Tensor, m2_a: torch.Tensor, count_b: float, mean_b: torch.Tensor, m2_b: torch.Tensor
+) -> tuple[float, torch.Tensor, torch.Tensor]:
     """Chan et al.: the moments of the union of two sets, weighted by their counts."""
     if count_b == 0:
         return count_a, mean_a, m2_a
@@ -112,8 +114,11 @@ class Moments:
 
     @classmethod
     def empty(cls, channels: int, device: "torch.device | str" = "cpu") -> "Moments":
-        return cls(0, torch.zeros(channels, dtype=torch.float64, device=device),
-                   torch.zeros(channels, dtype=torch.float64, device=device))
+        return cls(
+            0,
+            torch.zeros(channels, dtype=torch.float64, device=device),
+            torch.zeros(channels, dtype=torch.float64, device=device),
+        )
 
     def add(self, x: torch.Tensor) -> None:
         self.push_sums(*batch_sums(x))
@@ -122,8 +127,9 @@ class Moments:
         """One batch's float64 moments (``batch_moments``), folded in with the next ``settle``."""
         self.push_sums(count, mean, torch.zeros_like(mean), m2)
 
-    def push_sums(self, count: int, shift: torch.Tensor, total: torch.Tensor, squares: torch.Tensor,
-                  scale: float = 1.0) -> None:
+    def push_sums(
+        self, count: int, shift: torch.Tensor, total: torch.Tensor, squares: torch.Tensor, scale: float = 1.0
+    ) -> None:
         """One batch's ``batch_sums`` (M2 = scale * squares - total^2 / n), kept as they are: turned into
         float64 moments and folded in with the next ``settle``, all waiting batches in one step."""
         if count:
@@ -137,8 +143,10 @@ class Moments:
             return
         pending, self.pending = self.pending, []
         counts = [entry[0] for entry in pending]
-        columns = [torch.tensor([entry[i] for entry in pending], dtype=torch.float64, device=self.mean.device)[:, None]
-                   for i in (0, 1)]
+        columns = [
+            torch.tensor([entry[i] for entry in pending], dtype=torch.float64, device=self.mean.device)[:, None]
+            for i in (0, 1)
+        ]
         stacked = [_stack([entry[i] for entry in pending]) for i in (2, 3, 4)]
         means, m2s = finish_sums(columns[0], stacked[0], stacked[1], stacked[2], scale=columns[1])
         if self.count:
@@ -149,8 +157,9 @@ class Moments:
 
     def merge(self, count: int, mean: torch.Tensor, m2: torch.Tensor) -> None:
         self.settle()
-        total, self.mean, self.m2 = merge_moments(self.count, self.mean, self.m2, count, mean.to(self.mean.device),
-                                                  m2.to(self.m2.device))
+        total, self.mean, self.m2 = merge_moments(
+            self.count, self.mean, self.m2, count, mean.to(self.mean.device), m2.to(self.m2.device)
+        )
         self.count = int(total)
 
     @property
@@ -195,14 +204,18 @@ def settle_all(moments: "list[Moments]") -> None:
         start += m.mean.numel()
     device = waiting[0].mean.device
     lengths = torch.tensor([entry[2].numel() for entry in entries], device=device)
-    per_entry = torch.tensor([[float(entry[0]), float(entry[1])] for entry in entries], dtype=torch.float64,
-                             device=device)
+    per_entry = torch.tensor(
+        [[float(entry[0]), float(entry[1])] for entry in entries], dtype=torch.float64, device=device
+    )
     counts, scales = per_entry.repeat_interleave(lengths, 0).unbind(1)
     # the global channel of every element: its owner's offset + its place within its entry
     firsts = torch.cumsum(lengths, 0) - lengths
     entry_of = torch.repeat_interleave(torch.arange(len(entries), device=device), lengths)
-    channel = torch.arange(int(lengths.sum()), device=device) - firsts[entry_of] + \
-        torch.tensor([offsets[o] for o in owners], device=device)[entry_of]
+    channel = (
+        torch.arange(int(lengths.sum()), device=device)
+        - firsts[entry_of]
+        + torch.tensor([offsets[o] for o in owners], device=device)[entry_of]
+    )
     shift, total, squares = (torch.cat([entry[i] for entry in entries]).to(torch.float64) for i in (2, 3, 4))
     means, m2s = finish_sums(counts, shift, total, squares, scale=scales)
     zeros = torch.zeros(start, dtype=torch.float64, device=device)
@@ -228,5 +241,5 @@ def merge_rows(rows: torch.Tensor, channels: int) -> Moments:
     result = Moments.empty(channels, rows.device)
     for row in rows:
         count = int(row[0].item())
-        result.merge(count, row[1:1 + channels], row[1 + channels:1 + 2 * channels])
+        result.merge(count, row[1 : 1 + channels], row[1 + channels : 1 + 2 * channels])
     return result

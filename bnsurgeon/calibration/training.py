@@ -34,8 +34,11 @@ def averaged_module(averaged: Any) -> "nn.Module":
     from torch import nn
 
     inner = getattr(averaged, "module", None)
-    if isinstance(inner, nn.Module) and (not isinstance(averaged, nn.Module) or hasattr(averaged, "n_averaged")
-                                         or type(averaged).__name__.startswith("ModelEma")):
+    if isinstance(inner, nn.Module) and (
+        not isinstance(averaged, nn.Module)
+        or hasattr(averaged, "n_averaged")
+        or type(averaged).__name__.startswith("ModelEma")
+    ):
         return inner
     if isinstance(averaged, nn.Module):
         return averaged

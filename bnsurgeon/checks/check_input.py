@@ -51,9 +51,12 @@ class CheckInput:
         """Rebuild from ``to_record()`` output read from an untrusted file, validating every field.
 
         An empty ``origin`` gives the bare reason (the caller names the file and field)."""
+
         def bad(why: str) -> CheckpointError:
-            return CheckpointError(f"{origin}: recorded check input is invalid ({why})" if origin else why,
-                                   "pass --input-shape or --example-input to override it")
+            return CheckpointError(
+                f"{origin}: recorded check input is invalid ({why})" if origin else why,
+                "pass --input-shape or --example-input to override it",
+            )
 
         if not isinstance(data, dict) or data.get("kind") not in KINDS or not isinstance(data.get("shapes"), list):
             raise bad("expected {kind: tensor|list|dict, shapes: [...]}")
@@ -91,25 +94,32 @@ class CheckInput:
 
     def validate(self) -> "CheckInput":
         if self.kind not in KINDS or not self.shapes or len(self.shapes) > MAX_ENTRIES:
-            raise UsageError(f"check input must be a tensor, or a list/dict of 1-{MAX_ENTRIES} tensors",
-                             "save one tensor, a list of per-sample tensors, or a dict of batch-first tensors")
+            raise UsageError(
+                f"check input must be a tensor, or a list/dict of 1-{MAX_ENTRIES} tensors",
+                "save one tensor, a list of per-sample tensors, or a dict of batch-first tensors",
+            )
         if self.kind == "tensor" and len(self.shapes) != 1:
             raise UsageError("a tensor check input has exactly one shape", "save one tensor")
         shapes = [shape for _, shape in self.shapes] if self.kind == "dict" else list(self.shapes)
         if self.kind != "list" and any(len(shape) < 1 for shape in shapes):
             raise UsageError("batch-first tensors need at least one dimension", "give the batch dimension first")
         if self.kind == "dict" and len({shape[0] for shape in shapes}) != 1:
-            raise UsageError("the tensors of a dict check input must share the batch size (first dimension)",
-                             "give every tensor the same first dimension")
+            raise UsageError(
+                "the tensors of a dict check input must share the batch size (first dimension)",
+                "give every tensor the same first dimension",
+            )
         if self.kind != "list" and shapes[0][0] < 1:
             raise UsageError("the check input needs at least one sample", "give a batch of at least 1")
         if self.kind == "list" and any(len(shape) < 1 for shape in shapes):
-            raise UsageError("each sample of a list check input is a tensor with at least one dimension",
-                             "save per-sample tensors such as images of shape (3, H, W)")
+            raise UsageError(
+                "each sample of a list check input is a tensor with at least one dimension",
+                "save per-sample tensors such as images of shape (3, H, W)",
+            )
         empty = next((shape for shape in shapes if 0 in shape), None)
         if empty is not None:  # nothing for a model to compute on: every check would fail on the model's error
-            raise UsageError(f"a check input of shape {tuple(empty)} holds no values",
-                             "give every dimension a size of at least 1")
+            raise UsageError(
+                f"a check input of shape {tuple(empty)} holds no values", "give every dimension a size of at least 1"
+            )
         return self
 
     # -- what it describes ---------------------------------------------------------------
@@ -143,8 +153,14 @@ class CheckInput:
         return CheckInput("list", tuple(self.shapes[0 if uniform else i % len(self.shapes)] for i in range(batch)))
 
     # -- values ----------------------------------------------------------------------------
-    def make(self, *, seed: int = 0, generator: "torch.Generator | None" = None, dtype: "torch.dtype | None" = None,
-             device: "torch.device | str | None" = None) -> Any:
+    def make(
+        self,
+        *,
+        seed: int = 0,
+        generator: "torch.Generator | None" = None,
+        dtype: "torch.dtype | None" = None,
+        device: "torch.device | str | None" = None,
+    ) -> Any:
         """Seeded standard-normal values in this structure."""
         import torch
 
@@ -154,10 +170,14 @@ class CheckInput:
 
         def noise(shape):
             try:
-                return torch.randn(tuple(shape), generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+                return torch.randn(tuple(shape), generator=generator, dtype=torch.float64).to(
+                    device=device, dtype=dtype
+                )
             except (RuntimeError, MemoryError) as error:
-                raise ModelCannotRunError(f"cannot allocate the check input {self.describe()}: "
-                                          f"{str(error).strip()[:200]}", "pass a smaller --input-shape") from None
+                raise ModelCannotRunError(
+                    f"cannot allocate the check input {self.describe()}: {str(error).strip()[:200]}",
+                    "pass a smaller --input-shape",
+                ) from None
 
         if self.kind == "tensor":
             return noise(self.shapes[0])
@@ -175,7 +195,8 @@ class CheckInput:
             raise ModelCannotRunError(
                 f"the check input {self.describe()} needs {needed / 2**30:,.1f} GiB, more than this machine's "
                 f"{physical / 2**30:,.1f} GiB of memory",
-                "pass a smaller --input-shape (the batch and spatial size do not change which BN code runs)")
+                "pass a smaller --input-shape (the batch and spatial size do not change which BN code runs)",
+            )
 
     def split(self, value: Any, sizes: list[int]) -> list[Any]:
         """A value of this structure cut into consecutive per-rank pieces of ``sizes`` samples."""
@@ -259,9 +280,11 @@ def load_example_input(path: "str | os.PathLike") -> CheckInput:
     with open(path, "rb") as stream:
         head = stream.read(9)
     if len(head) == 9 and head[8:9] == b"{":  # a safetensors header: 8-byte length, then JSON
-        raise UsageError(f"{flag} is a .safetensors file; example inputs are read from torch.save files",
-                         "python -c \"import torch; from safetensors.torch import load_file; "
-                         f"torch.save(load_file('{path}'), 'x.pt')\" and pass x.pt")
+        raise UsageError(
+            f"{flag} is a .safetensors file; example inputs are read from torch.save files",
+            'python -c "import torch; from safetensors.torch import load_file; '
+            f"torch.save(load_file('{path}'), 'x.pt')\" and pass x.pt",
+        )
     try:  # the bounds every file bnsurgeon reads goes through: a deflated pickle record would inflate in memory
         refuse_compressed_records(path, flag)
     except CheckpointError as error:
@@ -272,10 +295,15 @@ def load_example_input(path: "str | os.PathLike") -> CheckInput:
             value = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as error:
         text = str(error)
-        why = unsupported_global(text) + ", which would run code" if UNSUPPORTED_GLOBAL.search(text) \
+        why = (
+            unsupported_global(text) + ", which would run code"
+            if UNSUPPORTED_GLOBAL.search(text)
             else unpickler_refusal(text)
-        raise UsageError(f"{flag} is not a plain tensor file ({why})",
-                         "save only tensors, lists or dicts of tensors: torch.save(x, 'x.pt')") from None
+        )
+        raise UsageError(
+            f"{flag} is not a plain tensor file ({why})",
+            "save only tensors, lists or dicts of tensors: torch.save(x, 'x.pt')",
+        ) from None
     except Exception as error:  # truncated or not a torch file
         raise UsageError(f"{flag} cannot be read ({first_line(error, 'unknown error')[:120]})", save_hint) from None
     structure = _structure_of(value, str(path))
@@ -291,9 +319,11 @@ def _refuse_more_than_the_file_holds(value: Any, path: Path, flag: str) -> None:
     declared = sum(leaf.numel() * leaf.element_size() for leaf in items)
     size = path.stat().st_size
     if declared > size:
-        raise UsageError(f"{flag} declares {declared:,} bytes of values but the file holds {size:,} bytes "
-                         "(expanded or shared views, or compressed records)",
-                         "save the example itself: torch.save(x.clone(), 'x.pt')")
+        raise UsageError(
+            f"{flag} declares {declared:,} bytes of values but the file holds {size:,} bytes "
+            "(expanded or shared views, or compressed records)",
+            "save the example itself: torch.save(x.clone(), 'x.pt')",
+        )
 
 
 def _structure_of(value: Any, origin: str) -> CheckInput:
@@ -301,16 +331,21 @@ def _structure_of(value: Any, origin: str) -> CheckInput:
 
     def tensor_shape(item: Any, where: str) -> tuple[int, ...]:
         if not isinstance(item, torch.Tensor):
-            raise UsageError(f"--example-input {origin}: {where} is a {type(item).__name__}, not a tensor",
-                             "save a tensor, a list of tensors, or a dict of str -> tensor")
+            raise UsageError(
+                f"--example-input {origin}: {where} is a {type(item).__name__}, not a tensor",
+                "save a tensor, a list of tensors, or a dict of str -> tensor",
+            )
         if not item.is_floating_point():
-            raise UsageError(f"--example-input {origin}: {where} has dtype {item.dtype}; the checks feed float inputs",
-                             "save floating-point tensors (the checks use seeded noise of the same shapes)")
+            raise UsageError(
+                f"--example-input {origin}: {where} has dtype {item.dtype}; the checks feed float inputs",
+                "save floating-point tensors (the checks use seeded noise of the same shapes)",
+            )
         try:
             return _valid_shape(list(item.shape))
         except ValueError as error:
-            raise UsageError(f"--example-input {origin}: {where} has shape {tuple(item.shape)} ({error})",
-                             "save a smaller example") from None
+            raise UsageError(
+                f"--example-input {origin}: {where} has shape {tuple(item.shape)} ({error})", "save a smaller example"
+            ) from None
 
     if isinstance(value, torch.Tensor):
         result = CheckInput("tensor", (tensor_shape(value, "the tensor"),))
@@ -319,19 +354,25 @@ def _structure_of(value: Any, origin: str) -> CheckInput:
     elif isinstance(value, dict):
         for key in value:
             if not isinstance(key, str) or not _KEY.match(key):
-                raise UsageError(f"--example-input {origin}: dict key {shown(key)} is not an identifier",
-                                 "use keys like 'image' or 'pixel_values'")
+                raise UsageError(
+                    f"--example-input {origin}: dict key {shown(key)} is not an identifier",
+                    "use keys like 'image' or 'pixel_values'",
+                )
         result = CheckInput("dict", tuple((key, tensor_shape(item, f"entry {key!r}")) for key, item in value.items()))
     else:
-        raise UsageError(f"--example-input {origin} holds a {type(value).__name__}",
-                         "save a tensor, a list of tensors, or a dict of str -> tensor")
+        raise UsageError(
+            f"--example-input {origin} holds a {type(value).__name__}",
+            "save a tensor, a list of tensors, or a dict of str -> tensor",
+        )
     try:
         result.validate()
     except UsageError as error:
         raise UsageError(f"--example-input {origin}: {error.message}", error.hint) from None
     if total_elements(result) > MAX_ELEMENTS:
-        raise UsageError(f"--example-input {origin} has {total_elements(result):,} values (at most {MAX_ELEMENTS:,})",
-                         "a small example is enough: 1-2 samples at a small size")
+        raise UsageError(
+            f"--example-input {origin} has {total_elements(result):,} values (at most {MAX_ELEMENTS:,})",
+            "a small example is enough: 1-2 samples at a small size",
+        )
     return result
 
 
@@ -344,8 +385,12 @@ def _entry_layers(model: "nn.Module") -> list:
     from torch import nn
     from torch.nn.modules.conv import _ConvNd
 
-    return [m for m in model.modules() if isinstance(m, (_ConvNd, nn.Linear)) and not isinstance(
-        m, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))]
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, (_ConvNd, nn.Linear))
+        and not isinstance(m, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))
+    ]
 
 
 def _guess(layer: "nn.Module", batch: int) -> CheckInput | None:
@@ -386,8 +431,10 @@ def infer_check_input(model: "nn.Module", batch: int = 2, *, attempts: int = 3) 
             break
         tried.add(guess)
         reached: list = []
-        handles = [layer.register_forward_pre_hook(lambda m, args, reached=reached: reached.append(m) if not reached else None)
-                   for layer in layers]
+        handles = [
+            layer.register_forward_pre_hook(lambda m, args, reached=reached: reached.append(m) if not reached else None)
+            for layer in layers
+        ]
         try:
             with preserved_modes(model), torch.no_grad():
                 model.eval()(guess.make(dtype=reference.dtype, device=reference.device))

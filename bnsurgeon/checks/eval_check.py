@@ -28,9 +28,14 @@ def infer_input_shape(model: "nn.Module", batch: int = 2) -> tuple[int, ...] | N
     return found.shape if found is not None else None
 
 
-def resolve_check_input(model: "nn.Module", *, input_shape: "tuple[int, ...] | None" = None,
-                        example_input: "CheckInput | None" = None, recorded: "CheckInput | None" = None,
-                        own_shape: "tuple[int, ...] | None" = None) -> "CheckInput | None":
+def resolve_check_input(
+    model: "nn.Module",
+    *,
+    input_shape: "tuple[int, ...] | None" = None,
+    example_input: "CheckInput | None" = None,
+    recorded: "CheckInput | None" = None,
+    own_shape: "tuple[int, ...] | None" = None,
+) -> "CheckInput | None":
     """The input the checks use, first found: --input-shape, --example-input, what the
     checkpoint recorded, the model's own (timm), else inferred from the first conv reached.
 
@@ -94,7 +99,9 @@ def refuse_non_finite(model: "nn.Module", origin: str) -> None:
     bad = non_finite_tensors(model)
     if bad:
         shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
-        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {counted(len(bad), 'tensor')}: {shown}")
+        raise NonFiniteWeightsError(
+            f"{origin} holds non-finite values (NaN or Inf) in {counted(len(bad), 'tensor')}: {shown}"
+        )
 
 
 #: no training sees more batches; a count near 2^63 overflows at the next step (and 1/count is momentum=None's factor)
@@ -117,30 +124,47 @@ def refuse_invalid_weights(model: "nn.Module", origin: str) -> None:
     for path, module in model.named_modules():
         if is_bn_like(module):
             counter = module._buffers.get("num_batches_tracked")
-            if counter is not None and not counter.is_meta and counter.numel() == 1 and not counter.is_floating_point() \
-                    and not 0 <= int(counter) <= MAX_BATCHES_TRACKED:  # 1/count (momentum=None) or an overflow
-                counters.append(f"{path}.num_batches_tracked={int(counter)}" if path else f"num_batches_tracked={int(counter)}")
+            if (
+                counter is not None
+                and not counter.is_meta
+                and counter.numel() == 1
+                and not counter.is_floating_point()
+                and not 0 <= int(counter) <= MAX_BATCHES_TRACKED
+            ):  # 1/count (momentum=None) or an overflow
+                counters.append(
+                    f"{path}.num_batches_tracked={int(counter)}" if path else f"num_batches_tracked={int(counter)}"
+                )
             for name in ("running_mean", "running_var"):
                 tensor = module._buffers.get(name)
                 if tensor is not None and not is_lazy(tensor):  # an uninitialized lazy BN is refused later, by name
                     named[f"{path}.{name}" if path else name] = tensor
-                    if name == "running_var" and tensor.is_floating_point() and not tensor.is_meta \
-                            and bool((tensor < 0).any()):
+                    if (
+                        name == "running_var"
+                        and tensor.is_floating_point()
+                        and not tensor.is_meta
+                        and bool((tensor < 0).any())
+                    ):
                         negative.append(f"{path}.{name}" if path else name)
     bad = [name for name, tensor in named.items() if has_non_finite(tensor)]
     if bad:
         shown = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
-        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in {counted(len(bad), 'tensor')}: {shown}")
+        raise NonFiniteWeightsError(
+            f"{origin} holds non-finite values (NaN or Inf) in {counted(len(bad), 'tensor')}: {shown}"
+        )
     if counters:
         shown = ", ".join(counters[:3]) + (f" (+{len(counters) - 3} more)" if len(counters) > 3 else "")
-        raise NonFiniteWeightsError(f"{origin} holds an impossible batch count in {counted(len(counters), 'BatchNorm module')}: "
-                                    f"{shown} (a count of batches is from 0 to 2^53; the file is damaged)",
-                                    "nothing was written; use an intact checkpoint")
+        raise NonFiniteWeightsError(
+            f"{origin} holds an impossible batch count in {counted(len(counters), 'BatchNorm module')}: "
+            f"{shown} (a count of batches is from 0 to 2^53; the file is damaged)",
+            "nothing was written; use an intact checkpoint",
+        )
     if negative:
         shown = ", ".join(negative[:3]) + (f" (+{len(negative) - 3} more)" if len(negative) > 3 else "")
-        raise NonFiniteWeightsError(f"{origin} holds negative running variances in "
-                                    f"{counted(len(negative), 'BatchNorm module')}: {shown} (a variance is never negative; the file is damaged)",
-                                    "nothing was written; use an intact checkpoint")
+        raise NonFiniteWeightsError(
+            f"{origin} holds negative running variances in "
+            f"{counted(len(negative), 'BatchNorm module')}: {shown} (a variance is never negative; the file is damaged)",
+            "nothing was written; use an intact checkpoint",
+        )
 
 
 def require_finite(model: "nn.Module", outputs: list) -> None:
@@ -150,12 +174,20 @@ def require_finite(model: "nn.Module", outputs: list) -> None:
     if all(bool(torch.isfinite(o).all()) for o in outputs if o.is_floating_point()):
         return
     refuse_non_finite(model, "the source model")
-    raise ModelCannotRunError("the source model's outputs on the check input are not finite (NaN or Inf)",
-                              "check the weights, or pass another --input-shape (or --no-check)")
+    raise ModelCannotRunError(
+        "the source model's outputs on the check input are not finite (NaN or Inf)",
+        "check the weights, or pass another --input-shape (or --no-check)",
+    )
 
 
-def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: "tuple[int, ...] | CheckInput", *,
-                 exact: bool = True, seed: int = CHECK_SEED) -> CheckResult:
+def compare_eval(
+    source: "nn.Module",
+    converted: "nn.Module",
+    input_shape: "tuple[int, ...] | CheckInput",
+    *,
+    exact: bool = True,
+    seed: int = CHECK_SEED,
+) -> CheckResult:
     """Eval outputs of both models on one seeded input: bit for bit, or within fp tolerance."""
     import torch
 
@@ -182,8 +214,11 @@ def compare_eval(source: "nn.Module", converted: "nn.Module", input_shape: "tupl
             continue
         diff = max(diff, (a.float() - b.float()).abs().max().item() if a.numel() else 0.0)
         if exact:  # NaN where NaN: the same (the check is then marked inconclusive below)
-            same = torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-                                          and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+            same = torch.equal(a, b) or (
+                a.is_floating_point()
+                and torch.equal(a.isnan(), b.isnan())
+                and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+            )
             passed = passed and same
         else:
             scale = a.float().abs().max().item() if a.numel() else 1.0
@@ -249,10 +284,12 @@ def observed_input_dims(model: "nn.Module", check_input: "CheckInput") -> dict[s
         def hook(module, args):  # returns None: a pre-hook's return value would replace the input
             if args and isinstance(args[0], torch.Tensor):
                 dims.setdefault(path, args[0].dim())
+
         return hook
 
-    handles = [module.register_forward_pre_hook(record(path))
-               for path, module in model.named_modules() if is_bn_like(module)]
+    handles = [
+        module.register_forward_pre_hook(record(path)) for path, module in model.named_modules() if is_bn_like(module)
+    ]
     reference = next(iter(model.parameters()), None)
     dtype = reference.dtype if reference is not None and reference.is_floating_point() else torch.float32
     try:
@@ -269,7 +306,9 @@ def tensor_shapes(model: "nn.Module") -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items() if not name.endswith("num_batches_tracked")}
 
 
-def require_same_architecture(source: "nn.Module", converted: "nn.Module", source_name: str, converted_name: str) -> None:
+def require_same_architecture(
+    source: "nn.Module", converted: "nn.Module", source_name: str, converted_name: str
+) -> None:
     """Surgery keeps every weight's name and shape: models that differ there were not converted from one another."""
     from bnsurgeon.core.errors import WeightsMismatchError
 
@@ -279,8 +318,15 @@ def require_same_architecture(source: "nn.Module", converted: "nn.Module", sourc
     missing = [k for k in ours if k not in theirs]
     unexpected = [k for k in theirs if k not in ours]
     mismatched = [k for k in ours if k in theirs and ours[k] != theirs[k]]
-    parts = [f"{label} {len(items)} (e.g. {items[0]})" for label, items in
-             (("only in SOURCE", missing), ("only in CONVERTED", unexpected), ("different shape", mismatched)) if items]
+    parts = [
+        f"{label} {len(items)} (e.g. {items[0]})"
+        for label, items in (
+            ("only in SOURCE", missing),
+            ("only in CONVERTED", unexpected),
+            ("different shape", mismatched),
+        )
+        if items
+    ]
     raise WeightsMismatchError(
         f"{converted_name} is not a conversion of {source_name}: their weights differ ({'; '.join(parts)})",
         "pass the SOURCE that CONVERTED was made from (with the same --model-arg values)",

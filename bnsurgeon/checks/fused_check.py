@@ -37,7 +37,11 @@ def relative_error(expected: list, actual: list) -> tuple[float, float]:
     where either side holds NaN (a NaN difference would otherwise vanish in ``max(0, nan)``)."""
     import math
 
-    if len(expected) != len(actual) or not expected or any(a.shape != b.shape for a, b in zip(expected, actual, strict=True)):
+    if (
+        len(expected) != len(actual)
+        or not expected
+        or any(a.shape != b.shape for a, b in zip(expected, actual, strict=True))
+    ):
         return float("inf"), float("inf")
     worst_abs = worst_rel = 0.0
     for a, b in zip(expected, actual, strict=True):
@@ -74,8 +78,16 @@ FLOAT64_RTOL = 1e-9
 DRIFT_FACTOR = 10.0
 
 
-def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float = FUSED_RTOL,
-            folds: list[dict[str, Any]] | None = None, *, judge_drift: bool = True) -> FusedComparison:
+def compare(
+    source: "nn.Module",
+    fused: "nn.Module",
+    x,
+    label: str,
+    rtol: float = FUSED_RTOL,
+    folds: list[dict[str, Any]] | None = None,
+    *,
+    judge_drift: bool = True,
+) -> FusedComparison:
     """Within ``rtol`` of the output scale; failing that (float32 rounding amplified by a deep,
     ill-conditioned net), judged in float64 (see ``_float64_judgement``; ``judge_drift`` False
     for a state that is not the model's own, where the drift is reported, not judged)."""
@@ -98,7 +110,9 @@ def compare(source: "nn.Module", fused: "nn.Module", x, label: str, rtol: float 
     return FusedComparison(passed, diff, rel, detail)
 
 
-def _float64_judgement(source, fused, folds, x, expected, actual, *, judge_drift: bool = True) -> tuple[bool | None, str]:
+def _float64_judgement(
+    source, fused, folds, x, expected, actual, *, judge_drift: bool = True
+) -> tuple[bool | None, str]:
     """Deep nets at random init (exploding activations, saturated SE gates) amplify float32
     rounding past any tolerance: the float32 source then differs as much from its own float64
     run. The fold is then proven in float64: the same folds re-done on a float64 copy of the
@@ -132,27 +146,38 @@ def _float64_judgement(source, fused, folds, x, expected, actual, *, judge_drift
     same_weights = all(
         params_rounded_from(fused.get_submodule(f["producer"]), refolded.get_submodule(f["producer"])) for f in folds
     )
-    note = (f"{low} rounding amplified by the net (the {low} source is {source_rel:.2g} from its own "
-            f"float64 run); in float64 the fold errs {fold_rel:.2g}")
+    note = (
+        f"{low} rounding amplified by the net (the {low} source is {source_rel:.2g} from its own "
+        f"float64 run); in float64 the fold errs {fold_rel:.2g}"
+    )
     if not same_weights:
         return False, note + f"; the folded weights are NOT the float64 fold rounded to {low}"
     changed = unfolded_changes(source, fused, folds)
     if changed:  # float64 proves the folds only: everything else must be the source's own tensors
         shown = ", ".join(changed[:4]) + (f" (+{len(changed) - 4} more)" if len(changed) > 4 else "")
         return False, note + f"; tensors outside the folds are NOT the source's: {shown}"
-    drift = "" if fused_rel <= DRIFT_FACTOR * source_rel else (
-        f"; but the fused {low} model is {fused_rel:.2g} from the float64 run, more than {DRIFT_FACTOR:g}x the "
-        f"source's own {source_rel:.2g} (its folded weights lose precision in {low}, e.g. underflow)")
+    drift = (
+        ""
+        if fused_rel <= DRIFT_FACTOR * source_rel
+        else (
+            f"; but the fused {low} model is {fused_rel:.2g} from the float64 run, more than {DRIFT_FACTOR:g}x the "
+            f"source's own {source_rel:.2g} (its folded weights lose precision in {low}, e.g. underflow)"
+        )
+    )
     if drift and not judge_drift:
-        note += (f"; at this state the fused {low} model is {fused_rel:.2g} from the float64 run (the source "
-                 f"{source_rel:.2g}): {low} rounding amplified by a random state, reported, not judged")
+        note += (
+            f"; at this state the fused {low} model is {fused_rel:.2g} from the float64 run (the source "
+            f"{source_rel:.2g}): {low} rounding amplified by a random state, reported, not judged"
+        )
         drift = ""
     if fold_rel <= FLOAT64_RTOL:
         return not drift, note + f" (tolerance {FLOAT64_RTOL:g})" + drift
     _, floor = relative_error(reference, _eval_outputs(_nudged(source64, folds), x64))
     if 10 * floor >= FUSED_RTOL:
-        return None, note + (f"; undecidable: the source is chaotic at this state (nudging its folded BN scales "
-                             f"by 1e-15 moves its float64 output by {floor:.2g})")
+        return None, note + (
+            f"; undecidable: the source is chaotic at this state (nudging its folded BN scales "
+            f"by 1e-15 moves its float64 output by {floor:.2g})"
+        )
     return fold_rel <= 10 * floor and not drift, note + f" (tolerance 10x its float64 noise floor {floor:.2g})" + drift
 
 
@@ -183,8 +208,12 @@ def unfolded_changes(source: "nn.Module", fused: "nn.Module", folds: list[dict[s
         if any(name.startswith(p + ".") for p in producers):
             continue
         original = theirs.get(name)
-        if original is None or original.shape != tensor.shape or original.dtype != tensor.dtype \
-                or not torch.equal(original, tensor):
+        if (
+            original is None
+            or original.shape != tensor.shape
+            or original.dtype != tensor.dtype
+            or not torch.equal(original, tensor)
+        ):
             changed.append(name)
     return changed
 
@@ -217,15 +246,25 @@ def compare_perturbed(source: "nn.Module", folds: list[dict[str, Any]], x, rtol:
     return compare(perturbed, fused, x, label, rtol, folds, judge_drift=False)
 
 
-def check_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]], x,
-                rtol: float = FUSED_RTOL) -> list[FusedComparison]:
+def check_fused(
+    source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]], x, rtol: float = FUSED_RTOL
+) -> list[FusedComparison]:
     """The fused model as given, then the fold plan re-applied to a perturbed source."""
     return [compare(source, fused, x, "as converted", rtol, folds), compare_perturbed(source, folds, x, rtol)]
 
 
-def verify_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, Any]], input_shape, *,
-                 atol: float | None = None, perturb: bool = True, source_name: str = "", converted_name: str = "",
-                 on_check: "Callable[[Any], None] | None" = None):
+def verify_fused(
+    source: "nn.Module",
+    fused: "nn.Module",
+    folds: list[dict[str, Any]],
+    input_shape,
+    *,
+    atol: float | None = None,
+    perturb: bool = True,
+    source_name: str = "",
+    converted_name: str = "",
+    on_check: "Callable[[Any], None] | None" = None,
+):
     """``bnsurgeon verify`` for a fused checkpoint: eval checks, and train checks marked not applicable.
 
     ``atol`` is the tolerance relative to the output's scale (default ``FUSED_RTOL``).
@@ -250,8 +289,9 @@ def verify_fused(source: "nn.Module", fused: "nn.Module", folds: list[dict[str, 
     undecided = not any(outcome.passed for _, outcome, _ in done)
     for label, outcome, seconds in done:
         passed = False if undecided and outcome.passed is None else outcome.passed
-        detail = (f"{outcome.detail} (tolerance {rtol:g} of the output scale)"
-                  + ("; no check could judge the fold" if undecided and outcome.passed is None else ""))
+        detail = f"{outcome.detail} (tolerance {rtol:g} of the output scale)" + (
+            "; no check could judge the fold" if undecided and outcome.passed is None else ""
+        )
         result.checks.append(CheckOutcome(label, passed, outcome.max_abs_diff, detail, seconds=seconds))
     result.checks.append(CheckOutcome("train", None, detail=TRAIN_NOT_APPLICABLE))
     if on_check is not None:
@@ -271,9 +311,16 @@ def fused_check_result(source: "nn.Module", result: Any, input_shape: tuple[int,
         from bnsurgeon.checks.eval_check import require_finite
 
         require_finite(source, _eval_outputs(source, x, "the source model"))
-    result.report.fusion["max_rel_error"] = {"as_converted": outcomes[0].max_rel_error,
-                                             "perturbed": outcomes[1].max_rel_error}
+    result.report.fusion["max_rel_error"] = {
+        "as_converted": outcomes[0].max_rel_error,
+        "perturbed": outcomes[1].max_rel_error,
+    }
     passed = all(o.passed is not False for o in outcomes) and any(o.passed for o in outcomes)
-    return CheckResult(passed, f"close (max error <= {FUSED_RTOL:g} of the output scale)",
-                       max(o.max_abs_diff for o in outcomes), list(input_shape), seed,
-                       "; ".join(o.detail for o in outcomes))
+    return CheckResult(
+        passed,
+        f"close (max error <= {FUSED_RTOL:g} of the output scale)",
+        max(o.max_abs_diff for o in outcomes),
+        list(input_shape),
+        seed,
+        "; ".join(o.detail for o in outcomes),
+    )

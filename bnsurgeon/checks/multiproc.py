@@ -42,7 +42,10 @@ def _run_in_group(rank, world_size, port, collective_timeout, fn, args) -> tuple
 
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=collective_timeout),
         )
         value = fn(rank, world_size, *args)
@@ -67,8 +70,9 @@ def _entry(rank, world_size, port, collective_timeout, fn, args, results):
     results.put((rank, *_run_in_group(rank, world_size, port, collective_timeout, fn, args)))
 
 
-def run_world(world_size: int, fn, *args, timeout: float = 180.0, collective_timeout: float = 60.0,
-              allow_errors: bool = False) -> list:
+def run_world(
+    world_size: int, fn, *args, timeout: float = 180.0, collective_timeout: float = 60.0, allow_errors: bool = False
+) -> list:
     """Results of ``fn(rank, world_size, *args)`` by rank; raises on error, hang or timeout."""
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -85,14 +89,20 @@ def run_world(world_size: int, fn, *args, timeout: float = 180.0, collective_tim
         while len(collected) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RankFailure(f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish in {timeout}s")
+                raise RankFailure(
+                    f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish in {timeout}s"
+                )
             try:
                 rank, status, value = results.get(timeout=min(remaining, 5.0))
             except queue.Empty:
-                dead = {r: p.exitcode for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in collected}
+                dead = {
+                    r: p.exitcode for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in collected
+                }
                 if dead and len(collected) + len(dead) >= world_size:
                     if not allow_errors:
-                        raise RankFailure(f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}") from None
+                        raise RankFailure(
+                            f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}"
+                        ) from None
                     collected.update({r: ("died", f"exit code {code}") for r, code in dead.items()})
                 continue
             if status == "ok":
@@ -146,8 +156,9 @@ class RankPool:
         self.collective_timeout = collective_timeout
         self._results = context.Queue()
         self._inboxes = [context.Queue() for _ in range(size)]
-        self._processes = [context.Process(target=_pool_entry, args=(rank, self._inboxes[rank], self._results))
-                           for rank in range(size)]
+        self._processes = [
+            context.Process(target=_pool_entry, args=(rank, self._inboxes[rank], self._results)) for rank in range(size)
+        ]
         self._next_task = 0
         self._broken: str | None = None
         self.task_seconds: list[float] = []  # per run: the slowest rank's time inside the task
@@ -171,13 +182,17 @@ class RankPool:
             while len(collected) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise RankFailure(f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish in {timeout}s")
+                    raise RankFailure(
+                        f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish in {timeout}s"
+                    )
                 try:
                     got_id, rank, status, value, spent = self._results.get(timeout=min(remaining, 5.0))
                 except queue.Empty:
                     dead = {r: p.exitcode for r, p in enumerate(self._processes[:world_size]) if p.exitcode is not None}
                     if dead:
-                        raise RankFailure(f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}") from None
+                        raise RankFailure(
+                            f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}"
+                        ) from None
                     continue
                 if got_id != task_id:  # a late answer to an earlier, failed task
                     continue
@@ -193,7 +208,9 @@ class RankPool:
         import torch
 
         self.task_seconds.append(seconds)
-        return [torch.load(io.BytesIO(cast(bytes, collected[rank][1])), weights_only=False) for rank in range(world_size)]
+        return [
+            torch.load(io.BytesIO(cast(bytes, collected[rank][1])), weights_only=False) for rank in range(world_size)
+        ]
 
     def close(self) -> None:
         for inbox in self._inboxes:

@@ -25,8 +25,11 @@ def named_tensors(output: Any, prefix: str = "") -> "list[tuple[str, torch.Tenso
     if isinstance(output, torch.Tensor):
         return [(prefix or "output", output)]
     if isinstance(output, dict):
-        return [item for key, value in output.items()
-                for item in named_tensors(value, f"{prefix}.{key}" if prefix else str(key))]
+        return [
+            item
+            for key, value in output.items()
+            for item in named_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+        ]
     if isinstance(output, (list, tuple)):
         return [item for index, value in enumerate(output) for item in named_tensors(value, f"{prefix}[{index}]")]
     return []

@@ -114,7 +114,10 @@ def perturb_bn(model: "nn.Module", seed: int = SEED, strength: float = 1.0) -> "
 def _max_diff(expected: list, actual: list) -> tuple[float, bool]:
     if len(expected) != len(actual) or any(a.shape != b.shape for a, b in zip(expected, actual, strict=True)):
         return float("inf"), False
-    diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(expected, actual, strict=True) if a.numel()), default=0.0)
+    diff = max(
+        ((a.double() - b.double()).abs().max().item() for a, b in zip(expected, actual, strict=True) if a.numel()),
+        default=0.0,
+    )
     return diff, True
 
 
@@ -147,9 +150,11 @@ def _within(expected: list, actual: list, tol: Tolerance = EXACT) -> tuple[bool,
     if tol.exact:
         return all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True)), diff
     ok = all(  # masks and indices (bool, int) compare exactly; values within the tolerance
-        torch.equal(a, b) if not a.is_floating_point() and not a.is_complex() else
-        torch.allclose(a.double(), b.double(), rtol=0.0, atol=tol.atol + tol.rtol * max(a.abs().max().item(), 1.0))
-        for a, b in zip(expected, actual, strict=True) if a.numel()
+        torch.equal(a, b)
+        if not a.is_floating_point() and not a.is_complex()
+        else torch.allclose(a.double(), b.double(), rtol=0.0, atol=tol.atol + tol.rtol * max(a.abs().max().item(), 1.0))
+        for a, b in zip(expected, actual, strict=True)
+        if a.numel()
     )
     return ok, diff
 
@@ -181,15 +186,20 @@ def compare_outputs(expected: Any, actual: Any, tol: Tolerance = EXACT) -> tuple
     if list(ours) != list(theirs):
         missing, extra = [n for n in ours if n not in theirs], [n for n in theirs if n not in ours]
         if missing or extra:
-            parts = ([f"only the source has {', '.join(missing[:3])}"] if missing else []) + \
-                    ([f"only the converted model has {', '.join(extra[:3])}"] if extra else [])
+            parts = ([f"only the source has {', '.join(missing[:3])}"] if missing else []) + (
+                [f"only the converted model has {', '.join(extra[:3])}"] if extra else []
+            )
             return False, float("inf"), "; ".join(parts)
         theirs = {name: theirs[name] for name in ours}  # same fields in another order: by name
     ok, diff = _within(list(ours.values()), list(theirs.values()), tol)
     if ok:
         return True, diff, ""
     differing = [name for name in ours if not _within([ours[name]], [theirs[name]], tol)[0]]
-    return False, diff, "differs: " + ", ".join(differing[:4]) + (f" (+{len(differing) - 4})" if len(differing) > 4 else "")
+    return (
+        False,
+        diff,
+        "differs: " + ", ".join(differing[:4]) + (f" (+{len(differing) - 4})" if len(differing) > 4 else ""),
+    )
 
 
 class _Snapshots:
@@ -219,8 +229,9 @@ class _Snapshots:
         return taken
 
 
-def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torch.Tensor",
-                           tol: Tolerance = EXACT) -> str | None:
+def first_divergent_module(
+    source: "nn.Module", converted: "nn.Module", x: "torch.Tensor", tol: Tolerance = EXACT
+) -> str | None:
     """Name the first module (in the source's call order) whose output differs.
 
     Each output is taken when its module returns: a later in-place op (a residual
@@ -239,7 +250,8 @@ def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torc
 
     def record(module, args, output, path):
         expected.setdefault(path, []).append(
-            (order[0], type(module).__name__, [snapshots.take(t) for t in flatten_tensors(output)]))
+            (order[0], type(module).__name__, [snapshots.take(t) for t in flatten_tensors(output)])
+        )
         order[0] += 1
 
     calls: dict[str, int] = {}
@@ -257,8 +269,11 @@ def first_divergent_module(source: "nn.Module", converted: "nn.Module", x: "torc
             first[:] = [(position, f"{path} ({type(module).__name__}; in the source {cls})")]
 
     def run_hooked(model, hook):  # one model at a time: source and converted share some child modules
-        handles = [module.register_forward_hook(lambda m, i, o, path=path: hook(m, i, o, path))
-                   for path, module in model.named_modules() if path]
+        handles = [
+            module.register_forward_hook(lambda m, i, o, path=path: hook(m, i, o, path))
+            for path, module in model.named_modules()
+            if path
+        ]
         try:
             model(clone_value(x))
         finally:
@@ -296,8 +311,11 @@ def run_model(model: "nn.Module", x, compare_at: str | None = None):
         captured.append(output)
         raise _Reached
 
-    handles = [module.register_forward_pre_hook(lambda m, args: normalized.append(m) if not normalized else None)
-               for module in model.modules() if is_bn_like(module)]
+    handles = [
+        module.register_forward_pre_hook(lambda m, args: normalized.append(m) if not normalized else None)
+        for module in model.modules()
+        if is_bn_like(module)
+    ]
     handles.append(model.get_submodule(compare_at).register_forward_hook(capture))
     try:
         model(x)
@@ -307,12 +325,16 @@ def run_model(model: "nn.Module", x, compare_at: str | None = None):
         for handle in handles:
             handle.remove()
     if not captured:
-        raise UsageError(f"--compare-at {compare_at}: the forward never reached that module",
-                         "name a module the forward runs (see the model's named_modules())")
+        raise UsageError(
+            f"--compare-at {compare_at}: the forward never reached that module",
+            "name a module the forward runs (see the model's named_modules())",
+        )
     if not normalized:  # the compared output is computed before any BN: every check would pass vacuously
-        raise UsageError(f"--compare-at {compare_at}: no BatchNorm-family module runs before that module's output, "
-                         "so comparing there tests nothing the conversion changed",
-                         "name a module that contains or follows the BN layers (e.g. backbone)")
+        raise UsageError(
+            f"--compare-at {compare_at}: no BatchNorm-family module runs before that module's output, "
+            "so comparing there tests nothing the conversion changed",
+            "name a module that contains or follows the BN layers (e.g. backbone)",
+        )
     return captured[0]
 
 
@@ -327,8 +349,10 @@ def check_compare_at(compare_at: str | None, *models: "nn.Module") -> None:
             model.get_submodule(compare_at)
         except AttributeError:
             children = ", ".join(name for name, _ in model.named_children()) or "none"
-            raise UsageError(f"--compare-at {compare_at!r} is not a submodule of the model",
-                             f"name a module path, e.g. one of: {children}") from None
+            raise UsageError(
+                f"--compare-at {compare_at!r} is not a submodule of the model",
+                f"name a module path, e.g. one of: {children}",
+            ) from None
 
 
 def where_outputs_exist(models: "list[nn.Module]", check_input: CheckInput, seed: int = SEED) -> str | None:
@@ -377,18 +401,26 @@ def _holds_values(output: Any, batch: int) -> bool:
     """An output the checks can compare and the N-rank check can cut per sample: batch-first tensors, some
     floating with values, all finite."""
     tensors = flatten_tensors(output)
-    return (bool(tensors) and all(t.dim() and t.shape[0] == batch for t in tensors)
-            and any(t.is_floating_point() and t.numel() for t in tensors)
-            and all(bool(t.isfinite().all()) for t in tensors if t.is_floating_point()))
+    return (
+        bool(tensors)
+        and all(t.dim() and t.shape[0] == batch for t in tensors)
+        and any(t.is_floating_point() and t.numel() for t in tensors)
+        and all(bool(t.isfinite().all()) for t in tensors if t.is_floating_point())
+    )
 
 
 def _vacuous(label: str, outputs: list, detail: str = "") -> CheckOutcome | None:
     reason = vacuous_reason(outputs)
     if reason is None:
         return None
-    return CheckOutcome(label, False, float("nan"),
-                        f"vacuous, not a pass: {reason}" + (f" ({detail})" if detail else "")
-                        + "; compare where values exist (--compare-at MODULE, e.g. backbone)")
+    return CheckOutcome(
+        label,
+        False,
+        float("nan"),
+        f"vacuous, not a pass: {reason}"
+        + (f" ({detail})" if detail else "")
+        + "; compare where values exist (--compare-at MODULE, e.g. backbone)",
+    )
 
 
 def _has_sync_layers(model: "nn.Module") -> bool:
@@ -404,8 +436,9 @@ def _is_frozen_model(model: "nn.Module") -> bool:
     return bool(bn) and all(isinstance(m, FrozenBatchNorm) or "Frozen" in type(m).__name__ for m in bn)
 
 
-def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="eval",
-               compare_at: str | None = None) -> CheckOutcome:
+def check_eval(
+    source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="eval", compare_at: str | None = None
+) -> CheckOutcome:
     import torch
 
     from bnsurgeon.core.running import preserved_modes
@@ -423,8 +456,10 @@ def check_eval(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, l
         where = None if ok else first_divergent_module(source, converted, x, tol)
     detail = tol.describe() + (f"; {fields}" if fields else "")
     if not ok and not tol.exact and _is_detections(raw):
-        detail += ("; the outputs are detections: top-k and NMS can turn a rounding-level difference into "
-                   "different boxes, so compare before the head (--compare-at backbone)")
+        detail += (
+            "; the outputs are detections: top-k and NMS can turn a rounding-level difference into "
+            "different boxes, so compare before the head (--compare-at backbone)"
+        )
     return _vacuous(label, expected) or CheckOutcome(label, ok, diff, detail, where, values=_count(expected))
 
 
@@ -441,8 +476,11 @@ def _judged_in_float64(source, converted, x, compare_at) -> str:
     try:
         source64, converted64 = copy.deepcopy(source).double().eval(), copy.deepcopy(converted).double().eval()
         x64 = _to_double(clone_value(x))
-        ok, diff, _ = compare_outputs(run_model(source64, clone_value(x64), compare_at),
-                                      run_model(converted64, clone_value(x64), compare_at), FLOAT64_AGREEMENT)
+        ok, diff, _ = compare_outputs(
+            run_model(source64, clone_value(x64), compare_at),
+            run_model(converted64, clone_value(x64), compare_at),
+            FLOAT64_AGREEMENT,
+        )
     except Exception:  # a model that does not run in float64 keeps its float32 verdict
         return ""
     return f"float32 rounding: in float64 the outputs agree to {diff:.2g}" if ok else ""
@@ -469,8 +507,16 @@ def _running_stats(model: "nn.Module") -> dict[str, "torch.Tensor"]:
     return {n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))}
 
 
-def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, label="train, one process",
-                compare_at: str | None = None) -> CheckOutcome:
+def check_train(
+    source,
+    converted,
+    shape,
+    tol: Tolerance = EXACT,
+    *,
+    seed=SEED,
+    label="train, one process",
+    compare_at: str | None = None,
+) -> CheckOutcome:
     """Outputs and running-stat updates of one train-mode forward (copies: the caller's models are untouched)."""
     import torch
 
@@ -481,19 +527,37 @@ def check_train(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED, 
         expected = flatten_tensors(raw)
         ok, diff, fields = compare_outputs(raw, run_model(converted, clone_value(x), compare_at), tol)
     stats_expected, actual = _running_stats(source), _running_stats(converted)
-    stats_ok, stats_diff = _within(list(stats_expected.values()),
-                                   [actual.get(n, torch.empty(0)) for n in stats_expected], tol)
+    stats_ok, stats_diff = _within(
+        list(stats_expected.values()), [actual.get(n, torch.empty(0)) for n in stats_expected], tol
+    )
     where = None
     if not ok:
         where = first_divergent_module(source, converted, x, tol)
-    detail = "outputs and running statistics" + (f"; {fields}" if fields else "") + \
-        ("" if stats_ok else "; running statistics differ")
-    return _vacuous(label, expected) or CheckOutcome(label, ok and stats_ok, max(diff, stats_diff), detail, where,
-                                                     values=_count(expected) + _count(list(stats_expected.values())))
+    detail = (
+        "outputs and running statistics"
+        + (f"; {fields}" if fields else "")
+        + ("" if stats_ok else "; running statistics differ")
+    )
+    return _vacuous(label, expected) or CheckOutcome(
+        label,
+        ok and stats_ok,
+        max(diff, stats_diff),
+        detail,
+        where,
+        values=_count(expected) + _count(list(stats_expected.values())),
+    )
 
 
-def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
-                 label="frozen (train) == source (eval)", compare_at: str | None = None) -> CheckOutcome:
+def check_frozen(
+    source,
+    converted,
+    shape,
+    tol: Tolerance = EXACT,
+    *,
+    seed=SEED,
+    label="frozen (train) == source (eval)",
+    compare_at: str | None = None,
+) -> CheckOutcome:
     import torch
 
     from bnsurgeon.core.running import preserved_modes
@@ -506,14 +570,22 @@ def check_frozen(source, converted, shape, tol: Tolerance = EXACT, *, seed=SEED,
         expected = flatten_tensors(raw)
         ok, diff, fields = compare_outputs(raw, run_model(converted, clone_value(x), compare_at), tol)
     return _vacuous(label, expected) or CheckOutcome(
-        label, ok, diff, f"{tol.describe()}; frozen BN ignores batch statistics" + (f"; {fields}" if fields else ""),
-        values=_count(expected))
+        label,
+        ok,
+        diff,
+        f"{tol.describe()}; frozen BN ignores batch statistics" + (f"; {fields}" if fields else ""),
+        values=_count(expected),
+    )
 
 
 def _loss(samples: list, grads: list):
     """sum(output * grad) over every floating output tensor of every sample."""
-    terms = [(o * g).sum() for sample, sample_grads in zip(samples, grads, strict=True)
-             for o, g in zip(sample, sample_grads, strict=True) if o.is_floating_point()]
+    terms = [
+        (o * g).sum()
+        for sample, sample_grads in zip(samples, grads, strict=True)
+        for o, g in zip(sample, sample_grads, strict=True)
+        if o.is_floating_point()
+    ]
     return sum(terms) if terms else None
 
 
@@ -540,14 +612,16 @@ def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], 
     samples = per_sample(run_model(model, xs, bundle["compare_at"]), splits[rank])
     if samples is None:
         raise RuntimeError("the converted model's outputs are not per sample")
-    loss = _loss(samples, bundle["grad"][first:first + splits[rank]])
+    loss = _loss(samples, bundle["grad"][first : first + splits[rank]])
     if loss is not None and loss.requires_grad:
         loss.backward()
     return {
         "outputs": [[o.detach() for o in sample] for sample in samples],
         "input_grad": [leaf.grad for leaf in leaves(xs)],
         "param_grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
-        "stats": {n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var", "num_batches_tracked"))},
+        "stats": {
+            n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var", "num_batches_tracked"))
+        },
     }
 
 
@@ -606,14 +680,23 @@ def ship_model(model: "nn.Module", rebuild: "Callable[[], nn.Module] | None", re
         if rebuild is None:
             raise UnshippableModelError(
                 f"the converted model cannot be sent to the rank processes ({type(error).__name__}: "
-                f"{first_line(error)}) and was not built from a recipe bnsurgeon can repeat in them") from None
+                f"{first_line(error)}) and was not built from a recipe bnsurgeon can repeat in them"
+            ) from None
     buffer = io.BytesIO()
     torch.save({"rebuild": rebuild, "state": model.state_dict(), **rest}, buffer)
     return buffer.getvalue()
 
 
-def rank_reference(source, converted, shape, batch: int, *, seed=SEED, compare_at: str | None = None,
-                   rebuild: "Callable[[], nn.Module] | None" = None) -> RankReference:
+def rank_reference(
+    source,
+    converted,
+    shape,
+    batch: int,
+    *,
+    seed=SEED,
+    compare_at: str | None = None,
+    rebuild: "Callable[[], nn.Module] | None" = None,
+) -> RankReference:
     """In float64; in float32 for a model that does not run in float64 (one that makes float32 tensors of
     its own, as DAB-DETR's sine position embedding does), judged then within rounding (``check_ranks``)."""
     import torch
@@ -641,33 +724,63 @@ def _rank_reference(source, converted, shape, batch: int, seed, compare_at, rebu
         leaf.requires_grad_()
     samples = per_sample(run_model(source64, xr, compare_at), batch)
     if samples is None:
-        return RankReference(batch, b"", [], [], {}, {}, check_input, x, problem=(
-            float("inf"), "the outputs are not per sample (neither batch-first tensors nor one result per "
-                          "image), so ranks cannot be lined up; compare at a submodule (--compare-at MODULE)"))
+        return RankReference(
+            batch,
+            b"",
+            [],
+            [],
+            {},
+            {},
+            check_input,
+            x,
+            problem=(
+                float("inf"),
+                "the outputs are not per sample (neither batch-first tensors nor one result per "
+                "image), so ranks cannot be lined up; compare at a submodule (--compare-at MODULE)",
+            ),
+        )
     vacuous = _vacuous("", [t for sample in samples for t in sample])
     if vacuous is not None:
-        return RankReference(batch, b"", [], [], {}, {}, check_input, x,
-                             problem=(vacuous.max_abs_diff, vacuous.detail))
+        return RankReference(batch, b"", [], [], {}, {}, check_input, x, problem=(vacuous.max_abs_diff, vacuous.detail))
     grad = [[torch.randn(o.shape, generator=generator, dtype=dtype) for o in sample] for sample in samples]
     loss = _loss(samples, grad)
     if loss is not None and loss.requires_grad:
         loss.backward()
-    payload = ship_model(converted64, rebuild, {"x": x, "grad": grad, "input": check_input, "compare_at": compare_at,
-                                                "dtype": dtype})
+    payload = ship_model(
+        converted64, rebuild, {"x": x, "grad": grad, "input": check_input, "compare_at": compare_at, "dtype": dtype}
+    )
     input_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves(xr)]
     return RankReference(
-        batch, payload, [[o.detach() for o in sample] for sample in samples], input_grads,
+        batch,
+        payload,
+        [[o.detach() for o in sample] for sample in samples],
+        input_grads,
         {n: p.grad for n, p in source64.named_parameters() if p.grad is not None},
-        {n: b.double() for n, b in source64.named_buffers()
-         if n.endswith(("running_mean", "running_var", "num_batches_tracked"))},
-        check_input, x,
+        {
+            n: b.double()
+            for n, b in source64.named_buffers()
+            if n.endswith(("running_mean", "running_var", "num_batches_tracked"))
+        },
+        check_input,
+        x,
     )
 
 
-def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout: float = 600.0,
-                label: str | None = None, pool=None, reference: RankReference | None = None,
-                collective_timeout: float = 120.0, compare_at: str | None = None,
-                rebuild: "Callable[[], nn.Module] | None" = None) -> CheckOutcome:
+def check_ranks(
+    source,
+    converted,
+    shape,
+    world_size: int,
+    *,
+    seed=SEED,
+    timeout: float = 600.0,
+    label: str | None = None,
+    pool=None,
+    reference: RankReference | None = None,
+    collective_timeout: float = 120.0,
+    compare_at: str | None = None,
+    rebuild: "Callable[[], nn.Module] | None" = None,
+) -> CheckOutcome:
     """W gloo ranks of the converted model on slices == the source on the whole batch (float64).
 
     Outputs are compared per sample: a batch-first tensor is cut along its first dimension,
@@ -686,8 +799,9 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     if not _has_sync_layers(converted):
         return CheckOutcome(label, None, detail="not applicable: the converted model has no sync layers")
     if reference is None:
-        reference = rank_reference(source, converted, shape, rank_batch([world_size]), seed=seed,
-                                   compare_at=compare_at, rebuild=rebuild)
+        reference = rank_reference(
+            source, converted, shape, rank_batch([world_size]), seed=seed, compare_at=compare_at, rebuild=rebuild
+        )
     if reference.problem is not None:
         diff, detail = reference.problem
         return CheckOutcome(label, False, diff, detail)
@@ -706,8 +820,11 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
     def compare(name, expected, actual):
         nonlocal worst, values
         values += _count(expected)
-        ok, diff = (_within_norm(expected, actual, FLOAT32_NORM_RTOL) if reference.why_float32
-                    else _within(expected, actual, tolerance))
+        ok, diff = (
+            _within_norm(expected, actual, FLOAT32_NORM_RTOL)
+            if reference.why_float32
+            else _within(expected, actual, tolerance)
+        )
         worst = max(worst, diff)
         if not ok:
             problems.append(name)
@@ -717,21 +834,31 @@ def check_ranks(source, converted, shape, world_size: int, *, seed=SEED, timeout
         compare(f"output of sample {index}", expected, actual)
     check_input, x = reference.check_input, reference.x
     assert check_input is not None, "the reference run records its check input"
-    grad_value = reference.input_grads[0] if check_input.kind == "tensor" else (
-        reference.input_grads if check_input.kind == "list" else dict(zip(x, reference.input_grads, strict=True)))
+    grad_value = (
+        reference.input_grads[0]
+        if check_input.kind == "tensor"
+        else (reference.input_grads if check_input.kind == "list" else dict(zip(x, reference.input_grads, strict=True)))
+    )
     for rank, (piece, r) in enumerate(zip(check_input.split(grad_value, splits), ranks, strict=True)):
-        theirs = [g if g is not None else torch.zeros_like(e) for g, e in zip(r["input_grad"], leaves(piece), strict=True)]
+        theirs = [
+            g if g is not None else torch.zeros_like(e) for g, e in zip(r["input_grad"], leaves(piece), strict=True)
+        ]
         compare(f"input gradient (rank {rank})", leaves(piece), theirs)
     for name, grad in reference.param_grads.items():
         summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
         compare(f"grad {name}", [grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(grad)])
     for name, buf in reference.stats.items():
         compare(name, [buf], [ranks[0]["stats"][name].double()])
-    precision = (f"float32, each tensor within {FLOAT32_NORM_RTOL:g} of its norm or 1 (the model does not run in "
-                 f"float64: {reference.why_float32})"
-                 if reference.why_float32 else "float64")
+    precision = (
+        f"float32, each tensor within {FLOAT32_NORM_RTOL:g} of its norm or 1 (the model does not run in "
+        f"float64: {reference.why_float32})"
+        if reference.why_float32
+        else "float64"
+    )
     detail = f"splits {splits}, {precision}, per sample" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
-    return CheckOutcome(label, not problems, worst, detail, values=values)  # what differs: a tensor (detail), not a module
+    return CheckOutcome(
+        label, not problems, worst, detail, values=values
+    )  # what differs: a tensor (detail), not a module
 
 
 def _timed(check: Callable[[], CheckOutcome], on_check: Callable[[CheckOutcome], None] | None) -> CheckOutcome:
@@ -743,12 +870,23 @@ def _timed(check: Callable[[], CheckOutcome], on_check: Callable[[CheckOutcome],
     return outcome
 
 
-def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, world_sizes=(2,),
-                  atol: float | None = None, perturb: bool = True, exact: bool = True,
-                  source_name: str = "", converted_name: str = "", collective_timeout: float = 120.0,
-                  on_check: Callable[[CheckOutcome], None] | None = None,
-                  share_work: bool = True, compare_at: str | None = None,
-                  rebuild_converted: "Callable[[], nn.Module] | None" = None) -> Verification:
+def verify_models(
+    source: "nn.Module",
+    converted: "nn.Module",
+    input_shape,
+    *,
+    world_sizes=(2,),
+    atol: float | None = None,
+    perturb: bool = True,
+    exact: bool = True,
+    source_name: str = "",
+    converted_name: str = "",
+    collective_timeout: float = 120.0,
+    on_check: Callable[[CheckOutcome], None] | None = None,
+    share_work: bool = True,
+    compare_at: str | None = None,
+    rebuild_converted: "Callable[[], nn.Module] | None" = None,
+) -> Verification:
     """Run every check, then all of them again with identically perturbed BN state.
 
     ``input_shape`` is a tensor shape or a ``CheckInput`` (list/dict inputs);
@@ -775,13 +913,23 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
     why = None
     if compare_at is None:  # the model's outputs empty (0 boxes): compare where values exist, and say where
         with preserved_modes(*(src for _, src, _ in variants)):
-            runs = [src.eval() for _, src, _ in variants] + [only_bn_trains(copy.deepcopy(src)) for _, src, _ in variants]
+            runs = [src.eval() for _, src, _ in variants] + [
+                only_bn_trains(copy.deepcopy(src)) for _, src, _ in variants
+            ]
             compare_at = where_outputs_exist(runs, check_input)
         if compare_at is not None:
-            why = (f"the model's outputs are empty (e.g. a detector returned 0 boxes): compared at {compare_at}, the "
-                   "deepest module whose outputs hold values")
-    result = Verification(source_name, converted_name, list(check_input.shape or []), input=check_input.describe(),
-                          compare_at=compare_at, compare_at_why=why)
+            why = (
+                f"the model's outputs are empty (e.g. a detector returned 0 boxes): compared at {compare_at}, the "
+                "deepest module whose outputs hold values"
+            )
+    result = Verification(
+        source_name,
+        converted_name,
+        list(check_input.shape or []),
+        input=check_input.describe(),
+        compare_at=compare_at,
+        compare_at_why=why,
+    )
     frozen = _is_frozen_model(converted)
     distributed = bool(world_sizes) and not frozen and _has_sync_layers(converted)
     pool = RankPool(max(world_sizes), collective_timeout=collective_timeout) if distributed and share_work else None
@@ -795,15 +943,33 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
         for suffix, src, conv in variants:
             add(partial(check_eval, src, conv, check_input, tol, label="eval" + suffix, **at))
             if frozen:
-                add(partial(check_frozen, src, conv, check_input, tol, label="frozen (train) == source (eval)" + suffix,
-                            **at))
+                add(
+                    partial(
+                        check_frozen,
+                        src,
+                        conv,
+                        check_input,
+                        tol,
+                        label="frozen (train) == source (eval)" + suffix,
+                        **at,
+                    )
+                )
                 continue
             thawed = thawed_reference(src, conv)
             reference, against = (src, "") if thawed is None else (thawed, " vs source thawed")
             train_tol = tol if thawed is None else Tolerance(atol=tol.atol)  # thawed: batch_norm arithmetic both sides
             references_for[suffix] = (reference, against)
-            add(partial(check_train, reference, conv, check_input, train_tol,
-                        label="train, one process" + against + suffix, **at))
+            add(
+                partial(
+                    check_train,
+                    reference,
+                    conv,
+                    check_input,
+                    train_tol,
+                    label="train, one process" + against + suffix,
+                    **at,
+                )
+            )
         if not frozen:
             batch = rank_batch(world_sizes) if world_sizes else 0
             references = {}  # one float64 reference per variant, shared by every world size
@@ -811,16 +977,25 @@ def verify_models(source: "nn.Module", converted: "nn.Module", input_shape, *, w
                 for suffix, _, conv in variants:
                     ref_model, against = references_for[suffix]
 
-                    def ranks_check(suffix=suffix, ref_model=ref_model, against=against, conv=conv,
-                                    world_size=world_size) -> CheckOutcome:
+                    def ranks_check(
+                        suffix=suffix, ref_model=ref_model, against=against, conv=conv, world_size=world_size
+                    ) -> CheckOutcome:
                         if suffix not in references and distributed and share_work:
-                            references[suffix] = rank_reference(ref_model, conv, check_input, batch,
-                                                                compare_at=compare_at, rebuild=rebuild_converted)
-                        return check_ranks(ref_model, conv, check_input, world_size,
-                                           label=f"{world_size} ranks" + against + suffix,
-                                           pool=pool, reference=references.get(suffix),
-                                           collective_timeout=collective_timeout, compare_at=compare_at,
-                                           rebuild=rebuild_converted)
+                            references[suffix] = rank_reference(
+                                ref_model, conv, check_input, batch, compare_at=compare_at, rebuild=rebuild_converted
+                            )
+                        return check_ranks(
+                            ref_model,
+                            conv,
+                            check_input,
+                            world_size,
+                            label=f"{world_size} ranks" + against + suffix,
+                            pool=pool,
+                            reference=references.get(suffix),
+                            collective_timeout=collective_timeout,
+                            compare_at=compare_at,
+                            rebuild=rebuild_converted,
+                        )
 
                     add(ranks_check)
     return result
@@ -840,8 +1015,13 @@ def thawed_reference(source: "nn.Module", converted: "nn.Module") -> "nn.Module 
     from bnsurgeon.surgery.walk import convert, plan
 
     theirs = dict(converted.named_modules())
-    thawed = [entry for entry in plan(source) if is_frozen_origin(entry.cls_name) and entry.path in theirs
-              and not is_frozen_origin(qualname(type(theirs[entry.path])))]
+    thawed = [
+        entry
+        for entry in plan(source)
+        if is_frozen_origin(entry.cls_name)
+        and entry.path in theirs
+        and not is_frozen_origin(qualname(type(theirs[entry.path])))
+    ]
     if not thawed:
         return None
     paths = [glob.escape(path) for entry in thawed for path in entry.paths]

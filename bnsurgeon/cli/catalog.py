@@ -15,25 +15,67 @@ from typing import Any
 ALL_TARGETS = ["frozen", "fused", "plain", "sync"]
 
 BUILTIN_RULES: list[dict[str, Any]] = [
-    {"name": "torch-batchnorm",
-     "classes": ["torch.nn.modules.batchnorm.BatchNorm1d", "torch.nn.modules.batchnorm.BatchNorm2d",
-                 "torch.nn.modules.batchnorm.BatchNorm3d", "torch.nn.modules.batchnorm.SyncBatchNorm"],
-     "targets": ALL_TARGETS, "exact": True, "description": "torch BatchNorm1d/2d/3d and torch.nn.SyncBatchNorm"},
-    {"name": "bnsurgeon-sync", "classes": ["bnsurgeon.runtime.layers.SyncBatchNorm"], "targets": ALL_TARGETS,
-     "exact": True, "description": "bnsurgeon SyncBatchNorm (restores its recorded original class)"},
-    {"name": "timm-batchnorm-act",
-     "classes": ["timm.layers.norm_act.BatchNormAct2d", "timm.layers.norm_act.SyncBatchNormAct"],
-     "targets": ALL_TARGETS, "exact": True, "description": "timm BatchNormAct2d and SyncBatchNormAct (act and drop kept)"},
-    {"name": "bnsurgeon-sync-act", "classes": ["bnsurgeon.runtime.layers.SyncBatchNormAct"], "targets": ALL_TARGETS,
-     "exact": True, "description": "bnsurgeon SyncBatchNormAct (act and drop kept)"},
-    {"name": "bnsurgeon-frozen", "classes": ["bnsurgeon.runtime.layers.FrozenBatchNorm"], "targets": ALL_TARGETS,
-     "exact": True, "description": "bnsurgeon FrozenBatchNorm"},
-    {"name": "bnsurgeon-frozen-act", "classes": ["bnsurgeon.runtime.layers.FrozenBatchNormAct"], "targets": ALL_TARGETS,
-     "exact": True, "description": "bnsurgeon FrozenBatchNormAct"},
-    {"name": "torchvision-frozen", "classes": ["torchvision.ops.misc.FrozenBatchNorm2d"], "targets": ALL_TARGETS,
-     "exact": False, "description": "torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)"},
-    {"name": "timm-frozen-act", "classes": ["timm.layers.norm_act.FrozenBatchNormAct2d"], "targets": ALL_TARGETS,
-     "exact": False, "description": "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)"},
+    {
+        "name": "torch-batchnorm",
+        "classes": [
+            "torch.nn.modules.batchnorm.BatchNorm1d",
+            "torch.nn.modules.batchnorm.BatchNorm2d",
+            "torch.nn.modules.batchnorm.BatchNorm3d",
+            "torch.nn.modules.batchnorm.SyncBatchNorm",
+        ],
+        "targets": ALL_TARGETS,
+        "exact": True,
+        "description": "torch BatchNorm1d/2d/3d and torch.nn.SyncBatchNorm",
+    },
+    {
+        "name": "bnsurgeon-sync",
+        "classes": ["bnsurgeon.runtime.layers.SyncBatchNorm"],
+        "targets": ALL_TARGETS,
+        "exact": True,
+        "description": "bnsurgeon SyncBatchNorm (restores its recorded original class)",
+    },
+    {
+        "name": "timm-batchnorm-act",
+        "classes": ["timm.layers.norm_act.BatchNormAct2d", "timm.layers.norm_act.SyncBatchNormAct"],
+        "targets": ALL_TARGETS,
+        "exact": True,
+        "description": "timm BatchNormAct2d and SyncBatchNormAct (act and drop kept)",
+    },
+    {
+        "name": "bnsurgeon-sync-act",
+        "classes": ["bnsurgeon.runtime.layers.SyncBatchNormAct"],
+        "targets": ALL_TARGETS,
+        "exact": True,
+        "description": "bnsurgeon SyncBatchNormAct (act and drop kept)",
+    },
+    {
+        "name": "bnsurgeon-frozen",
+        "classes": ["bnsurgeon.runtime.layers.FrozenBatchNorm"],
+        "targets": ALL_TARGETS,
+        "exact": True,
+        "description": "bnsurgeon FrozenBatchNorm",
+    },
+    {
+        "name": "bnsurgeon-frozen-act",
+        "classes": ["bnsurgeon.runtime.layers.FrozenBatchNormAct"],
+        "targets": ALL_TARGETS,
+        "exact": True,
+        "description": "bnsurgeon FrozenBatchNormAct",
+    },
+    {
+        "name": "torchvision-frozen",
+        "classes": ["torchvision.ops.misc.FrozenBatchNorm2d"],
+        "targets": ALL_TARGETS,
+        "exact": False,
+        "description": "torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)",
+    },
+    {
+        "name": "timm-frozen-act",
+        "classes": ["timm.layers.norm_act.FrozenBatchNormAct2d"],
+        "targets": ALL_TARGETS,
+        "exact": False,
+        "description": "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)",
+    },
 ]
 
 
@@ -41,8 +83,16 @@ def registry_rows(registry) -> list[dict[str, Any]]:
     """A live registry in the same shape as ``BUILTIN_RULES``."""
     from bnsurgeon.core.anatomy import qualname
 
-    return [{"name": r.name, "classes": [qualname(c) for c in r.classes], "targets": sorted(r.targets),
-             "exact": r.exact, "description": r.description} for r in registry]
+    return [
+        {
+            "name": r.name,
+            "classes": [qualname(c) for c in r.classes],
+            "targets": sorted(r.targets),
+            "exact": r.exact,
+            "description": r.description,
+        }
+        for r in registry
+    ]
 
 
 ENTRY_POINT_GROUP = "bnsurgeon.rules"  # the same group as rules.base.ENTRY_POINT_GROUP (a test says so)

@@ -44,7 +44,6 @@ EXIT_CODES = {  # the README's table, in short
 }
 
 
-
 class _NamedArgument(typer.core.TyperArgument):
     """An argument whose metavar says what it takes: no "SOURCE <str>" type label after it."""
 
@@ -113,17 +112,24 @@ def _internal_error(error: Exception, verbose: bool) -> None:
         from bnsurgeon.cli.render import console
 
         console().print("".join(traceback.format_exception(error)), markup=False, highlight=False)
-    _fail(f"internal error: {type(error).__name__}: {first_line(error)}",
-          "this is a bug in bnsurgeon, not a problem with your input: please report it with the traceback"
-          + ("" if verbose else " (run again with -v, or BNSURGEON_DEBUG=1, to see it)"), INTERNAL_ERROR)
+    _fail(
+        f"internal error: {type(error).__name__}: {first_line(error)}",
+        "this is a bug in bnsurgeon, not a problem with your input: please report it with the traceback"
+        + ("" if verbose else " (run again with -v, or BNSURGEON_DEBUG=1, to see it)"),
+        INTERNAL_ERROR,
+    )
 
 
 #: how torch and Python say an allocation failed (CPU allocator, CUDA caching allocator, MemoryError)
-OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory|not enough memory|Cannot allocate memory", re.IGNORECASE)
+OUT_OF_MEMORY = re.compile(
+    r"can't allocate memory|out of memory|not enough memory|Cannot allocate memory", re.IGNORECASE
+)
 
 
 def _out_of_memory(error: Exception) -> bool:
-    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and bool(OUT_OF_MEMORY.search(str(error))))
+    return isinstance(error, MemoryError) or (
+        isinstance(error, RuntimeError) and bool(OUT_OF_MEMORY.search(str(error)))
+    )
 
 
 def _memory_failure(error: Exception) -> None:
@@ -132,9 +138,12 @@ def _memory_failure(error: Exception) -> None:
 
     asked = re.search(r"allocate (\d+) bytes", str(error))
     size = f" (an allocation of {int(asked.group(1)) / 2**30:,.1f} GiB failed)" if asked else ""
-    _fail(f"the model and its check input are larger than this machine's memory{size}: {first_line(error)}",
-          "pass a smaller --input-shape or --example-input (the batch and spatial size do not change which BN code "
-          "runs), or use a machine with more memory", 9)
+    _fail(
+        f"the model and its check input are larger than this machine's memory{size}: {first_line(error)}",
+        "pass a smaller --input-shape or --example-input (the batch and spatial size do not change which BN code "
+        "runs), or use a machine with more memory",
+        9,
+    )
 
 
 def handle_errors(command: Callable) -> Callable:
@@ -161,7 +170,13 @@ def handle_errors(command: Callable) -> Callable:
             state = getattr(interrupt, "state", "nothing was written")
             with signals_ignored():
                 _fail(f"interrupted ({name})", f"{state}; run the command again", getattr(interrupt, "exit_code", 130))
-        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+        except (
+            typer.Exit,
+            typer.Abort,
+            click.exceptions.Exit,
+            click.exceptions.Abort,
+            click.exceptions.ClickException,
+        ):
             raise  # Typer's and Click's own ways out (an exit code the command chose, a usage error Click words)
         except Exception as error:
             if debug:
@@ -181,7 +196,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main_options(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     """bnsurgeon: convert BatchNorm layers without losing a single behaviour."""
 
@@ -202,22 +219,52 @@ class FrozenPolicy(str, Enum):
     unfreeze = "unfreeze"
 
 
-SourceArgument = typer.Argument(..., metavar="SOURCE", show_default=False,
-                                help="timm name (resnet50, timm:resnet50), checkpoint file, or package.module:function.")
-ModelOption = typer.Option(None, "--model", "-m", metavar="ARCH",
-                           help="Architecture for a checkpoint that does not record one (timm name or pkg.mod:fn).")
-ModelArgOption = typer.Option(None, "--model-arg", metavar="KEY=VALUE",
-                              help="Constructor argument (repeatable), e.g. num_classes=10.")
-WeightsOption = typer.Option(None, "--weights", metavar="NAME",
-                             help="Which state dict to use when the file holds several (e.g. state_dict_ema).")
-TrustOption = typer.Option(False, "--trust-pickle", help="Allow unpickling arbitrary objects. This RUNS CODE from the file: only for files you trust.")
-AcceptArgsOption = typer.Option(False, "--accept-recorded-args", help="Use the constructor arguments a file records (shown in the error that asks) without repeating each with --model-arg.")
-InputShapeOption = typer.Option(None, "--input-shape", metavar="N,C,...",
-                                help="Input for the checks, e.g. 2,3,224,224 (default: (2, C, 64, 64) when the model accepts it, else its own size).")
-JsonOption = typer.Option(False, "--json", help="Also print one JSON document on stdout; human output stays on stderr (add -q for JSON only).")
+SourceArgument = typer.Argument(
+    ...,
+    metavar="SOURCE",
+    show_default=False,
+    help="timm name (resnet50, timm:resnet50), checkpoint file, or package.module:function.",
+)
+ModelOption = typer.Option(
+    None,
+    "--model",
+    "-m",
+    metavar="ARCH",
+    help="Architecture for a checkpoint that does not record one (timm name or pkg.mod:fn).",
+)
+ModelArgOption = typer.Option(
+    None, "--model-arg", metavar="KEY=VALUE", help="Constructor argument (repeatable), e.g. num_classes=10."
+)
+WeightsOption = typer.Option(
+    None, "--weights", metavar="NAME", help="Which state dict to use when the file holds several (e.g. state_dict_ema)."
+)
+TrustOption = typer.Option(
+    False,
+    "--trust-pickle",
+    help="Allow unpickling arbitrary objects. This RUNS CODE from the file: only for files you trust.",
+)
+AcceptArgsOption = typer.Option(
+    False,
+    "--accept-recorded-args",
+    help="Use the constructor arguments a file records (shown in the error that asks) without repeating each with --model-arg.",
+)
+InputShapeOption = typer.Option(
+    None,
+    "--input-shape",
+    metavar="N,C,...",
+    help="Input for the checks, e.g. 2,3,224,224 (default: (2, C, 64, 64) when the model accepts it, else its own size).",
+)
+JsonOption = typer.Option(
+    False, "--json", help="Also print one JSON document on stdout; human output stays on stderr (add -q for JSON only)."
+)
 QuietOption = typer.Option(False, "--quiet", "-q", help="No human output; errors only (the exit code says the rest).")
 VerboseOption = typer.Option(False, "--verbose", "-v", help="Show every path, not a few examples.")
-RulesOption = typer.Option(None, "--rules", metavar="PKG.MOD:OBJ", help="Rules for your own BN classes: package.module:object (a Rule, a list, or a callable returning them; repeatable). Imports it: RUNS ITS CODE.")
+RulesOption = typer.Option(
+    None,
+    "--rules",
+    metavar="PKG.MOD:OBJ",
+    help="Rules for your own BN classes: package.module:object (a Rule, a list, or a callable returning them; repeatable). Imports it: RUNS ITS CODE.",
+)
 
 
 def _use_rules(specs: Optional[List[str]]) -> None:
@@ -226,10 +273,30 @@ def _use_rules(specs: Optional[List[str]]) -> None:
     use_rules(specs or [])
 
 
-IncludeOption = typer.Option(None, "--include", metavar="GLOB", help="Convert only BN modules whose path matches this glob (repeatable), e.g. 'backbone.body.layer[234].*'.")
-ExcludeOption = typer.Option(None, "--exclude", metavar="GLOB", help="Keep BN modules whose path matches this glob as they are (repeatable), e.g. 'backbone.body.layer1.*'.")
-ExampleInputOption = typer.Option(None, "--example-input", metavar="FILE", help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector; recorded in the output.")
-VerifyExampleInputOption = typer.Option(None, "--example-input", metavar="FILE", help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector (default: the input either file records).")
+IncludeOption = typer.Option(
+    None,
+    "--include",
+    metavar="GLOB",
+    help="Convert only BN modules whose path matches this glob (repeatable), e.g. 'backbone.body.layer[234].*'.",
+)
+ExcludeOption = typer.Option(
+    None,
+    "--exclude",
+    metavar="GLOB",
+    help="Keep BN modules whose path matches this glob as they are (repeatable), e.g. 'backbone.body.layer1.*'.",
+)
+ExampleInputOption = typer.Option(
+    None,
+    "--example-input",
+    metavar="FILE",
+    help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector; recorded in the output.",
+)
+VerifyExampleInputOption = typer.Option(
+    None,
+    "--example-input",
+    metavar="FILE",
+    help="A torch.save'd tensor, list or dict of tensors (read with weights_only=True) whose shapes the checks use, e.g. a list of images for a detector (default: the input either file records).",
+)
 
 
 def _example_input(path: Optional[Path]):
@@ -266,9 +333,16 @@ def inspect(
     from bnsurgeon.loading.architecture import parse_model_args
 
     _use_rules(rules)
-    result = api.inspect(source, model=model, model_args=parse_model_args(model_arg), weights=weights,
-                         trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args,
-                         include=tuple(include or ()), exclude=tuple(exclude or ()))
+    result = api.inspect(
+        source,
+        model=model,
+        model_args=parse_model_args(model_arg),
+        weights=weights,
+        trust_pickle=trust_pickle,
+        accept_recorded_args=accept_recorded_args,
+        include=tuple(include or ()),
+        exclude=tuple(exclude or ()),
+    )
     if as_json:
         emit_json(result.to_dict())
     if not quiet:
@@ -293,28 +367,55 @@ def _parse_shape(text: Optional[str]) -> Optional[tuple]:
 @handle_errors
 def convert(
     source: str = SourceArgument,
-    output: Path = typer.Option(..., "--output", "-o", metavar="OUT",
-                                help="Output checkpoint (.safetensors, .pt, .pth or .pth.tar); reports go next to it. "
-                                     "A .pt/.pth/.pth.tar output carries a training checkpoint's other entries. "
-                                     "For a Hugging Face model, a directory (no suffix, or ending in /) gets what "
-                                     "save_pretrained writes."),
-    to: Target = typer.Option(Target.sync, "--to", help="What every BN-family module becomes (fused: folded into the conv/linear before it; eval only)."),
-    frozen: FrozenPolicy = typer.Option(FrozenPolicy.keep, "--frozen", help="Frozen BN under --to sync/plain: keep it frozen, or unfreeze it."),
-    allow_unhandled: bool = typer.Option(False, "--allow-unhandled", help="Leave BN-like modules no rule claims untouched (listed in the report) instead of refusing."),
-    allow_no_bn: bool = typer.Option(False, "--allow-no-bn", help="Write the model even when it has no BatchNorm-family module (default: exit 11, write nothing)."),
+    output: Path = typer.Option(
+        ...,
+        "--output",
+        "-o",
+        metavar="OUT",
+        help="Output checkpoint (.safetensors, .pt, .pth or .pth.tar); reports go next to it. "
+        "A .pt/.pth/.pth.tar output carries a training checkpoint's other entries. "
+        "For a Hugging Face model, a directory (no suffix, or ending in /) gets what "
+        "save_pretrained writes.",
+    ),
+    to: Target = typer.Option(
+        Target.sync,
+        "--to",
+        help="What every BN-family module becomes (fused: folded into the conv/linear before it; eval only).",
+    ),
+    frozen: FrozenPolicy = typer.Option(
+        FrozenPolicy.keep, "--frozen", help="Frozen BN under --to sync/plain: keep it frozen, or unfreeze it."
+    ),
+    allow_unhandled: bool = typer.Option(
+        False,
+        "--allow-unhandled",
+        help="Leave BN-like modules no rule claims untouched (listed in the report) instead of refusing.",
+    ),
+    allow_no_bn: bool = typer.Option(
+        False,
+        "--allow-no-bn",
+        help="Write the model even when it has no BatchNorm-family module (default: exit 11, write nothing).",
+    ),
     model: Optional[str] = ModelOption,
     model_arg: Optional[List[str]] = ModelArgOption,
     weights: Optional[str] = WeightsOption,
     trust_pickle: bool = TrustOption,
     accept_recorded_args: bool = AcceptArgsOption,
-    force: bool = typer.Option(False, "--force", help="Replace OUTPUT and its reports if they exist (never an input: SOURCE or --example-input)."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Replace OUTPUT and its reports if they exist (never an input: SOURCE or --example-input).",
+    ),
     no_check: bool = typer.Option(False, "--no-check", help="Skip the eval-equivalence check before writing."),
     input_shape: Optional[str] = InputShapeOption,
     example_input: Optional[Path] = ExampleInputOption,
     include: Optional[List[str]] = IncludeOption,
     exclude: Optional[List[str]] = ExcludeOption,
     rules: Optional[List[str]] = RulesOption,
-    verify: bool = typer.Option(False, "--verify", help="Before writing, also run `bnsurgeon verify`'s checks (train, 2 ranks, perturbed) and record them."),
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="Before writing, also run `bnsurgeon verify`'s checks (train, 2 ranks, perturbed) and record them.",
+    ),
     verbose: bool = VerboseOption,
     quiet: bool = QuietOption,
     as_json: bool = JsonOption,
@@ -335,14 +436,25 @@ def convert(
     try:
         with phases(console(), enabled=not quiet) as progress:
             outcome = api.convert_source(
-                source, output, to=to.value, frozen=frozen.value, allow_unhandled=allow_unhandled, model=model,
-                model_args=parse_model_args(model_arg), weights=weights, trust_pickle=trust_pickle,
-                accept_recorded_args=accept_recorded_args, force=force,
-                check=not no_check, input_shape=_parse_shape(input_shape),
+                source,
+                output,
+                to=to.value,
+                frozen=frozen.value,
+                allow_unhandled=allow_unhandled,
+                model=model,
+                model_args=parse_model_args(model_arg),
+                weights=weights,
+                trust_pickle=trust_pickle,
+                accept_recorded_args=accept_recorded_args,
+                force=force,
+                check=not no_check,
+                input_shape=_parse_shape(input_shape),
                 example_input=example_input,  # a path: checked against the outputs, then read
-                include=tuple(include or ()), exclude=tuple(exclude or ()),
+                include=tuple(include or ()),
+                exclude=tuple(exclude or ()),
                 verify_world_sizes=(2,) if verify else (),
-                progress=progress, allow_no_bn=allow_no_bn,
+                progress=progress,
+                allow_no_bn=allow_no_bn,
             )
         report = outcome.result.report
         if as_json:
@@ -350,8 +462,12 @@ def convert(
         if not quiet:
             out = console()
             render_report(report, out, verbose=verbose)
-            say(out, f"wrote {outcome.output}" + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})"
-                                                   if outcome.reports else ""), indent="  ")
+            say(
+                out,
+                f"wrote {outcome.output}"
+                + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})" if outcome.reports else ""),
+                indent="  ",
+            )
     except KeyboardInterrupt as interrupt:  # after the write, the message must not say nothing was written
         if outcome is not None and outcome.output is not None:
             setattr(interrupt, "state", f"{outcome.output} and its reports were written completely")  # noqa: B010  (read by the CLI's interrupt handler)
@@ -362,23 +478,53 @@ def convert(
 @handle_errors
 def verify(
     source: str = SourceArgument,
-    converted: str = typer.Argument(..., metavar="CONVERTED", show_default=False, help="The converted model, in any SOURCE form."),
-    world_size: List[int] = typer.Option([2], "--world-size", "-w", metavar="N", help="Ranks for the distributed check (repeatable)."),
+    converted: str = typer.Argument(
+        ..., metavar="CONVERTED", show_default=False, help="The converted model, in any SOURCE form."
+    ),
+    world_size: List[int] = typer.Option(
+        [2], "--world-size", "-w", metavar="N", help="Ranks for the distributed check (repeatable)."
+    ),
     input_shape: Optional[str] = InputShapeOption,
     example_input: Optional[Path] = VerifyExampleInputOption,
     rules: Optional[List[str]] = RulesOption,
-    compare_at: Optional[str] = typer.Option(None, "--compare-at", metavar="MODULE", help="Compare the output of this submodule (e.g. backbone) instead of the model's: for detectors whose head output is not comparable."),
-    atol: Optional[float] = typer.Option(None, "--atol", metavar="X", help="Absolute tolerance instead of bit-identity for eval/train (a fused checkpoint: tolerance relative to the output's scale, default 1e-4)."),
-    no_perturb: bool = typer.Option(False, "--no-perturb", help="Skip the run with perturbed BN statistics and affine parameters."),
+    compare_at: Optional[str] = typer.Option(
+        None,
+        "--compare-at",
+        metavar="MODULE",
+        help="Compare the output of this submodule (e.g. backbone) instead of the model's: for detectors whose head output is not comparable.",
+    ),
+    atol: Optional[float] = typer.Option(
+        None,
+        "--atol",
+        metavar="X",
+        help="Absolute tolerance instead of bit-identity for eval/train (a fused checkpoint: tolerance relative to the output's scale, default 1e-4).",
+    ),
+    no_perturb: bool = typer.Option(
+        False, "--no-perturb", help="Skip the run with perturbed BN statistics and affine parameters."
+    ),
     model: Optional[str] = ModelOption,
     model_arg: Optional[List[str]] = ModelArgOption,
-    converted_model: Optional[str] = typer.Option(None, "--converted-model", metavar="ARCH", help="Like --model, for CONVERTED only (confirms a factory it records)."),
-    converted_model_arg: Optional[List[str]] = typer.Option(None, "--converted-model-arg", metavar="KEY=VALUE", help="Like --model-arg, for CONVERTED only."),
+    converted_model: Optional[str] = typer.Option(
+        None,
+        "--converted-model",
+        metavar="ARCH",
+        help="Like --model, for CONVERTED only (confirms a factory it records).",
+    ),
+    converted_model_arg: Optional[List[str]] = typer.Option(
+        None, "--converted-model-arg", metavar="KEY=VALUE", help="Like --model-arg, for CONVERTED only."
+    ),
     weights: Optional[str] = WeightsOption,
-    converted_weights: Optional[str] = typer.Option(None, "--converted-weights", metavar="NAME", help="Like --weights, for CONVERTED only (e.g. state_dict_ema of a converted training checkpoint)."),
+    converted_weights: Optional[str] = typer.Option(
+        None,
+        "--converted-weights",
+        metavar="NAME",
+        help="Like --weights, for CONVERTED only (e.g. state_dict_ema of a converted training checkpoint).",
+    ),
     trust_pickle: bool = TrustOption,
     accept_recorded_args: bool = AcceptArgsOption,
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print each check's full detail after the summary."),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Also print each check's full detail after the summary."
+    ),
     quiet: bool = QuietOption,
     as_json: bool = JsonOption,
 ) -> None:
@@ -394,20 +540,36 @@ def verify(
 
     out = console()
     _use_rules(rules)
-    result = api.verify(source, converted, world_sizes=tuple(world_size), input_shape=_parse_shape(input_shape),
-                        atol=atol, perturb=not no_perturb, model=model, model_args=parse_model_args(model_arg),
-                        converted_model=converted_model, converted_model_args=parse_model_args(converted_model_arg),
-                        weights=weights, converted_weights=converted_weights, trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args,
-                        on_check=None if quiet else CheckStream(out), example_input=_example_input(example_input),
-                        compare_at=compare_at)
+    result = api.verify(
+        source,
+        converted,
+        world_sizes=tuple(world_size),
+        input_shape=_parse_shape(input_shape),
+        atol=atol,
+        perturb=not no_perturb,
+        model=model,
+        model_args=parse_model_args(model_arg),
+        converted_model=converted_model,
+        converted_model_args=parse_model_args(converted_model_arg),
+        weights=weights,
+        converted_weights=converted_weights,
+        trust_pickle=trust_pickle,
+        accept_recorded_args=accept_recorded_args,
+        on_check=None if quiet else CheckStream(out),
+        example_input=_example_input(example_input),
+        compare_at=compare_at,
+    )
     if as_json:
         emit_json(result.to_dict())
     if not quiet:
         render_verification_summary(result, out)
         if verbose:
             for check in result.checks:
-                say(out, f"{check.name}: {check.detail}" + (f"; first divergent module {check.first_divergence}"
-                                                             if check.first_divergence else ""))
+                say(
+                    out,
+                    f"{check.name}: {check.detail}"
+                    + (f"; first divergent module {check.first_divergence}" if check.first_divergence else ""),
+                )
     raise typer.Exit(0 if result.passed else 1)
 
 
@@ -436,18 +598,44 @@ def rules(
 @handle_errors
 def recalibrate(
     source: str = SourceArgument,
-    data: str = typer.Option(..., "--data", "-d", metavar="DATA",
-                             help="A tensor file (.pt/.pth/.safetensors: one (N,C,H,W) tensor cut into batches, or a list of batches), "
-                                  "a folder of them, a folder of images (read with the model's timm preprocessing), or "
-                                  "package.module:function returning an iterable of batches (RUNS ITS CODE)."),
-    output: Path = typer.Option(..., "--output", "-o", metavar="OUT",
-                                help="Output: the source file again with only the BN running statistics changed "
-                                     "(a training checkpoint is written back whole); reports go next to it."),
-    batches: Optional[int] = typer.Option(None, "--batches", metavar="N", help="Use the first N batches (DATA must hold them)."),
-    samples: Optional[int] = typer.Option(None, "--samples", metavar="N", help="Use the first N samples, the last batch cut (DATA must hold them)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", metavar="N", help="Cut tensors of samples (and image folders) into batches of N (default 32)."),
-    include_frozen: bool = typer.Option(False, "--include-frozen", help="Also recalibrate frozen BN (default: left as it is)."),
-    fast_normalization: bool = typer.Option(False, "--fast-normalization", help="Plain BN and BN+act layers normalise in eval mode with the batch's exact statistics instead of running torch's training-mode BN (faster on CPU; activations equal training mode's to float32 rounding)."),
+    data: str = typer.Option(
+        ...,
+        "--data",
+        "-d",
+        metavar="DATA",
+        help="A tensor file (.pt/.pth/.safetensors: one (N,C,H,W) tensor cut into batches, or a list of batches), "
+        "a folder of them, a folder of images (read with the model's timm preprocessing), or "
+        "package.module:function returning an iterable of batches (RUNS ITS CODE).",
+    ),
+    output: Path = typer.Option(
+        ...,
+        "--output",
+        "-o",
+        metavar="OUT",
+        help="Output: the source file again with only the BN running statistics changed "
+        "(a training checkpoint is written back whole); reports go next to it.",
+    ),
+    batches: Optional[int] = typer.Option(
+        None, "--batches", metavar="N", help="Use the first N batches (DATA must hold them)."
+    ),
+    samples: Optional[int] = typer.Option(
+        None, "--samples", metavar="N", help="Use the first N samples, the last batch cut (DATA must hold them)."
+    ),
+    batch_size: Optional[int] = typer.Option(
+        None,
+        "--batch-size",
+        "-b",
+        metavar="N",
+        help="Cut tensors of samples (and image folders) into batches of N (default 32).",
+    ),
+    include_frozen: bool = typer.Option(
+        False, "--include-frozen", help="Also recalibrate frozen BN (default: left as it is)."
+    ),
+    fast_normalization: bool = typer.Option(
+        False,
+        "--fast-normalization",
+        help="Plain BN and BN+act layers normalise in eval mode with the batch's exact statistics instead of running torch's training-mode BN (faster on CPU; activations equal training mode's to float32 rounding).",
+    ),
     model: Optional[str] = ModelOption,
     model_arg: Optional[List[str]] = ModelArgOption,
     weights: Optional[str] = WeightsOption,
@@ -474,18 +662,35 @@ def recalibrate(
         out = console()
         with phases(out, enabled=False) as progress, batch_progress(out, enabled=not quiet) as on_batch:
             outcome = api.recalibrate_source(
-                source, data, output, batches=batches, samples=samples, batch_size=batch_size,
-                include_frozen=include_frozen, fast_normalization=fast_normalization, model=model, model_args=parse_model_args(model_arg), weights=weights,
-                trust_pickle=trust_pickle, accept_recorded_args=accept_recorded_args, force=force,
-                progress=progress, on_batch=on_batch)
+                source,
+                data,
+                output,
+                batches=batches,
+                samples=samples,
+                batch_size=batch_size,
+                include_frozen=include_frozen,
+                fast_normalization=fast_normalization,
+                model=model,
+                model_args=parse_model_args(model_arg),
+                weights=weights,
+                trust_pickle=trust_pickle,
+                accept_recorded_args=accept_recorded_args,
+                force=force,
+                progress=progress,
+                on_batch=on_batch,
+            )
         if outcome.rank != 0:
             return
         if as_json:
             emit_json(outcome.report.to_dict())
         if not quiet:
             render_recalibration(outcome.report, out, verbose=verbose)
-            say(out, f"wrote {outcome.output}" + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})"
-                                                   if outcome.reports else ""), indent="  ")
+            say(
+                out,
+                f"wrote {outcome.output}"
+                + (f" (+ {outcome.reports[0].name}, {outcome.reports[1].name})" if outcome.reports else ""),
+                indent="  ",
+            )
     except KeyboardInterrupt as interrupt:
         if outcome is not None and outcome.output is not None:
             setattr(interrupt, "state", f"{outcome.output} and its reports were written completely")  # noqa: B010  (read by the CLI's interrupt handler)

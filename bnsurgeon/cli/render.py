@@ -27,8 +27,12 @@ if TYPE_CHECKING:
     from bnsurgeon.surgery.report import Report
 
 PIPED_WIDTH = 160
-STYLES = {r"\b(FAIL(ED)?|failed)\b": "bold red", r"\bUNHANDLED\b": "bold red", r"\bpass(ed)?\b": "green",
-          r"^error:": "bold red"}
+STYLES = {
+    r"\b(FAIL(ED)?|failed)\b": "bold red",
+    r"\bUNHANDLED\b": "bold red",
+    r"\bpass(ed)?\b": "green",
+    r"^error:": "bold red",
+}
 
 
 def output_width(stream=None) -> int:
@@ -93,13 +97,17 @@ def render_checkpoint(contents: dict, out: Console, *, verbose: bool = False) ->
     shown = entries
     if not verbose and len(entries) > MAX_LISTED_ENTRIES:  # entries holding tensors first, in the file's order
         keep = {id(e) for e in [e for e in entries if e["tensors"]][:MAX_LISTED_ENTRIES]}
-        keep |= {id(e) for e in [e for e in entries if not e["tensors"]][:MAX_LISTED_ENTRIES - len(keep)]}
+        keep |= {id(e) for e in [e for e in entries if not e["tensors"]][: MAX_LISTED_ENTRIES - len(keep)]}
         shown = [e for e in entries if id(e) in keep]
     for entry in shown:
         looks = "yes" if entry["key"] in weights or (entry["key"] == "<top level>" and weights) else ""
         rows.append([entry["key"], entry["type"], str(entry["tensors"]), looks])
-    columns = [Column("entry", shrink=True, min_width=16), Column("type", shrink=True), Column("tensors", "right"),
-               Column("model weights?", short_header="weights?")]
+    columns = [
+        Column("entry", shrink=True, min_width=16),
+        Column("type", shrink=True),
+        Column("tensors", "right"),
+        Column("model weights?", short_header="weights?"),
+    ]
     emit(out, table_lines(columns, rows, out.width))
     if len(rows) < len(entries):
         say(out, f"... and {len(entries) - len(rows):,} more entries (-v lists them all)")
@@ -129,16 +137,28 @@ def render_inspection(inspection: "Inspection", out: Console, *, verbose: bool =
             say(out, f"note: {note}")
         return
     rows = [
-        [short(g.cls), str(g.count), g.rule or "UNHANDLED", g.targets["sync"], g.targets["plain"],
-         g.targets["frozen"], g.torch_converter, g.transformers_replace, ", ".join(g.examples)]
+        [
+            short(g.cls),
+            str(g.count),
+            g.rule or "UNHANDLED",
+            g.targets["sync"],
+            g.targets["plain"],
+            g.targets["frozen"],
+            g.torch_converter,
+            g.transformers_replace,
+            ", ".join(g.examples),
+        ]
         for g in inspection.groups
     ]
     if rows:
         emit(out, table_lines(INSPECT_COLUMNS, rows, out.width))
-    say(out,
+    say(
+        out,
         f"{counted(inspection.bn_modules, 'BN-family module')} in "
         f"{len(inspection.groups)} {'class' if len(inspection.groups) == 1 else 'classes'}, "
-        f"{inspection.unhandled} unhandled; {inspection.parameters:,} parameters.", indent="")
+        f"{inspection.unhandled} unhandled; {inspection.parameters:,} parameters.",
+        indent="",
+    )
     if verbose:
         for group in inspection.groups:
             say(out, f"{short(group.cls)} ({counted(group.paths, 'path')}): " + ", ".join(group.all_paths))
@@ -160,20 +180,29 @@ def fusion_summary(fusion: dict[str, Any]) -> str:
     errors = fusion.get("max_rel_error") or {}
     measured = ", ".join(f"{k.replace('_', ' ')} {v:.2g}" for k, v in errors.items())
     folded = len(fusion["folded"])
-    return (f"fused: {folded} BN folded into {'its producer' if folded == 1 else 'their producers'}, "
-            f"{len(fusion['left'])} left; "
-            f"BN modules {fusion['bn_before']} -> {fusion['bn_after']}; producers from {fusion['method']}"
-            + (f"; max relative error {measured}" if measured else ""))
+    return (
+        f"fused: {folded} BN folded into {'its producer' if folded == 1 else 'their producers'}, "
+        f"{len(fusion['left'])} left; "
+        f"BN modules {fusion['bn_before']} -> {fusion['bn_after']}; producers from {fusion['method']}"
+        + (f"; max relative error {measured}" if measured else "")
+    )
 
 
 def render_report(report: "Report", out: Console, *, verbose: bool = False) -> None:
     grouped: dict[tuple[str, str], list[str]] = {}
     for change in report.changed:
         grouped.setdefault((change.from_class, change.to_class), []).append(change.path)
-    rows = [[short(src), "->", short(dst), str(len(paths)), _patterns(paths, verbose)]
-            for (src, dst), paths in sorted(grouped.items())]
-    columns = [Column("from", shrink=True, min_width=14), Column(""), Column("to", shrink=True, min_width=14),
-               Column("count", "right"), Column("paths", priority=1, shrink=True, min_width=20)]
+    rows = [
+        [short(src), "->", short(dst), str(len(paths)), _patterns(paths, verbose)]
+        for (src, dst), paths in sorted(grouped.items())
+    ]
+    columns = [
+        Column("from", shrink=True, min_width=14),
+        Column(""),
+        Column("to", shrink=True, min_width=14),
+        Column("count", "right"),
+        Column("paths", priority=1, shrink=True, min_width=20),
+    ]
     if rows:
         if verbose:  # every pattern: on lines of their own rather than shortened in a cell
             emit(out, table_lines(columns[:-1], [row[:-1] for row in rows], out.width, header=False))
@@ -182,9 +211,12 @@ def render_report(report: "Report", out: Console, *, verbose: bool = False) -> N
         else:
             emit(out, table_lines(columns, rows, out.width, header=False))
     totals = report.totals
-    say(out,
+    say(
+        out,
         f"{totals['changed']} converted, {totals['kept']} kept, {totals['unhandled']} unhandled; "
-        f"state-dict keys +{totals['keys_added']} -{totals['keys_removed']}", indent="")
+        f"state-dict keys +{totals['keys_added']} -{totals['keys_removed']}",
+        indent="",
+    )
     for item in report.kept + report.unhandled:
         if verbose or item.rule is None:
             say(out, f"  kept {item.path} ({short(item.cls)}): {item.reason}", indent="    ")
@@ -195,16 +227,26 @@ def render_report(report: "Report", out: Console, *, verbose: bool = False) -> N
         check = report.check
         status = "passed" if check.passed else "FAILED"
         shown = getattr(check, "input", "") or tuple(check.input_shape)
-        say(out, f"eval check ({check.mode}, input {shown}): {status}, "
-                 f"max |diff| {check.max_abs_diff:.3g}" + (f"; {check.note}" if check.note else ""), indent="")
+        say(
+            out,
+            f"eval check ({check.mode}, input {shown}): {status}, "
+            f"max |diff| {check.max_abs_diff:.3g}" + (f"; {check.note}" if check.note else ""),
+            indent="",
+        )
     if report.fusion is not None:
         say(out, fusion_summary(report.fusion), indent="")
     if report.carried:
         carried = list(report.carried.items())
         shown = carried if verbose else carried[:MAX_LISTED_ENTRIES]
-        say(out, "carried from the source checkpoint: " + "; ".join(f"{clipped(name)} ({what})" for name, what in shown)
-                 + (f"; ... and {len(carried) - len(shown):,} more (-v lists them all)" if len(shown) < len(carried)
-                    else ""), indent="  ")
+        say(
+            out,
+            "carried from the source checkpoint: "
+            + "; ".join(f"{clipped(name)} ({what})" for name, what in shown)
+            + (
+                f"; ... and {len(carried) - len(shown):,} more (-v lists them all)" if len(shown) < len(carried) else ""
+            ),
+            indent="  ",
+        )
     for note in sorted({n for change in report.changed for n in change.notes}):
         say(out, f"note: {note}", indent="")
 
@@ -213,10 +255,17 @@ def render_rules(rules: list[dict[str, Any]], out: Console, *, verbose: bool = F
     def classes(rule: dict[str, Any]) -> str:
         return ", ".join(c if verbose else short(c) for c in rule["classes"])
 
-    rows = [[r["name"], classes(r), ",".join(r["targets"]), "yes" if r["exact"] else "close", r["description"]]
-            for r in rules]
-    columns = [Column("rule"), Column("classes", shrink=not verbose, min_width=20), Column("targets", priority=2),
-               Column("exact eval"), Column("description", priority=1, shrink=True, min_width=20)]
+    rows = [
+        [r["name"], classes(r), ",".join(r["targets"]), "yes" if r["exact"] else "close", r["description"]]
+        for r in rules
+    ]
+    columns = [
+        Column("rule"),
+        Column("classes", shrink=not verbose, min_width=20),
+        Column("targets", priority=2),
+        Column("exact eval"),
+        Column("description", priority=1, shrink=True, min_width=20),
+    ]
     if verbose:  # full class paths do not fit a cell: one line each
         emit(out, table_lines([c for c in columns if c.header != "classes"], [r[:1] + r[2:] for r in rows], out.width))
         for row in rows:
@@ -226,8 +275,13 @@ def render_rules(rules: list[dict[str, Any]], out: Console, *, verbose: bool = F
 
 
 # verify streams one line per check as it finishes, so its columns have fixed widths
-CHECK_COLUMNS = [Column("check", min_width=30), Column("result"), Column("max |diff|", "right"),
-                 Column("time", "right"), Column("detail", priority=1, shrink=True, min_width=16)]
+CHECK_COLUMNS = [
+    Column("check", min_width=30),
+    Column("result"),
+    Column("max |diff|", "right"),
+    Column("time", "right"),
+    Column("detail", priority=1, shrink=True, min_width=16),
+]
 CHECK_WIDTHS = (30, 6, 10, 7)
 
 
@@ -272,8 +326,13 @@ def render_verification_summary(verification, out: Console) -> None:
         shown = getattr(verification, "input", "") or tuple(verification.input_shape)
         say(out, f"all checks passed (input {shown}; checks took {total:.1f}s)", indent="")
     else:
-        where = (f": first divergent module {failed.first_divergence}" if failed.first_divergence
-                 else f": {failed.detail}" if failed.detail else "")
+        where = (
+            f": first divergent module {failed.first_divergence}"
+            if failed.first_divergence
+            else f": {failed.detail}"
+            if failed.detail
+            else ""
+        )
         say(out, f"{failed.name} failed{where}", indent="  ")
 
 
@@ -301,18 +360,25 @@ def batch_progress(out: Console, enabled: bool = True):
 
         def update(batches: int, samples: int) -> None:
             rate = samples / max(time.perf_counter() - started, 1e-9)
-            progress.update(task, description=f"recalibrating: {counted(batches, 'batch')}, "
-                                                       f"{counted(samples, 'sample')}, {rate:,.0f} samples/s")
+            progress.update(
+                task,
+                description=f"recalibrating: {counted(batches, 'batch')}, "
+                f"{counted(samples, 'sample')}, {rate:,.0f} samples/s",
+            )
 
         yield update
 
 
 def render_recalibration(report, out: Console, *, verbose: bool = False) -> None:
     """The pass in one line, then each module's change (the largest few without -v)."""
-    say(out, f"recalibrated {counted(len(report.modules), 'BN module')} of {report.source} on "
-             f"{counted(report.samples, 'sample')} "
-             f"({counted(report.batches, 'batch')}, {counted(report.ranks, 'rank')}, "
-             f"{report.seconds:.1f} s)", indent="")
+    say(
+        out,
+        f"recalibrated {counted(len(report.modules), 'BN module')} of {report.source} on "
+        f"{counted(report.samples, 'sample')} "
+        f"({counted(report.batches, 'batch')}, {counted(report.ranks, 'rank')}, "
+        f"{report.seconds:.1f} s)",
+        indent="",
+    )
     if report.data:
         say(out, f"data: {report.data.get('description', '')}, sha256 {report.data.get('sha256', '')}")
         if report.data.get("preprocessing"):
@@ -322,11 +388,19 @@ def render_recalibration(report, out: Console, *, verbose: bool = False) -> None
     for note in report.notes:
         say(out, note)
     modules = report.modules if verbose else sorted(report.modules, key=lambda m: -m.var_change_rel)[:8]
-    rows = [[m.path, str(m.elements), f"{m.calls_per_batch:g}", f"{m.mean_change_rel:.3g}", f"{m.var_change_rel:.3g}"]
-            for m in modules]
+    rows = [
+        [m.path, str(m.elements), f"{m.calls_per_batch:g}", f"{m.mean_change_rel:.3g}", f"{m.var_change_rel:.3g}"]
+        for m in modules
+    ]
     if rows:
-        say(out, ("every module" if verbose or len(modules) == len(report.modules) else
-                  f"the {len(modules)} whose variance moved most (-v: all)") +
-            ": path, elements per channel, calls per batch, max |d mean|/std, max |d var|/var")
+        say(
+            out,
+            (
+                "every module"
+                if verbose or len(modules) == len(report.modules)
+                else f"the {len(modules)} whose variance moved most (-v: all)"
+            )
+            + ": path, elements per channel, calls per batch, max |d mean|/std, max |d var|/var",
+        )
         for row in rows:
             say(out, "  ".join(row), indent="    ")

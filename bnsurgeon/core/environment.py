@@ -19,6 +19,8 @@ def whole_number(name: str, default: int, *, low: int, high: int, unit: str = ""
         value = None
     if value is None or not low <= value <= high:
         what = f"a whole number{f' of {unit}' if unit else ''} from {low:,} to {high:,}"
-        raise UsageError(f"{name}={raw[:40]!r} is not usable: it takes {what}",
-                         f"set {name} to {what} (without separators), or unset it")
+        raise UsageError(
+            f"{name}={raw[:40]!r} is not usable: it takes {what}",
+            f"set {name} to {what} (without separators), or unset it",
+        )
     return value

@@ -11,25 +11,74 @@ from typing import Any
 
 #: hints are written for the command line; from Python each flag reads as its keyword argument
 FLAG_KEYWORDS = {
-    "--allow-unhandled": "allow_unhandled=True", "--allow-no-bn": "allow_no_bn=True",
-    "--trust-pickle": "trust_pickle=True", "--force": "force=True", "--no-check": "check=False",
-    "--model": "model=", "--model-arg": "model_args=", "--weights": "weights=", "--input-shape": "input_shape=",
-    "--to": "to=", "--frozen": "frozen=", "--world-size": "world_sizes=",
-    "--accept-recorded-args": "accept_recorded_args=True", "--example-input": "example_input=",
-    "--include": "include=", "--exclude": "exclude=", "--verify": "verify_world_sizes=",
-    "--converted-model": "converted_model=", "--converted-model-arg": "converted_model_args=",
-    "--converted-weights": "converted_weights=", "--compare-at": "compare_at=", "--atol": "atol=",
+    "--allow-unhandled": "allow_unhandled=True",
+    "--allow-no-bn": "allow_no_bn=True",
+    "--trust-pickle": "trust_pickle=True",
+    "--force": "force=True",
+    "--no-check": "check=False",
+    "--model": "model=",
+    "--model-arg": "model_args=",
+    "--weights": "weights=",
+    "--input-shape": "input_shape=",
+    "--to": "to=",
+    "--frozen": "frozen=",
+    "--world-size": "world_sizes=",
+    "--accept-recorded-args": "accept_recorded_args=True",
+    "--example-input": "example_input=",
+    "--include": "include=",
+    "--exclude": "exclude=",
+    "--verify": "verify_world_sizes=",
+    "--converted-model": "converted_model=",
+    "--converted-model-arg": "converted_model_args=",
+    "--converted-weights": "converted_weights=",
+    "--compare-at": "compare_at=",
+    "--atol": "atol=",
     "--no-perturb": "perturb=False",
-    "--data": "data=", "--batches": "batches=", "--samples": "samples=", "--batch-size": "batch_size=",
-    "--include-frozen": "include_frozen=True", "--fast-normalization": "fast_normalization=True",
+    "--data": "data=",
+    "--batches": "batches=",
+    "--samples": "samples=",
+    "--batch-size": "batch_size=",
+    "--include-frozen": "include_frozen=True",
+    "--fast-normalization": "fast_normalization=True",
 }
 
 #: flags whose keyword argument takes the flag's value as a string
-STRING_VALUED = ("--model", "--weights", "--to", "--frozen", "--converted-model", "--converted-weights", "--compare-at",
-                 "--example-input")
+STRING_VALUED = (
+    "--model",
+    "--weights",
+    "--to",
+    "--frozen",
+    "--converted-model",
+    "--converted-weights",
+    "--compare-at",
+    "--example-input",
+)
 #: words that follow a flag in prose ("check --model and --model-arg"): never its value
-PROSE_WORDS = frozenset({"and", "or", "to", "with", "for", "if", "is", "in", "on", "the", "a", "an", "then",
-                         "when", "instead", "too", "also", "as", "at", "by", "of"})
+PROSE_WORDS = frozenset(
+    {
+        "and",
+        "or",
+        "to",
+        "with",
+        "for",
+        "if",
+        "is",
+        "in",
+        "on",
+        "the",
+        "a",
+        "an",
+        "then",
+        "when",
+        "instead",
+        "too",
+        "also",
+        "as",
+        "at",
+        "by",
+        "of",
+    }
+)
 
 
 def python_hint(hint: str) -> str:
@@ -79,7 +128,7 @@ def bounded(text: str, limit: int = MAX_TEXT) -> str:
         return text
     earlier, match = 0, _CUT_MARK.search(text)
     if match:
-        earlier, text = int(match.group(1).replace(",", "")), text[:match.start()]
+        earlier, text = int(match.group(1).replace(",", "")), text[: match.start()]
     keep = max(0, limit - len(f"... ({len(text) + earlier:,} more characters)"))
     return f"{text[:keep]}... ({len(text) - keep + earlier:,} more characters)"
 
@@ -116,8 +165,10 @@ class UsageError(BnSurgeonError):
 class HookedModelError(UsageError):
     """A model with hooks that a fused file's folds would change what they see (the file is fine)."""
 
-    default_hint = ("remove the hooks before loading (their RemovableHandle.remove()), load, then register them "
-                    "again where they still make sense; or load a file converted --to sync or --to plain")
+    default_hint = (
+        "remove the hooks before loading (their RemovableHandle.remove()), load, then register them "
+        "again where they still make sense; or load a file converted --to sync or --to plain"
+    )
 
 
 class FactoryRaisedError(UsageError):
@@ -133,8 +184,10 @@ class UnshippableModelError(UsageError):
     """The N-rank check cannot give the ranks the converted model: it does not pickle, and it was not
     built from a recipe (timm name, factory, model directory, bnsurgeon file) a rank can repeat."""
 
-    default_hint = ("pass SOURCE as something a process can build again: a timm name, a model directory "
-                    "or a factory (package.module:function) that builds it")
+    default_hint = (
+        "pass SOURCE as something a process can build again: a timm name, a model directory "
+        "or a factory (package.module:function) that builds it"
+    )
 
 
 class SourceNotFoundError(BnSurgeonError):
@@ -281,15 +334,18 @@ class NonFiniteActivationsError(BnSurgeonError):
     """A BN module's input held NaN or Inf during recalibration: its statistics would be meaningless."""
 
     exit_code = 14
-    default_hint = ("nothing was written; check the data (normalised? NaN pixels?) and the weights feeding the "
-                    "module named here")
+    default_hint = (
+        "nothing was written; check the data (normalised? NaN pixels?) and the weights feeding the module named here"
+    )
 
 
 class StatisticsOverflowError(NonFiniteActivationsError):
     """Recalibrated statistics larger than the dtype that must store them can hold: they would be written as Inf."""
 
-    default_hint = ("nothing was written; pass the data normalised as the model expects (pixels scaled, mean and std "
-                    "applied), or recalibrate a copy of the model in a wider dtype (float32)")
+    default_hint = (
+        "nothing was written; pass the data normalised as the model expects (pixels scaled, mean and std "
+        "applied), or recalibrate a copy of the model in a wider dtype (float32)"
+    )
 
 
 def statistics_overflow(path: str, values: "dict[str, Any]", dtype: Any) -> "StatisticsOverflowError | None":
@@ -302,7 +358,8 @@ def statistics_overflow(path: str, values: "dict[str, Any]", dtype: Any) -> "Sta
             kind = str(dtype).replace("torch.", "")
             return StatisticsOverflowError(
                 f"the recalibrated {name} of {path} reaches {largest:.3g}, more than {kind} holds "
-                f"({torch.finfo(dtype).max:.3g}): it would be written as Inf")
+                f"({torch.finfo(dtype).max:.3g}): it would be written as Inf"
+            )
     return None
 
 
@@ -310,5 +367,7 @@ class NoBatchNormReachedError(BnSurgeonError):
     """The forward passes over the data never called any BN module that recalibration tracks."""
 
     exit_code = 15
-    default_hint = ("nothing was written; the data must go through the BN layers (a backbone's input, not its "
-                    "features), or check which BN modules the forward calls")
+    default_hint = (
+        "nothing was written; the data must go through the BN layers (a backbone's input, not its "
+        "features), or check which BN modules the forward calls"
+    )

@@ -37,6 +37,8 @@ def _escape(code: int) -> str:
     if code < 0x100:
         return f"\\x{code:02x}"
     return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 GAP = "  "
 INDENT = "  "
 
@@ -104,8 +106,9 @@ def _natural_widths(headers: list[str], rows: list[list[str]]) -> list[int]:
     return [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
 
-def fit_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int,
-              *, header: bool = True) -> tuple[list[int], list[int], list[str]]:
+def fit_table(
+    columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int, *, header: bool = True
+) -> tuple[list[int], list[int], list[str]]:
     """Which columns to keep, their widths, and their headers, so that a line fits ``width``."""
     keep = list(range(len(columns)))
     headers = [c.header for c in columns]
@@ -156,7 +159,9 @@ def format_row(cells: Sequence[str], widths: Sequence[int], aligns: Sequence[str
     return (INDENT + GAP.join(parts)).rstrip()
 
 
-def table_lines(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int, *, header: bool = True) -> list[str]:
+def table_lines(
+    columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int, *, header: bool = True
+) -> list[str]:
     """The table as lines of at most ``width`` characters."""
     rows = [[printable(v) for v in row] for row in rows]  # escapes are measured and shortened like any text
     keep, widths, headers = fit_table(columns, rows, width, header=header)
@@ -168,5 +173,6 @@ def table_lines(columns: Sequence[Column], rows: Sequence[Sequence[str]], width:
 
 def wrap(text: str, width: int, indent: str = "  ") -> list[str]:
     """Prose (summaries, notes) wrapped at word boundaries, continuation lines indented."""
-    return textwrap.wrap(printable(text), width=max(width, 20), subsequent_indent=indent, break_on_hyphens=False,
-                         break_long_words=True) or [""]
+    return textwrap.wrap(
+        printable(text), width=max(width, 20), subsequent_indent=indent, break_on_hyphens=False, break_long_words=True
+    ) or [""]

@@ -39,8 +39,12 @@ HOOK_ATTRIBUTES = (
 #: the dicts that hold hook callables (the others are flags and per-hook options)
 FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 BACKWARD_HOOKS = ("_backward_hooks", "_backward_pre_hooks")
-STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                    "_load_state_dict_post_hooks")
+STATE_DICT_HOOKS = (
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 _CONTAINERS = ("_parameters", "_buffers", "_modules")
 
@@ -61,8 +65,11 @@ def hook_kinds(module: "nn.Module", kinds: tuple[str, ...]) -> list[str]:
 
 def has_hooks(module: "nn.Module") -> bool:
     """Whether the user (or a library) registered any hook of any kind on ``module``."""
-    return any(isinstance(value, dict) and value for name in hook_attributes()
-               if (value := module.__dict__.get(name)) is not None)
+    return any(
+        isinstance(value, dict) and value
+        for name in hook_attributes()
+        if (value := module.__dict__.get(name)) is not None
+    )
 
 
 def carry_hooks(old: "nn.Module", new: "nn.Module") -> None:

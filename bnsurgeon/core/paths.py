@@ -20,8 +20,10 @@ def check_reachable(name: "str | os.PathLike", what: str, error: type[BnSurgeonE
         os.stat(name)
     except OSError as failure:
         if failure.errno not in ABSENT:
-            raise error(f"{what} {shown(os.fspath(name), 120)} cannot be used: {failure.strerror or failure}",
-                        hint) from None
+            raise error(
+                f"{what} {shown(os.fspath(name), 120)} cannot be used: {failure.strerror or failure}", hint
+            ) from None
     except ValueError:  # a NUL character: no file has that name
-        raise error(f"{what} {shown(os.fspath(name), 120)} holds a NUL character, which no file name can",
-                    hint) from None
+        raise error(
+            f"{what} {shown(os.fspath(name), 120)} holds a NUL character, which no file name can", hint
+        ) from None

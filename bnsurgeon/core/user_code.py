@@ -17,8 +17,10 @@ FACTORY_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 def check_factory_spec(spec: str) -> None:
     """Refuse what is not ``package.module:function`` before anything is imported."""
     if not FACTORY_PATTERN.match(spec):
-        raise UsageError(f"{shown(spec, 200)} is not a factory of the form package.module:function",
-                         "name an importable function, e.g. mypkg.models:build (no leading dots, no empty parts)")
+        raise UsageError(
+            f"{shown(spec, 200)} is not a factory of the form package.module:function",
+            "name an importable function, e.g. mypkg.models:build (no leading dots, no empty parts)",
+        )
 
 
 def import_named_module(spec: str):

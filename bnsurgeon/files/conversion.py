@@ -17,8 +17,15 @@ if TYPE_CHECKING:  # the loading stage's record of how to build the model, writt
     from bnsurgeon.loading.architecture import Architecture
 
 
-def _metadata(result: ConvertResult, architecture: Architecture, source: str, *, check_input: Any = None,
-              history: list | None = None, weights: str = "state_dict") -> dict[str, Any]:
+def _metadata(
+    result: ConvertResult,
+    architecture: Architecture,
+    source: str,
+    *,
+    check_input: Any = None,
+    history: list | None = None,
+    weights: str = "state_dict",
+) -> dict[str, Any]:
     metadata = {
         "schema": 1,
         "version": __version__,
@@ -43,45 +50,81 @@ def _metadata(result: ConvertResult, architecture: Architecture, source: str, *,
         metadata["weights"] = weights
     # requires_grad is not in a state dict, and a class rebuilt from its config may freeze other parameters than
     # the source had (transformers' from_pretrained leaves DETR's backbone trainable, its constructor does not)
-    metadata["frozen_parameters"] = [name for name, parameter in result.model.named_parameters()
-                                     if not parameter.requires_grad]
+    metadata["frozen_parameters"] = [
+        name for name, parameter in result.model.named_parameters() if not parameter.requires_grad
+    ]
     return metadata
 
 
-def save(result: ConvertResult, path: "str | Path", architecture: Architecture, *, source: str = "",
-         extras: dict[str, Any] | None = None, check_input: Any = None, history: list | None = None) -> Path:
+def save(
+    result: ConvertResult,
+    path: "str | Path",
+    architecture: Architecture,
+    *,
+    source: str = "",
+    extras: dict[str, Any] | None = None,
+    check_input: Any = None,
+    history: list | None = None,
+) -> Path:
     """Write the converted model with self-describing metadata (atomic; replaces ``path``)."""
     path = Path(path)
-    write_checkpoint(path, result.model, _metadata(result, architecture, source, check_input=check_input,
-                                                   history=history), extras)
+    write_checkpoint(
+        path, result.model, _metadata(result, architecture, source, check_input=check_input, history=history), extras
+    )
     return path
 
 
 def report_writers(result: ConvertResult, output: Path) -> dict[Path, Any]:
     """The JSON and Markdown reports of ``output``, as ``safewrite.write_files`` writers."""
     json_path, md_path = report_paths(output)
-    return {json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
-            md_path: lambda temp: temp.write_text(result.report.to_markdown())}
+    return {
+        json_path: lambda temp: temp.write_text(result.report.to_json() + "\n"),
+        md_path: lambda temp: temp.write_text(result.report.to_markdown()),
+    }
 
 
-def write_conversion(result: ConvertResult, output: Path, architecture: Architecture, *, source: str = "",
-                     force: bool = False, extras: dict[str, Any] | None = None, check_input: Any = None,
-                     history: list | None = None, weights: str = "state_dict") -> tuple[Path, Path]:
+def write_conversion(
+    result: ConvertResult,
+    output: Path,
+    architecture: Architecture,
+    *,
+    source: str = "",
+    force: bool = False,
+    extras: dict[str, Any] | None = None,
+    check_input: Any = None,
+    history: list | None = None,
+    weights: str = "state_dict",
+) -> tuple[Path, Path]:
     """The checkpoint (plus a training checkpoint's carried ``extras``) and its JSON and Markdown reports:
     all three written, or none changed."""
     reports = report_writers(result, output)
-    write_files({
-        output: checkpoint_writer(output, result.model, _metadata(result, architecture, source, check_input=check_input,
-                                                                   history=history, weights=weights), extras),
-        **reports,
-    }, force=force)
+    write_files(
+        {
+            output: checkpoint_writer(
+                output,
+                result.model,
+                _metadata(result, architecture, source, check_input=check_input, history=history, weights=weights),
+                extras,
+            ),
+            **reports,
+        },
+        force=force,
+    )
     json_path, md_path = reports
     return json_path, md_path
 
 
-def write_model_directory(result: ConvertResult, directory: Path, architecture: Architecture,
-                          expected_keys: "set[str]", *, source: str = "", force: bool = False, check_input: Any = None,
-                          history: list | None = None) -> tuple[Path, Path]:
+def write_model_directory(
+    result: ConvertResult,
+    directory: Path,
+    architecture: Architecture,
+    expected_keys: "set[str]",
+    *,
+    source: str = "",
+    force: bool = False,
+    check_input: Any = None,
+    history: list | None = None,
+) -> tuple[Path, Path]:
     """``-o DIR``: config.json, model.safetensors with the keys of the class config.json names (plus bnsurgeon's
     metadata) and the two reports, written as one unit; the directory is created only for them."""
     weights, config = directory / WEIGHTS_FILE, directory / CONFIG_FILE
@@ -91,11 +134,15 @@ def write_model_directory(result: ConvertResult, directory: Path, architecture: 
         metadata["counts"] = counts
     reports = report_writers(result, weights)
     text = json.dumps(architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
-    write_into_directory(directory, {
-        weights: checkpoint_writer(weights, result.model, metadata, leave_out=leave_out),
-        config: lambda temp: temp.write_text(text),
-        **reports,
-    }, force=force)
+    write_into_directory(
+        directory,
+        {
+            weights: checkpoint_writer(weights, result.model, metadata, leave_out=leave_out),
+            config: lambda temp: temp.write_text(text),
+            **reports,
+        },
+        force=force,
+    )
     json_path, md_path = reports
     return json_path, md_path
 

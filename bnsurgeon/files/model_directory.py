@@ -26,8 +26,10 @@ if TYPE_CHECKING:
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 #: weights save_pretrained may have left in a directory; from_pretrained would read them instead of, or with, ours
-OTHER_WEIGHTS = re.compile(r"^(model\.safetensors\.index\.json|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?"
-                           r"|model-\d+-of-\d+\.safetensors)$")
+OTHER_WEIGHTS = re.compile(
+    r"^(model\.safetensors\.index\.json|pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?"
+    r"|model-\d+-of-\d+\.safetensors)$"
+)
 #: counters that may live in the metadata instead of the weights
 COUNTER_SUFFIX = "num_batches_tracked"
 
@@ -52,27 +54,41 @@ def check_directory_output(directory: Path, inputs: "list", *, force: bool) -> P
     try:
         return _checked_directory(directory, inputs, force=force)
     except OSError as error:  # the filesystem refused to look at the path at all
-        raise OutputError(f"cannot use output {directory}: {error.strerror or error}",
-                          "choose another path (a shorter name, a directory you can write to)") from None
+        raise OutputError(
+            f"cannot use output {directory}: {error.strerror or error}",
+            "choose another path (a shorter name, a directory you can write to)",
+        ) from None
 
 
 def _checked_directory(directory: Path, inputs: "list", *, force: bool) -> Path:
     if os.path.lexists(directory) and not directory.is_dir():
-        what = "is a symlink to a missing path" if directory.is_symlink() and not directory.exists() else \
-            "exists and is not a directory"
-        raise OutputError(f"output {directory} {what}",
-                          "choose a new directory name, or a file name such as OUT.safetensors")
+        what = (
+            "is a symlink to a missing path"
+            if directory.is_symlink() and not directory.exists()
+            else "exists and is not a directory"
+        )
+        raise OutputError(
+            f"output {directory} {what}", "choose a new directory name, or a file name such as OUT.safetensors"
+        )
     for source in inputs:
         source = Path(source[0] if isinstance(source, tuple) else source)
-        if source.exists() and directory.exists() and (
-                os.path.samefile(source, directory) or os.path.samefile(source.parent, directory)):
-            raise OutputError(f"output directory {directory} holds the input {source}",
-                              "write to a new directory; bnsurgeon never overwrites an input, --force or not")
+        if (
+            source.exists()
+            and directory.exists()
+            and (os.path.samefile(source, directory) or os.path.samefile(source.parent, directory))
+        ):
+            raise OutputError(
+                f"output directory {directory} holds the input {source}",
+                "write to a new directory; bnsurgeon never overwrites an input, --force or not",
+            )
     if directory.is_dir():
         others = sorted(p.name for p in directory.iterdir() if OTHER_WEIGHTS.match(p.name))
         if others:
-            raise OutputError(f"output directory {directory} holds other weights ({shown(others[0], 80)}) that "
-                              "from_pretrained would read", "choose a new or empty directory")
+            raise OutputError(
+                f"output directory {directory} holds other weights ({shown(others[0], 80)}) that "
+                "from_pretrained would read",
+                "choose a new or empty directory",
+            )
         config = directory / CONFIG_FILE
         if os.path.lexists(config) and not force:
             raise OutputError(f"output {config} already exists", "pass --force to replace it (and the weights)")
@@ -96,11 +112,15 @@ def write_into_directory(directory: Path, writers: dict, *, force: bool) -> None
     except FileExistsError:  # it existed (checked before any work), or another run made it since: ours to fill
         created = False
     except OSError as error:
-        raise OutputError(f"cannot create output directory {directory}: {error.strerror or error}; nothing was written",
-                          "choose a directory you can write to") from None
+        raise OutputError(
+            f"cannot create output directory {directory}: {error.strerror or error}; nothing was written",
+            "choose a directory you can write to",
+        ) from None
     if not directory.is_dir():
-        raise OutputError(f"output {directory} is no longer a directory (changed while bnsurgeon worked); "
-                          "nothing was written", "choose another output")
+        raise OutputError(
+            f"output {directory} is no longer a directory (changed while bnsurgeon worked); nothing was written",
+            "choose another output",
+        )
     try:
         write_files(writers, force=force)
     except BaseException:
@@ -125,5 +145,6 @@ def pretrained_layout(model: "nn.Module", expected: Iterable[str]) -> tuple[set[
         raise OutputError(
             f"the converted model does not fit the class config.json names ({len(missing)} keys missing, "
             f"{len(others)} extra; from_pretrained {what} {shown(key, 120)}), so a model directory would not load it",
-            "write a file instead (-o OUT.safetensors); bnsurgeon.load(OUT) rebuilds it")
+            "write a file instead (-o OUT.safetensors); bnsurgeon.load(OUT) rebuilds it",
+        )
     return set(extra), {key: int(state[key].item()) for key in extra}

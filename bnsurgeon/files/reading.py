@@ -49,14 +49,18 @@ def _check_readable(path: Path) -> None:
         if path.is_symlink():  # "no such file" would misstate a name that is there
             target = os.readlink(path)
             raise SourceNotFoundError(
-                f"{path} is a symlink to {target}, which " + ("leads back to itself" if symlink_loops(path) else "does not exist"),
-                "fix the link, or pass the checkpoint file itself")
+                f"{path} is a symlink to {target}, which "
+                + ("leads back to itself" if symlink_loops(path) else "does not exist"),
+                "fix the link, or pass the checkpoint file itself",
+            )
         raise SourceNotFoundError(f"no such file: {path}", "check the path (or name a timm model)")
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory, not a checkpoint file", "pass the checkpoint file inside it")
     if not path.is_file():  # a FIFO would block the read forever, /dev/zero never ends: refused before opening
-        raise CheckpointError(f"{path} is not a regular file (a pipe, socket or device)",
-                              "save the checkpoint to a file and pass that file")
+        raise CheckpointError(
+            f"{path} is not a regular file (a pipe, socket or device)",
+            "save the checkpoint to a file and pass that file",
+        )
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path} is empty (0 bytes)", "the file was not written completely; use an intact copy")
 
@@ -131,14 +135,17 @@ def refuse_compressed_records(path: Path, what: str) -> None:
     if physical is not None and declared > physical:
         raise CheckpointError(
             f"{what} declares {declared / 2**30:,.1f} GiB of records, more than this machine's "
-            f"{physical / 2**30:,.1f} GiB of memory", "convert it on a machine with more memory")
+            f"{physical / 2**30:,.1f} GiB of memory",
+            "convert it on a machine with more memory",
+        )
     for record in records:
         if record.file_size > SMALL_RECORD and record.file_size > MAX_EXPANSION * max(record.compress_size, 1):
             raise CheckpointError(
                 f"{what} holds a compressed record {shown(record.filename, 80)} that expands "
                 f"{record.file_size / max(record.compress_size, 1):,.0f} times, to {record.file_size / 2**20:,.1f} MiB "
                 "(torch.save never compresses; a zip bomb would fill memory before the load fails)",
-                "save it again with torch.save (records stored, not compressed)")
+                "save it again with torch.save (records stored, not compressed)",
+            )
 
 
 def file_identity(path: Path) -> tuple[int, ...]:
@@ -174,7 +181,8 @@ def _read_safetensors(path: Path, mmap: bool) -> RawCheckpoint:
 
             raise CheckpointError(
                 f"{path} has a tensor of dtype {unknown.group(1)!r}, which safetensors {safetensors.__version__} "
-                "does not know", "save the tensors in a common dtype (F32, F16, BF16), or upgrade safetensors",
+                "does not know",
+                "save the tensors in a common dtype (F32, F16, BF16), or upgrade safetensors",
             ) from None
         raise CheckpointError(
             f"{path} is not a readable .safetensors file ({error})",
@@ -186,17 +194,34 @@ def _read_safetensors(path: Path, mmap: bool) -> RawCheckpoint:
             "the file is truncated or corrupt; re-download or re-export it",
         ) from None
     except (MemoryError, RuntimeError) as error:  # mapping or copying more than this machine can hold
-        raise CheckpointError(f"{path} cannot be read into memory ({first_line(error, 'unknown error') or 'out of memory'})",
-                              "free memory, or read it on a machine with more memory") from None
+        raise CheckpointError(
+            f"{path} cannot be read into memory ({first_line(error, 'unknown error') or 'out of memory'})",
+            "free memory, or read it on a machine with more memory",
+        ) from None
     return RawCheckpoint(path, tensors, dict(metadata))
 
 
 #: safetensors dtype names -> torch dtype attribute names (every dtype safetensors 0.8 knows)
 SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16", "U32": "uint32",
-    "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
     "F4": "float4_e2m1fn_x2",  # two 4-bit values per byte: the last dimension is halved, as safetensors does
 }
 #: dtypes stored packed, several values per torch element: values per element
@@ -225,7 +250,8 @@ def _torch_layout(path: Path, key: str, info: dict[str, Any]) -> "tuple[torch.dt
             raise CheckpointError(
                 f"{path}: tensor {key[:200]!r} has dtype {name} and shape {tuple(shape)}; torch holds {name} only "
                 f"{packed} values to an element, along a last dimension divisible by {packed}",
-                "save that tensor in a dtype torch has (F32, F16, BF16)")
+                "save that tensor in a dtype torch has (F32, F16, BF16)",
+            )
         shape[-1] //= packed
     return dtype, shape
 
@@ -282,15 +308,17 @@ def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckp
         text = str(error)
         if UNSUPPORTED_GLOBAL.search(text):  # the pickle imports something: code would run
             culprit = unsupported_global(text)
-            raise UnsafeCheckpointError(
-                f"{path} is a pickle that would run code when loaded ({culprit})"
-            ) from None
+            raise UnsafeCheckpointError(f"{path} is a pickle that would run code when loaded ({culprit})") from None
         if "WeightsUnpickler error:" in text:  # torch's safe loader refused a construct: say which, not its advice
-            raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({unpickler_refusal(text)})",
-                                  "the file is corrupt, or holds objects beyond tensors and plain values: use an "
-                                  "intact copy, or re-save the state dict alone (or as .safetensors)") from None
-        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint ({first_line(text, 'unknown error')})",
-                              "the file is truncated or corrupt; use an intact copy") from None
+            raise CheckpointError(
+                f"{path} is not a readable PyTorch checkpoint ({unpickler_refusal(text)})",
+                "the file is corrupt, or holds objects beyond tensors and plain values: use an "
+                "intact copy, or re-save the state dict alone (or as .safetensors)",
+            ) from None
+        raise CheckpointError(
+            f"{path} is not a readable PyTorch checkpoint ({first_line(text, 'unknown error')})",
+            "the file is truncated or corrupt; use an intact copy",
+        ) from None
     except Exception as error:  # garbage makes the unpickler raise anything: IndexError, KeyError, ...
         raise CheckpointError(
             f"{path} is not a readable PyTorch checkpoint ({first_line(error, 'unknown error')})",
@@ -302,8 +330,10 @@ def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckp
         if odd is not None:  # metadata fields are named; PREFIX + 5 would be a TypeError traceback
             from bnsurgeon.core.errors import MetadataError
 
-            raise MetadataError(f"{path}: metadata 'bnsurgeon' has an entry keyed by {_a(type(odd).__name__)}, "
-                                f"{repr(odd)[:80]} (its fields are named by strings)")
+            raise MetadataError(
+                f"{path}: metadata 'bnsurgeon' has an entry keyed by {_a(type(odd).__name__)}, "
+                f"{repr(odd)[:80]} (its fields are named by strings)"
+            )
         metadata = {PREFIX + k: v for k, v in obj["bnsurgeon"].items()}
     return RawCheckpoint(path, obj, metadata)
 
@@ -355,8 +385,11 @@ def unsupported_global(text: str) -> str:
 def _is_tensor_dict(value: Any) -> bool:
     import torch
 
-    return isinstance(value, dict) and bool(value) and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+    )
 
 
 def entry_name(key: Any) -> str:
@@ -395,13 +428,19 @@ def why_not_a_state_dict(obj: Any) -> str | None:
         for key, item in value.items():
             if not isinstance(key, str) or not isinstance(item, torch.Tensor):
                 place = f"'{where}' " if where else ""
-                what = f"is {_a(type(item).__name__)}" if isinstance(key, str) else f"is keyed by {_a(type(key).__name__)}"
-                return (f"its {place}dict holds {counted(tensors, 'tensor')}, but entry {shown(key)} {what}"
-                        " (a state dict maps names to tensors only)")
+                what = (
+                    f"is {_a(type(item).__name__)}" if isinstance(key, str) else f"is keyed by {_a(type(key).__name__)}"
+                )
+                return (
+                    f"its {place}dict holds {counted(tensors, 'tensor')}, but entry {shown(key)} {what}"
+                    " (a state dict maps names to tensors only)"
+                )
     nested = count_tensors(obj)
     if nested:  # tensors deeper down, or in a Namespace: "holds no tensors" would misstate the file
-        return (f"its top level is {_a(type(obj).__name__)} holding {counted(nested, 'tensor')}, not a dict "
-                "of names to tensors (nor one under state_dict, model, ...)")
+        return (
+            f"its top level is {_a(type(obj).__name__)} holding {counted(nested, 'tensor')}, not a dict "
+            "of names to tensors (nor one under state_dict, model, ...)"
+        )
     return None
 
 
@@ -502,6 +541,7 @@ def describe_checkpoint(raw: RawCheckpoint) -> dict[str, Any]:
 
 def strip_common_prefix(state: dict[str, "torch.Tensor"], expected: set[str]) -> tuple[dict[str, "torch.Tensor"], str]:
     """Remove a wrapper prefix (``module.``, ``model.``, or any single shared one) when that fits better."""
+
     def matches(candidate: dict) -> int:
         return len(expected.intersection(candidate))
 
@@ -510,7 +550,7 @@ def strip_common_prefix(state: dict[str, "torch.Tensor"], expected: set[str]) ->
     prefixes = list(PREFIXES) + sorted(first_parts if len(first_parts) == 1 else [])
     for prefix in prefixes:
         if all(key.startswith(prefix) for key in state):
-            stripped = {key[len(prefix):]: value for key, value in state.items()}
+            stripped = {key[len(prefix) :]: value for key, value in state.items()}
             if matches(stripped) > matches(best):
                 best, best_prefix = stripped, prefix
     return best, best_prefix
@@ -528,8 +568,10 @@ def pick_weights(path: Path, candidates: dict[str, dict], weights: str | None) -
     """The name of the state dict to use: the one asked for (it must exist), else the first found."""
     if weights is not None:
         if weights not in candidates:
-            raise UsageError(f"{path} has no weights named {weights!r}",
-                             f"choose one of: {', '.join(repr(k or '<top level>') for k in candidates)}")
+            raise UsageError(
+                f"{path} has no weights named {weights!r}",
+                f"choose one of: {', '.join(repr(k or '<top level>') for k in candidates)}",
+            )
         return weights
     return next(iter(candidates))
 

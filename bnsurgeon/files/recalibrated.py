@@ -50,12 +50,16 @@ def _replaced(state: dict, new: dict[str, "torch.Tensor"], prefix: str, aliases:
         if stored not in result:
             stored = prefix + aliases.get(key, key)
         if stored not in result:
-            raise UsageError(f"the recalibrated buffer {key} has no tensor in the file's state dict to replace",
-                             "write a .safetensors output of the model instead")
+            raise UsageError(
+                f"the recalibrated buffer {key} has no tensor in the file's state dict to replace",
+                "write a .safetensors output of the model instead",
+            )
         old = result[stored]
         if tuple(old.shape) != tuple(value.shape):
-            raise UsageError(f"the recalibrated buffer {key} has shape {tuple(value.shape)}, the file's "
-                             f"{tuple(old.shape)}", "recalibrate the file the model was loaded from")
+            raise UsageError(
+                f"the recalibrated buffer {key} has shape {tuple(value.shape)}, the file's {tuple(old.shape)}",
+                "recalibrate the file the model was loaded from",
+            )
         if old.is_floating_point():  # the file's dtype may be narrower than the model's: Inf there is no statistic
             module, _, name = key.rpartition(".")
             overflow = statistics_overflow(module, {name: value.to(torch.float64)}, old.dtype)
@@ -85,16 +89,28 @@ def check_output_format(output: Path, raw: "RawCheckpoint | None", weights_key: 
     if raw.is_bnsurgeon:
         if (raw.path.suffix == ".safetensors") != safetensors_out:
             kind = ".safetensors" if raw.path.suffix == ".safetensors" else ".pt"
-            raise UsageError(f"{raw.path} is a {kind} checkpoint; its recalibrated copy is one too",
-                             "end the output with " + (".safetensors" if kind == ".safetensors" else ".pt or .pth"))
+            raise UsageError(
+                f"{raw.path} is a {kind} checkpoint; its recalibrated copy is one too",
+                "end the output with " + (".safetensors" if kind == ".safetensors" else ".pt or .pth"),
+            )
     elif key != "" and safetensors_out:
-        raise UsageError(f"{raw.path} is a training checkpoint; a .safetensors output cannot hold its other entries",
-                         "end the output with .pth.tar, .pth or .pt (the whole checkpoint is written back)")
+        raise UsageError(
+            f"{raw.path} is a training checkpoint; a .safetensors output cannot hold its other entries",
+            "end the output with .pth.tar, .pth or .pt (the whole checkpoint is written back)",
+        )
 
 
-def recalibrated_writers(output: Path, raw: "RawCheckpoint | None", weights_key: str | None, prefix: str,
-                         model: "nn.Module", paths: list[str], record: dict[str, Any],
-                         report_json: str, report_md: str) -> "dict[Path, Callable[[Path], object]]":
+def recalibrated_writers(
+    output: Path,
+    raw: "RawCheckpoint | None",
+    weights_key: str | None,
+    prefix: str,
+    model: "nn.Module",
+    paths: list[str],
+    record: dict[str, Any],
+    report_json: str,
+    report_md: str,
+) -> "dict[Path, Callable[[Path], object]]":
     """The output (the source file with new statistics, or the model's state dict) and its two reports."""
     import torch
 
@@ -129,9 +145,12 @@ def recalibrated_writers(output: Path, raw: "RawCheckpoint | None", weights_key:
             writers[output] = _safetensors_writer(obj, metadata)
         else:
             obj = dict(obj)
-            obj["bnsurgeon"] = {name[len(PREFIX):]: value for name, value in metadata.items() if name.startswith(PREFIX)}
-            obj["bnsurgeon"].update({name: value for name, value in raw.obj["bnsurgeon"].items()
-                                     if PREFIX + name not in metadata})
+            obj["bnsurgeon"] = {
+                name[len(PREFIX) :]: value for name, value in metadata.items() if name.startswith(PREFIX)
+            }
+            obj["bnsurgeon"].update(
+                {name: value for name, value in raw.obj["bnsurgeon"].items() if PREFIX + name not in metadata}
+            )
             writers[output] = lambda temp: torch.save(obj, temp)
         return writers
     if key == "":  # a bare state dict stays one (a .safetensors output records the run in its metadata)

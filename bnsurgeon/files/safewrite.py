@@ -215,26 +215,31 @@ def write_files(writers: dict[Path, Callable[[Path], object]], *, force: bool) -
         succeeded = True
         return finals
     except FileExistsError:
-        raise OutputError(f"{current} appeared while bnsurgeon was writing (another run?); "
-                          f"{untouched} by this run", "pass --force to replace it, or choose another path") from None
+        raise OutputError(
+            f"{current} appeared while bnsurgeon was writing (another run?); {untouched} by this run",
+            "pass --force to replace it, or choose another path",
+        ) from None
     except OSError as error:
         done = f"; {_names(committed)} were replaced" if committed else f"; {untouched}"
         full = error.errno in (errno.ENOSPC, errno.EDQUOT)
-        raise OutputError(f"could not write {current}: {error.strerror or error}{done}",
-                          "free disk space or choose another directory" if full
-                          else "choose a directory you can write to") from None
+        raise OutputError(
+            f"could not write {current}: {error.strerror or error}{done}",
+            "free disk space or choose another directory" if full else "choose a directory you can write to",
+        ) from None
     except BnSurgeonError:
         raise
     except Exception as error:  # e.g. safetensors' SafetensorError wrapping an I/O error
         text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
         full = DISK_FULL.search(str(error)) is not None
-        raise OutputError(f"could not write {current}: {text}; {untouched}",
-                          "free disk space or choose another directory" if full
-                          else "not a disk problem bnsurgeon knows of: run again with BNSURGEON_DEBUG=1 for the "
-                               "traceback, and report it") from None
+        raise OutputError(
+            f"could not write {current}: {text}; {untouched}",
+            "free disk space or choose another directory"
+            if full
+            else "not a disk problem bnsurgeon knows of: run again with BNSURGEON_DEBUG=1 for the "
+            "traceback, and report it",
+        ) from None
     except Interrupted as interrupt:
-        interrupt.state = (f"{_names(committed)} written completely" if len(committed) == len(finals)
-                           else untouched)
+        interrupt.state = f"{_names(committed)} written completely" if len(committed) == len(finals) else untouched
         raise
     except KeyboardInterrupt as interrupt:
         raise Interrupted(signal.SIGINT, untouched) from interrupt

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from bnsurgeon.loading.architecture import LoadedSource  # what the loading stage hands over
 
+
 @dataclass
 class Carried:
     """What goes into the output besides the model (``entries``) and what the report says of each."""
@@ -54,6 +55,7 @@ def writes_extras(output: Path | None) -> bool:
 
 def is_optimizer_state(value: Any) -> bool:
     """An ``optimizer.state_dict()`` (or a list of them, as Lightning stores ``optimizer_states``)."""
+
     def one(item: Any) -> bool:
         return isinstance(item, dict) and "state" in item and "param_groups" in item
 
@@ -74,7 +76,9 @@ def parameters_unchanged(result: ConvertResult) -> bool:
     source = list(result.source.named_parameters())
     converted = list(result.model.named_parameters())
     return len(source) == len(converted) and all(
-        name_a == name_b and param_a is param_b for (name_a, param_a), (name_b, param_b) in zip(source, converted, strict=True))
+        name_a == name_b and param_a is param_b
+        for (name_a, param_a), (name_b, param_b) in zip(source, converted, strict=True)
+    )
 
 
 def _describe(value: Any) -> str:
@@ -94,14 +98,16 @@ def _converted_copy(result: ConvertResult, state: dict, origin: str, options: di
     with torch.no_grad():
         load_weights(twin, state, origin)
     fused = result.report.fusion
-    converted = convert(twin, result.report.target, inplace=True,
-                        folds=fused["folded"] if fused is not None else None, **options).model
+    converted = convert(
+        twin, result.report.target, inplace=True, folds=fused["folded"] if fused is not None else None, **options
+    ).model
     tensors = {key: value.detach() for key, value in converted.state_dict().items()}
     bad = [key for key, value in tensors.items() if has_non_finite(value)]
     if bad:
         listed = ", ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
-        raise NonFiniteWeightsError(f"{origin} holds non-finite values (NaN or Inf) in "
-                                    f"{counted(len(bad), 'tensor')}: {listed}")
+        raise NonFiniteWeightsError(
+            f"{origin} holds non-finite values (NaN or Inf) in {counted(len(bad), 'tensor')}: {listed}"
+        )
     return tensors
 
 
@@ -110,27 +116,38 @@ def output_weights_key(raw: Any, weights_key: str, output: Path | None) -> str:
     ``state_dict`` entry is another state dict (``--weights state_dict_ema``): then the chosen entry's own name,
     so that every state dict stays under the name it had."""
     entry = weights_key.split(".", 1)[0]
-    if not writes_extras(output) or not isinstance(raw.obj, dict) or "state_dict" not in raw.obj \
-            or entry in ("", "state_dict"):
+    if (
+        not writes_extras(output)
+        or not isinstance(raw.obj, dict)
+        or "state_dict" not in raw.obj
+        or entry in ("", "state_dict")
+    ):
         return "state_dict"
     if "." in weights_key:
         raise UsageError(
             f"{raw.path}: the chosen weights {weights_key!r} sit inside the entry {entry!r}, beside a state_dict "
             "entry of its own; a .pt output cannot keep both under their names with the model's",
-            "write a .safetensors output (the chosen weights only), or save that state dict at the top level")
+            "write a .safetensors output (the chosen weights only), or save that state dict at the top level",
+        )
     return entry
 
 
-def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | None,
-                  options: dict[str, Any] | None = None) -> Carried:
+def carry_entries(
+    loaded: LoadedSource, result: ConvertResult, output: Path | None, options: dict[str, Any] | None = None
+) -> Carried:
     """The source checkpoint's other entries, converted or copied for ``output`` (see the module doc).
 
     ``options`` are the keyword arguments the model was converted with (frozen, allow_unhandled,
     include, exclude, input_dims): every other state dict is converted with the same ones.
     """
     raw = loaded.checkpoint
-    options = dict(options or {"frozen": result.report.options.get("frozen", "keep"),
-                               "allow_unhandled": bool(result.report.options.get("allow_unhandled", False))})
+    options = dict(
+        options
+        or {
+            "frozen": result.report.options.get("frozen", "keep"),
+            "allow_unhandled": bool(result.report.options.get("allow_unhandled", False)),
+        }
+    )
     if raw is None or not isinstance(raw.obj, dict) or _is_bare_state_dict(raw.obj):
         return Carried()
     weights_key = loaded.weights_key or ("state_dict" if raw.is_bnsurgeon else "")
@@ -145,21 +162,25 @@ def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | No
         return carried
 
     if "bnsurgeon" in others:  # a .pt output keeps bnsurgeon's metadata under that name
-        raise UsageError(f"{raw.path} holds an entry named 'bnsurgeon', the name a .pt output keeps for bnsurgeon's "
-                         "metadata: carried, it would replace it and the file would not load back",
-                         "write a .safetensors output (the weights only), or rename that entry in the source")
+        raise UsageError(
+            f"{raw.path} holds an entry named 'bnsurgeon', the name a .pt output keeps for bnsurgeon's "
+            "metadata: carried, it would replace it and the file would not load back",
+            "write a .safetensors output (the weights only), or rename that entry in the source",
+        )
     for name, value in others.items():
         if nesting_depth(value, MAX_CARRIED_NESTING) > MAX_CARRIED_NESTING:
             raise CheckpointError(
                 f"{raw.path} entry {entry_name(name)!r} nests containers more than {MAX_CARRIED_NESTING} levels deep, "
                 "more than a training checkpoint does and more than a .pt output can be written with",
-                "write a .safetensors output (the weights only), or save the checkpoint without that entry")
+                "write a .safetensors output (the weights only), or save the checkpoint without that entry",
+            )
     target = result.report.target
     if weights_entry and weights_entry != main:
         weights = {k: v.detach() for k, v in result.model.state_dict().items()}
         carried.entries[weights_entry] = _nest(raw.obj[weights_entry], weights_key, weights)
-        carried.summary[weights_entry] = (f"the converted weights (the same tensors as {main}), "
-                                          f"{counted(len(weights), 'tensor')}")
+        carried.summary[weights_entry] = (
+            f"the converted weights (the same tensors as {main}), {counted(len(weights), 'tensor')}"
+        )
     elif weights_entry and weights_entry == main and main != "state_dict":
         carried.summary[weights_entry] = "the converted and checked weights: what bnsurgeon.load returns"
     candidates = state_dict_candidates(raw.obj)
@@ -168,7 +189,9 @@ def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | No
         if nested_keys:
             state = _converted_copy(result, candidates[nested_keys[0]], f"{raw.path} entry {nested_keys[0]!r}", options)
             carried.entries[name] = _nest(value, nested_keys[0], state)
-            carried.summary[entry_name(name)] = f"converted to {target} like the model ({counted(len(state), 'tensor')})"
+            carried.summary[entry_name(name)] = (
+                f"converted to {target} like the model ({counted(len(state), 'tensor')})"
+            )
         elif is_optimizer_state(value):
             if not parameters_unchanged(result):
                 raise UsageError(
@@ -178,8 +201,10 @@ def carry_entries(loaded: LoadedSource, result: ConvertResult, output: Path | No
                     "write a .safetensors output (weights only) and start a new optimizer, or convert to sync/plain",
                 )
             carried.entries[name] = value
-            carried.summary[entry_name(name)] = (f"carried ({_describe(value)}); still valid: the converted model has the "
-                                     "source's parameters, same objects in the same order")
+            carried.summary[entry_name(name)] = (
+                f"carried ({_describe(value)}); still valid: the converted model has the "
+                "source's parameters, same objects in the same order"
+            )
         else:
             carried.entries[name] = value
             carried.summary[entry_name(name)] = f"carried ({_describe(value)})"
@@ -206,12 +231,18 @@ def _parameter_change(result: ConvertResult) -> str:
     became_buffers = [name for name in lost if name in buffers]
     removed = [name for name in lost if name not in buffers]  # --to fused: folded into the producer
     if became_buffers:
-        parts.append(f"{counted(len(became_buffers), 'parameter')} "
-                     f"{'becomes a buffer' if len(became_buffers) == 1 else 'become buffers'}, e.g. {became_buffers[0]}")
+        parts.append(
+            f"{counted(len(became_buffers), 'parameter')} "
+            f"{'becomes a buffer' if len(became_buffers) == 1 else 'become buffers'}, e.g. {became_buffers[0]}"
+        )
     if removed:
-        parts.append(f"{counted(len(removed), 'parameter')} {'is' if len(removed) == 1 else 'are'} removed "
-                     f"(folded into the layer before), e.g. {removed[0]}")
+        parts.append(
+            f"{counted(len(removed), 'parameter')} {'is' if len(removed) == 1 else 'are'} removed "
+            f"(folded into the layer before), e.g. {removed[0]}"
+        )
     if gained:
-        parts.append(f"{counted(len(gained), 'buffer')} {'becomes a parameter' if len(gained) == 1 else 'become parameters'}, "
-                     f"e.g. {gained[0]}")
+        parts.append(
+            f"{counted(len(gained), 'buffer')} {'becomes a parameter' if len(gained) == 1 else 'become parameters'}, "
+            f"e.g. {gained[0]}"
+        )
     return "; ".join(parts) or "their order changed"

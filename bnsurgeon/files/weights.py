@@ -64,8 +64,9 @@ def retie(model: "nn.Module", groups: list[list[str]]) -> None:
                 module._buffers[attribute] = tensor
 
 
-def check_fit(model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any = "checkpoint",
-              expected: dict | None = None) -> None:
+def check_fit(
+    model: "nn.Module", state: dict[str, "torch.Tensor"], origin: Any = "checkpoint", expected: dict | None = None
+) -> None:
     """Raise WeightsMismatchError listing missing, unexpected and shape-mismatched keys."""
     expected = expected if expected is not None else model.state_dict()
     refuse_non_dense(state, origin)
@@ -93,30 +94,42 @@ def refuse_non_dense(state: dict[str, "torch.Tensor"], origin: Any) -> None:
     """A sparse, quantized or nested tensor is not a dense weight: named here, before a forward fails on it."""
     import torch
 
-    odd = [f"{key} ({str(value.layout)[6:] if value.layout != torch.strided else 'quantized' if value.is_quantized else 'nested'})"
-           for key, value in state.items()
-           if value.layout != torch.strided or value.is_quantized or value.is_nested]
+    odd = [
+        f"{key} ({str(value.layout)[6:] if value.layout != torch.strided else 'quantized' if value.is_quantized else 'nested'})"
+        for key, value in state.items()
+        if value.layout != torch.strided or value.is_quantized or value.is_nested
+    ]
     if odd:
         shown = ", ".join(odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
-        raise WeightsMismatchError(f"weights in {origin} are not dense tensors: {counted(len(odd), 'tensor')}, {shown}",
-                                   "save the state dict with dense tensors (tensor.to_dense(), or dequantize())")
+        raise WeightsMismatchError(
+            f"weights in {origin} are not dense tensors: {counted(len(odd), 'tensor')}, {shown}",
+            "save the state dict with dense tensors (tensor.to_dense(), or dequantize())",
+        )
 
 
 #: torch dtypes that pack several values into one element: no model weight is one, and torch casts none of them
-PACKED_DTYPES = {"float4_e2m1fn_x2": "two 4-bit floats", "bits1x8": "eight bits", "bits2x4": "four 2-bit values",
-                 "bits4x2": "two 4-bit values"}
+PACKED_DTYPES = {
+    "float4_e2m1fn_x2": "two 4-bit floats",
+    "bits1x8": "eight bits",
+    "bits2x4": "four 2-bit values",
+    "bits4x2": "two 4-bit values",
+}
 
 
 def refuse_packed(state: dict[str, "torch.Tensor"], origin: Any) -> None:
     """A packed tensor (safetensors F4) has half the values' shape and no cast: named, not called a shape mismatch."""
-    odd = [f"{key} ({str(value.dtype)[6:]}, {PACKED_DTYPES[str(value.dtype)[6:]]} per element)"
-           for key, value in state.items() if str(value.dtype)[6:] in PACKED_DTYPES]
+    odd = [
+        f"{key} ({str(value.dtype)[6:]}, {PACKED_DTYPES[str(value.dtype)[6:]]} per element)"
+        for key, value in state.items()
+        if str(value.dtype)[6:] in PACKED_DTYPES
+    ]
     if odd:
         shown = ", ".join(odd[:3]) + (f" (+{len(odd) - 3} more)" if len(odd) > 3 else "")
         raise WeightsMismatchError(
             f"weights in {origin} are stored packed, which torch cannot cast to the model's dtypes: "
             f"{counted(len(odd), 'tensor')}, {shown}",
-            "unpack them to the model's dtype (e.g. float32) and save the checkpoint again")
+            "unpack them to the model's dtype (e.g. float32) and save the checkpoint again",
+        )
 
 
 def refuse_lossy_casts(state: dict[str, "torch.Tensor"], expected: dict[str, "torch.Tensor"], origin: Any) -> None:
@@ -139,8 +152,11 @@ def refuse_lossy_casts(state: dict[str, "torch.Tensor"], expected: dict[str, "to
         except (RuntimeError, NotImplementedError, TypeError):  # bits8, uint3, ...: torch has no cast for it
             changed.append(f"{key} ({str(value.dtype)[6:]} -> {str(want)[6:]}: torch cannot cast it)")
             continue
-        same = torch.equal(back, value) or (value.is_floating_point() and torch.equal(back.isnan(), value.isnan())
-                                            and torch.equal(back.nan_to_num(0.0), value.nan_to_num(0.0)))
+        same = torch.equal(back, value) or (
+            value.is_floating_point()
+            and torch.equal(back.isnan(), value.isnan())
+            and torch.equal(back.nan_to_num(0.0), value.nan_to_num(0.0))
+        )
         if not same:
             changed.append(f"{key} ({str(value.dtype)[6:]} -> {str(want)[6:]})")
     if changed:

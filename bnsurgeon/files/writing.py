@@ -23,8 +23,9 @@ def report_paths(output: Path) -> tuple[Path, Path]:
     return output.with_name(output.name + ".report.json"), output.with_name(output.name + ".report.md")
 
 
-def check_output_path(output: str | os.PathLike, inputs: "list[str | os.PathLike | tuple[str | os.PathLike, str]]",
-                      *, force: bool) -> Path:
+def check_output_path(
+    output: str | os.PathLike, inputs: "list[str | os.PathLike | tuple[str | os.PathLike, str]]", *, force: bool
+) -> Path:
     """Refuse outputs that would lose data or cannot be written, before any work is done.
 
     ``inputs`` are every file the command reads (SOURCE, ``--example-input``): none may be an
@@ -34,13 +35,16 @@ def check_output_path(output: str | os.PathLike, inputs: "list[str | os.PathLike
     try:
         str(out).encode("utf-8")
     except UnicodeEncodeError:
-        raise OutputError(f"output name {str(out)!r} is not valid UTF-8",
-                          "choose a name made of UTF-8 characters") from None
+        raise OutputError(
+            f"output name {str(out)!r} is not valid UTF-8", "choose a name made of UTF-8 characters"
+        ) from None
     try:
         return _check_output_path(out, inputs, force=force)
     except OSError as error:
-        raise OutputError(f"cannot use output {out}: {error.strerror or error}",
-                          "choose another path (a shorter name, a directory you can write to)") from None
+        raise OutputError(
+            f"cannot use output {out}: {error.strerror or error}",
+            "choose another path (a shorter name, a directory you can write to)",
+        ) from None
 
 
 def check_name_length(out: Path) -> None:
@@ -61,13 +65,16 @@ def check_name_length(out: Path) -> None:
         )
 
 
-def _check_output_path(out: Path, inputs: "list[str | os.PathLike | tuple[str | os.PathLike, str]]", *,
-                       force: bool) -> Path:
+def _check_output_path(
+    out: Path, inputs: "list[str | os.PathLike | tuple[str | os.PathLike, str]]", *, force: bool
+) -> Path:
     parent = out.parent if str(out.parent) else Path(".")
     check_name_length(out)
     if out.suffix not in OUTPUT_SUFFIXES and not out.name.endswith(".pth.tar"):
-        raise OutputError(f"cannot tell the format of output {out}",
-                          f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar (or with / for a model directory)")
+        raise OutputError(
+            f"cannot tell the format of output {out}",
+            f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar (or with / for a model directory)",
+        )
     written = (out, *report_paths(out))  # the reports are outputs too: each is checked like the checkpoint
     for source in inputs:
         source, label = source if isinstance(source, tuple) else (source, "the input file")
@@ -78,28 +85,41 @@ def _check_output_path(out: Path, inputs: "list[str | os.PathLike | tuple[str | 
             )
             if same:
                 what = "output" if path == out else "report"
-                raise OutputError(f"{what} {path} is {label}",
-                                  "write to a new path; bnsurgeon never overwrites an input, --force or not")
+                raise OutputError(
+                    f"{what} {path} is {label}",
+                    "write to a new path; bnsurgeon never overwrites an input, --force or not",
+                )
     for path in written:
         if path.is_dir():
-            raise OutputError(f"output {path} is a directory",
-                              "give a file path such as OUT.safetensors" if path == out
-                              else f"move the directory {path} away, or choose another output name")
+            raise OutputError(
+                f"output {path} is a directory",
+                "give a file path such as OUT.safetensors"
+                if path == out
+                else f"move the directory {path} away, or choose another output name",
+            )
     if not parent.is_dir():
         blocker = _not_a_directory(parent)
         if blocker is not None:  # "does not exist" would misstate it, and mkdir -p would fail on it
             path, what = blocker
             where = f"output directory {parent}" + ("" if path == parent else f" cannot be created: {path}")
             movable = not what.startswith("is not a directory")  # never advise moving a device such as /dev/null
-            raise OutputError(f"{where} {what}", "choose an output in a directory" + (f", or move {path} away"
-                                                                                     if movable else ""))
+            raise OutputError(
+                f"{where} {what}", "choose an output in a directory" + (f", or move {path} away" if movable else "")
+            )
         raise OutputError(f"output directory {parent} does not exist", f"create it first (mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"output directory {parent} is not writable", "choose a directory you can write to")
     for path in written:  # lexists: a dangling symlink is a name that exists (a hard link onto it fails at the end)
         if os.path.lexists(path) and not force:
-            kind = "already exists" if path.exists() else (
-                "is a symlink that leads back to itself" if symlink_loops(path) else "is a symlink to a missing file")
+            kind = (
+                "already exists"
+                if path.exists()
+                else (
+                    "is a symlink that leads back to itself"
+                    if symlink_loops(path)
+                    else "is a symlink to a missing file"
+                )
+            )
             raise OutputError(f"output {path} {kind}", "pass --force to replace it (and its reports)")
     return out
 
@@ -148,9 +168,13 @@ def unique_tensors(model: "nn.Module") -> tuple[dict[str, "torch.Tensor"], dict[
     return tensors, aliases
 
 
-def checkpoint_writer(path: Path, model: "nn.Module", metadata: dict[str, Any],
-                      extras: dict[str, Any] | None = None, leave_out: "set[str] | frozenset[str]" = frozenset()
-                      ) -> Callable[[Path], None]:
+def checkpoint_writer(
+    path: Path,
+    model: "nn.Module",
+    metadata: dict[str, Any],
+    extras: dict[str, Any] | None = None,
+    leave_out: "set[str] | frozenset[str]" = frozenset(),
+) -> Callable[[Path], None]:
     """A function writing the model's tensors plus ``bnsurgeon.*`` metadata (format from ``path``) to a temp path.
 
     In a .pt output the tensors go under ``metadata['weights']`` (default ``state_dict``); ``extras`` (a training
@@ -168,13 +192,18 @@ def checkpoint_writer(path: Path, model: "nn.Module", metadata: dict[str, Any],
         # any temp file safetensors makes lands next to ``temp``: inside our staging directory
         return lambda temp: safetensors.torch.save_file(tensors, str(temp), metadata=flat)
     main = metadata.get("weights", "state_dict")
-    payload: dict[str, Any] = {main: tensors, "bnsurgeon": {k[len(PREFIX):]: v for k, v in flat.items() if k.startswith(PREFIX)}}
+    payload: dict[str, Any] = {
+        main: tensors,
+        "bnsurgeon": {k[len(PREFIX) :]: v for k, v in flat.items() if k.startswith(PREFIX)},
+    }
     payload["bnsurgeon"]["format"] = "pt"
     clash = sorted(set(extras or {}) & set(payload), key=str)
     if clash:
-        raise OutputError(f"an entry to carry is named {clash[0]!r}, where the output keeps "
-                          + ("bnsurgeon's metadata" if clash[0] == "bnsurgeon" else "the model's weights"),
-                          "write a .safetensors output (the weights only), or rename that entry in the source")
+        raise OutputError(
+            f"an entry to carry is named {clash[0]!r}, where the output keeps "
+            + ("bnsurgeon's metadata" if clash[0] == "bnsurgeon" else "the model's weights"),
+            "write a .safetensors output (the weights only), or rename that entry in the source",
+        )
     if extras:
         payload.update(extras)
     return lambda temp: _torch_save(payload, temp)
@@ -215,7 +244,13 @@ def _torch_save(payload: Any, temp: Path) -> None:
             raise
 
 
-def write_checkpoint(path: Path, model: "nn.Module", metadata: dict[str, Any], extras: dict[str, Any] | None = None,
-                     *, force: bool = True) -> None:
+def write_checkpoint(
+    path: Path,
+    model: "nn.Module",
+    metadata: dict[str, Any],
+    extras: dict[str, Any] | None = None,
+    *,
+    force: bool = True,
+) -> None:
     """Write the model's tensors plus ``bnsurgeon.*`` metadata to .safetensors or .pt/.pth (atomic)."""
     atomic_write(path, checkpoint_writer(path, model, metadata, extras), force=force)

@@ -32,8 +32,14 @@ class BNSurgeonLayerSync(TorchSyncBatchNorm):
 
     def apply(self, model: Module) -> Module:
         """Convert in place (the LightningModule stays the same object)."""
-        return convert(model, "sync", frozen=self.frozen, allow_unhandled=self.allow_unhandled,
-                       process_group=self.process_group, inplace=True).model
+        return convert(
+            model,
+            "sync",
+            frozen=self.frozen,
+            allow_unhandled=self.allow_unhandled,
+            process_group=self.process_group,
+            inplace=True,
+        ).model
 
     def revert(self, model: Module) -> Module:
         """Back to the classes as they were before ``apply``.
@@ -75,9 +81,17 @@ class RecalibrateBN(Callback):
     report is kept in ``self.report``.
     """
 
-    def __init__(self, data: Any, model: Any = "ema", *, max_batches: int | None = None,
-                 max_samples: int | None = None, include_frozen: bool = False, before_validation: bool = True,
-                 at_fit_end: bool = True) -> None:
+    def __init__(
+        self,
+        data: Any,
+        model: Any = "ema",
+        *,
+        max_batches: int | None = None,
+        max_samples: int | None = None,
+        include_frozen: bool = False,
+        before_validation: bool = True,
+        at_fit_end: bool = True,
+    ) -> None:
         self.data = data
         self.model = model
         self.options = {"max_batches": max_batches, "max_samples": max_samples, "include_frozen": include_frozen}

@@ -23,11 +23,13 @@ from transformers import TrainerCallback
 from bnsurgeon.surgery.walk import convert
 
 
-def sync_batchnorm(model: Module, *, frozen: str = "keep", allow_unhandled: bool = False,
-                   process_group: Any = None) -> Module:
+def sync_batchnorm(
+    model: Module, *, frozen: str = "keep", allow_unhandled: bool = False, process_group: Any = None
+) -> Module:
     """Convert ``model`` in place to bnsurgeon's sync layers (the same object is returned)."""
-    return convert(model, "sync", frozen=frozen, allow_unhandled=allow_unhandled, process_group=process_group,
-                   inplace=True).model
+    return convert(
+        model, "sync", frozen=frozen, allow_unhandled=allow_unhandled, process_group=process_group, inplace=True
+    ).model
 
 
 class BNSurgeonCallback(TrainerCallback):
@@ -49,15 +51,25 @@ class BNSurgeonCallback(TrainerCallback):
         saw ``on_init_end``, and ``Trainer(model_init=...)`` builds a new model in ``train()``. Parameters and
         buffers keep their identity through the surgery, so the optimizer and DDP already built still hold them."""
         if model is None:
-            warnings.warn("BNSurgeonCallback: the Trainer passed no model to on_train_begin, so its BatchNorm layers "
-                          "are not synchronized; call bnsurgeon.integrations.transformers.sync_batchnorm(model) "
-                          "before train()", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "BNSurgeonCallback: the Trainer passed no model to on_train_begin, so its BatchNorm layers "
+                "are not synchronized; call bnsurgeon.integrations.transformers.sync_batchnorm(model) "
+                "before train()",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         else:
             self._sync(model)
         return control
 
     def _sync(self, model: Module) -> None:
         """Convert what is not synchronized yet (layers converted before are kept as they are)."""
-        result = convert(model, "sync", frozen=self.frozen, allow_unhandled=self.allow_unhandled,
-                         process_group=self.process_group, inplace=True)
+        result = convert(
+            model,
+            "sync",
+            frozen=self.frozen,
+            allow_unhandled=self.allow_unhandled,
+            process_group=self.process_group,
+            inplace=True,
+        )
         self.converted += len(result.report.changed)

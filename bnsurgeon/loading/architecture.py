@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 SEED = 0
+
+
 @dataclass
 class Architecture:
     """How to build the model again: a timm name or an importable factory, with kwargs."""
@@ -88,7 +90,7 @@ def parse_model_args(pairs: list[str] | None) -> dict[str, Any]:
 
 
 def _timm_name(name: str) -> str:
-    return name[len("timm:"):] if name.startswith("timm:") else name
+    return name[len("timm:") :] if name.startswith("timm:") else name
 
 
 def _create_timm(name: str, kwargs: dict[str, Any]) -> "nn.Module":
@@ -100,9 +102,11 @@ def _create_timm(name: str, kwargs: dict[str, Any]) -> "nn.Module":
     except TypeError as error:
         raise UsageError(f"timm model {name!r} does not accept these arguments: {error}", "check --model-arg") from None
     except Exception as error:  # timm validates kwargs with asserts, KeyErrors, ValueErrors...
-        raise UsageError(f"timm model {name!r} cannot be built with {describe_kwargs(kwargs) or 'no arguments'}: "
-                         f"{type(error).__name__}: {first_line(error)}",
-                         "check the --model-arg values against the model's constructor") from None
+        raise UsageError(
+            f"timm model {name!r} cannot be built with {describe_kwargs(kwargs) or 'no arguments'}: "
+            f"{type(error).__name__}: {first_line(error)}",
+            "check the --model-arg values against the model's constructor",
+        ) from None
 
 
 def resolve_timm_name(name: str) -> str:
@@ -134,25 +138,35 @@ def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
     try:
         module, function_name = import_named_module(target)
     except ImportError as error:
-        raise SourceNotFoundError(f"cannot import {module_name!r} for factory {target!r} ({error})",
-                                  "run from the directory that holds the package, or install it") from None
+        raise SourceNotFoundError(
+            f"cannot import {module_name!r} for factory {target!r} ({error})",
+            "run from the directory that holds the package, or install it",
+        ) from None
     factory = getattr(module, function_name, None)
     if not callable(factory):
-        raise SourceNotFoundError(f"{module_name} has no callable {function_name!r}", "write SOURCE as package.module:function")
+        raise SourceNotFoundError(
+            f"{module_name} has no callable {function_name!r}", "write SOURCE as package.module:function"
+        )
     try:
         inspect.signature(factory).bind(**kwargs)
     except TypeError as error:
-        raise UsageError(f"factory {target!r} cannot be called with {describe_kwargs(kwargs) or 'no arguments'} ({error})",
-                         "pass its arguments with --model-arg key=value, or name a function that builds the model") from None
+        raise UsageError(
+            f"factory {target!r} cannot be called with {describe_kwargs(kwargs) or 'no arguments'} ({error})",
+            "pass its arguments with --model-arg key=value, or name a function that builds the model",
+        ) from None
     except ValueError:  # no signature to check (some builtins): the call below says
         pass
     try:
         model = factory(**kwargs)
     except Exception as error:
-        raise FactoryRaisedError(f"factory {target!r} raised {type(error).__name__}: {first_line(error)}",
-                         "fix the factory or its --model-arg values") from None
+        raise FactoryRaisedError(
+            f"factory {target!r} raised {type(error).__name__}: {first_line(error)}",
+            "fix the factory or its --model-arg values",
+        ) from None
     if not isinstance(model, nn.Module):
-        raise UsageError(f"factory {target!r} returned {type(model).__name__}, not an nn.Module", "return the model from it")
+        raise UsageError(
+            f"factory {target!r} returned {type(model).__name__}, not an nn.Module", "return the model from it"
+        )
     return model
 
 
@@ -176,8 +190,12 @@ def own_input_shape(model: "nn.Module", batch: int = 2) -> tuple[int, ...] | Non
     if isinstance(image, int):
         image = (image, image)
     sizes = (channels, *image) if isinstance(image, (list, tuple)) and len(image) == 2 else ()
-    if sizes and all(isinstance(v, int) and not isinstance(v, bool) for v in sizes) \
-            and 1 <= sizes[0] <= 64 and all(8 <= v <= 4096 for v in sizes[1:]):
+    if (
+        sizes
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in sizes)
+        and 1 <= sizes[0] <= 64
+        and all(8 <= v <= 4096 for v in sizes[1:])
+    ):
         return (batch, *sizes)
     return None
 

@@ -69,17 +69,31 @@ class DataStream:
         return iter(self._iterable)
 
     def record(self) -> dict[str, Any]:
-        record = {"description": self.description, "kind": self.kind, "batches": self.batches,
-                  "samples": self.samples, "sha256": self.sha256}
+        record = {
+            "description": self.description,
+            "kind": self.kind,
+            "batches": self.batches,
+            "samples": self.samples,
+            "sha256": self.sha256,
+        }
         if self.preprocessing:
             record["preprocessing"] = self.preprocessing
         return record
 
 
-def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | None = None,
-              max_batches: int | None = None, max_samples: int | None = None, rank: int = 0, world: int = 1,
-              dtype: "torch.dtype | None" = None, device: "torch.device | str | None" = None,
-              model_directory: "Path | None" = None) -> DataStream:
+def open_data(
+    spec: str,
+    *,
+    model: "nn.Module | None" = None,
+    batch_size: int | None = None,
+    max_batches: int | None = None,
+    max_samples: int | None = None,
+    rank: int = 0,
+    world: int = 1,
+    dtype: "torch.dtype | None" = None,
+    device: "torch.device | str | None" = None,
+    model_directory: "Path | None" = None,
+) -> DataStream:
     """DATA as this rank's batches (see the module doc). Nothing is read until it is iterated. An image folder is read
     with ``model_directory``'s own preprocessor_config.json where it has one, else with timm's data config."""
     from bnsurgeon.core.user_code import FACTORY_PATTERN
@@ -110,8 +124,10 @@ def open_data(spec: str, *, model: "nn.Module | None" = None, batch_size: int | 
         stream = DataStream(spec, "function")
         batches = _function_batches(spec)
     else:
-        raise DataError(f"--data {shown(spec, 200)} is no file, folder or package.module:function",
-                        "pass a tensor file, a folder of tensor files or images, or pkg.mod:function")
+        raise DataError(
+            f"--data {shown(spec, 200)} is no file, folder or package.module:function",
+            "pass a tensor file, a folder of tensor files or images, or pkg.mod:function",
+        )
     stream._hash = hashlib.sha256()
     stream._iterable = _shard(stream, batches, max_batches, max_samples, rank, world, dtype, device)
     return stream
@@ -143,8 +159,10 @@ def _listed(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
             if name.lower().endswith(suffixes) and not name.startswith("."):
                 found.append(_regular_file(Path(root) / name))
                 if len(found) > MAX_FILES:
-                    raise DataError(f"--data {folder} holds more than {MAX_FILES:,} files",
-                                    "pass a folder with fewer files, or --data pkg.mod:function")
+                    raise DataError(
+                        f"--data {folder} holds more than {MAX_FILES:,} files",
+                        "pass a folder with fewer files, or --data pkg.mod:function",
+                    )
         if suffixes == TENSOR_SUFFIXES:  # tensor files: the folder itself only
             break
     return found
@@ -153,8 +171,10 @@ def _listed(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
 def _regular_file(path: Path) -> Path:
     """``path``, refused unless a regular file: a named pipe would block the read forever, a device never end."""
     if not path.is_file():
-        raise DataError(f"--data file {path} is not a regular file (a pipe, socket or device)",
-                        "save the batches to a file (torch.save) and pass that file, or a folder of such files")
+        raise DataError(
+            f"--data file {path} is not a regular file (a pipe, socket or device)",
+            "save the batches to a file (torch.save) and pass that file, or a folder of such files",
+        )
     return path
 
 
@@ -194,8 +214,10 @@ def _shard(stream: DataStream, batches: Iterable[Any], max_batches, max_samples,
         raise NotEnoughDataError(
             f"--data {stream.description} holds {counted(stream.samples, 'sample')} in "
             f"{stream.batches} batch{'' if stream.batches == 1 else 'es'}, fewer than the {' and '.join(short)}",
-            "nothing was written; pass " + (f"--samples {stream.samples}" if max_samples is not None else
-                                            f"--batches {stream.batches}") + " (or fewer) to use what there is, or more data")
+            "nothing was written; pass "
+            + (f"--samples {stream.samples}" if max_samples is not None else f"--batches {stream.batches}")
+            + " (or fewer) to use what there is, or more data",
+        )
 
 
 def _cut(value, count):
@@ -254,21 +276,29 @@ def _check_batch(tensor: Any, origin: str) -> "torch.Tensor":
     import torch
 
     if not isinstance(tensor, torch.Tensor):
-        raise DataError(f"{origin} holds {type(tensor).__name__}, not a tensor",
-                        "save a tensor (N, C, H, W) or a list of them with torch.save")
+        raise DataError(
+            f"{origin} holds {type(tensor).__name__}, not a tensor",
+            "save a tensor (N, C, H, W) or a list of them with torch.save",
+        )
     check_dense(tensor, origin)
     if not tensor.is_floating_point():
-        raise DataError(f"{origin} is a {str(tensor.dtype).replace('torch.', '')} tensor; batches must be floating point "
-                        "(normalised as the model expects)",
-                        "save the preprocessed float tensors, or pass a folder of images (read with the model's preprocessing)")
+        raise DataError(
+            f"{origin} is a {str(tensor.dtype).replace('torch.', '')} tensor; batches must be floating point "
+            "(normalised as the model expects)",
+            "save the preprocessed float tensors, or pass a folder of images (read with the model's preprocessing)",
+        )
     if tensor.dim() < 2:
-        raise DataError(f"{origin} has shape {tuple(tensor.shape)}; a batch has a batch dimension and at least one more",
-                        "save batches shaped (N, C, H, W)")
+        raise DataError(
+            f"{origin} has shape {tuple(tensor.shape)}; a batch has a batch dimension and at least one more",
+            "save batches shaped (N, C, H, W)",
+        )
     limit = max_batch_bytes()
     if tensor.numel() * tensor.element_size() > limit:
-        raise DataError(f"{origin} is a batch of {_size(tensor.numel() * tensor.element_size())}, more than "
-                        f"{_size(limit)} ({BATCH_BYTES_VARIABLE})",
-                        "pass --batch-size to cut it, or save smaller batches")
+        raise DataError(
+            f"{origin} is a batch of {_size(tensor.numel() * tensor.element_size())}, more than "
+            f"{_size(limit)} ({BATCH_BYTES_VARIABLE})",
+            "pass --batch-size to cut it, or save smaller batches",
+        )
     return tensor
 
 
@@ -278,11 +308,20 @@ def check_dense(value: Any, origin: str) -> None:
     import torch
 
     if isinstance(value, torch.Tensor):
-        kind = ("nested" if value.is_nested else "meta-device" if value.is_meta
-                else None if value.layout is torch.strided else str(value.layout).replace("torch.", ""))
+        kind = (
+            "nested"
+            if value.is_nested
+            else "meta-device"
+            if value.is_meta
+            else None
+            if value.layout is torch.strided
+            else str(value.layout).replace("torch.", "")
+        )
         if kind is not None:
-            raise DataError(f"{origin} is a {kind} tensor; batches must be dense tensors holding their values",
-                            "save batches as ordinary tensors (.to_dense(), or torch.stack of the samples)")
+            raise DataError(
+                f"{origin} is a {kind} tensor; batches must be dense tensors holding their values",
+                "save batches as ordinary tensors (.to_dense(), or torch.stack of the samples)",
+            )
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             check_dense(item, f"{origin} [{index}]")
@@ -301,17 +340,25 @@ def _file_batches(path: Path, batch_size: int | None) -> Iterator["torch.Tensor"
     from bnsurgeon.files.reading import physical_memory, read_checkpoint
 
     memory = physical_memory()
-    if memory is not None and path.suffix != ".safetensors" and not zipfile.is_zipfile(path) \
-            and path.stat().st_size > memory // 2:  # torch's legacy format cannot be memory-mapped: it is read whole
-        raise DataError(f"--data file {path} is {path.stat().st_size / 2**30:,.1f} GiB in torch's legacy format, "
-                        "which is read into memory whole (more than half of this machine's)",
-                        "save it with a current torch.save (memory-mapped) or as .safetensors")
+    if (
+        memory is not None
+        and path.suffix != ".safetensors"
+        and not zipfile.is_zipfile(path)
+        and path.stat().st_size > memory // 2
+    ):  # torch's legacy format cannot be memory-mapped: it is read whole
+        raise DataError(
+            f"--data file {path} is {path.stat().st_size / 2**30:,.1f} GiB in torch's legacy format, "
+            "which is read into memory whole (more than half of this machine's)",
+            "save it with a current torch.save (memory-mapped) or as .safetensors",
+        )
 
     try:
         raw = read_checkpoint(path, mmap=True)  # weights_only (or safetensors); mapped, never code
     except UnsafeCheckpointError as error:  # data is never unpickled with code: there is no --trust-pickle for it
-        raise DataError(f"--data file {error.message}",
-                        "save tensors only (torch.save of a tensor or a list of tensors), or use .safetensors") from None
+        raise DataError(
+            f"--data file {error.message}",
+            "save tensors only (torch.save of a tensor or a list of tensors), or use .safetensors",
+        ) from None
     except CheckpointError as error:
         raise DataError(f"--data file {error.message}", error.hint) from None
     obj = raw.obj
@@ -329,7 +376,7 @@ def _file_batches(path: Path, batch_size: int | None) -> Iterator["torch.Tensor"
             tensor = _check_batch_shape_only(value, origin)
             size = batch_size or DEFAULT_BATCH_SIZE
             for start in range(0, tensor.shape[0], size):
-                yield _check_batch(tensor[start:start + size], f"{origin} samples {start}:{start + size}")
+                yield _check_batch(tensor[start : start + size], f"{origin} samples {start}:{start + size}")
         else:
             yield _check_batch(value, origin)
 
@@ -353,8 +400,10 @@ def _function_batches(spec: str) -> Iterator[Any]:
     try:
         module, attribute = import_named_module(spec)
     except ImportError as error:
-        raise DataError(f"--data {spec}: cannot import it ({first_line(error)})",
-                        "check the module is importable from here (the working directory is on sys.path)") from None
+        raise DataError(
+            f"--data {spec}: cannot import it ({first_line(error)})",
+            "check the module is importable from here (the working directory is on sys.path)",
+        ) from None
     function = getattr(module, attribute, None)
     if not callable(function):
         raise DataError(f"--data {spec}: {attribute!r} is not a function of {module.__name__}")
@@ -364,8 +413,10 @@ def _function_batches(spec: str) -> Iterator[Any]:
     except BnSurgeonError:
         raise
     except Exception as error:
-        raise DataError(f"--data {spec} raised {type(error).__name__}: {first_line(error)}",
-                        "make it return an iterable of batches (a list, a DataLoader, a generator)") from None
+        raise DataError(
+            f"--data {spec} raised {type(error).__name__}: {first_line(error)}",
+            "make it return an iterable of batches (a list, a DataLoader, a generator)",
+        ) from None
     index = 0
     while True:
         try:
@@ -375,8 +426,10 @@ def _function_batches(spec: str) -> Iterator[Any]:
         except BnSurgeonError:
             raise
         except Exception as error:
-            raise DataError(f"--data {spec} raised {type(error).__name__} at batch {index}: {first_line(error)}",
-                            "fix the function's data") from None
+            raise DataError(
+                f"--data {spec} raised {type(error).__name__} at batch {index}: {first_line(error)}",
+                "fix the function's data",
+            ) from None
         yield batch
         index += 1
 
@@ -396,9 +449,11 @@ def image_transform(model: "nn.Module | None", directory: "Path | None") -> "tup
         raise DataError(f"reading an image folder needs timm ({first_line(error)})") from None
     config = resolve_data_config({}, model=model)
     transform = create_transform(**config, is_training=False)
-    how = (f"timm's data config of the model (input {tuple(config.get('input_size', ()))}, "
-           f"{config.get('interpolation', '')}, crop {config.get('crop_pct', '')}, mean {tuple(config.get('mean', ()))}, "
-           f"std {tuple(config.get('std', ()))})")
+    how = (
+        f"timm's data config of the model (input {tuple(config.get('input_size', ()))}, "
+        f"{config.get('interpolation', '')}, crop {config.get('crop_pct', '')}, mean {tuple(config.get('mean', ()))}, "
+        f"std {tuple(config.get('std', ()))})"
+    )
     if directory is not None:
         how += f": {directory} has no preprocessor_config.json"
     return transform, how
@@ -418,8 +473,10 @@ def _image_batches(images: list[Path], transform: Any, batch_size: int) -> Itera
             with Image.open(path) as image:
                 chunk.append(transform(image.convert("RGB")))
         except Exception as error:
-            raise DataError(f"{path} is not a readable image ({type(error).__name__}: {first_line(error)})",
-                            "remove it from the folder, or pass tensors") from None
+            raise DataError(
+                f"{path} is not a readable image ({type(error).__name__}: {first_line(error)})",
+                "remove it from the folder, or pass tensors",
+            ) from None
         if len(chunk) == batch_size:
             yield _check_batch(torch.stack(chunk), f"images ending at {path}")
             chunk = []

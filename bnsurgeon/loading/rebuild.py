@@ -22,8 +22,14 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architecture: Architecture | None = None,
-                            model: "nn.Module | None" = None, weights: str | None = None) -> LoadedSource:
+def rebuild_from_checkpoint(
+    raw: RawCheckpoint,
+    *,
+    meta: bool = False,
+    architecture: Architecture | None = None,
+    model: "nn.Module | None" = None,
+    weights: str | None = None,
+) -> LoadedSource:
     """Build the recorded architecture, replay the recorded conversions, load the weights strictly.
 
     ``architecture`` is what the caller confirmed (``trust.confirm_architecture``); without
@@ -40,8 +46,9 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
 
     def build(on_meta: bool):
         base = model if model is not None else architecture.build(meta=on_meta)
-        return replay(base, history, recorded.classes, folds=recorded.folds if target == "fused" else None,
-                      origin=str(raw.path))
+        return replay(
+            base, history, recorded.classes, folds=recorded.folds if target == "fused" else None, origin=str(raw.path)
+        )
 
     if meta:  # nothing allocated, but the file's tensors must fit what is listed (keys and shapes)
         rebuilt = build(True)
@@ -54,8 +61,9 @@ def rebuild_from_checkpoint(raw: RawCheckpoint, *, meta: bool = False, architect
     check_rebuilt(raw, recorded, rebuilt)
     apply_trainability(raw, recorded, rebuilt)
     name_sync_layers(rebuilt)
-    loaded = LoadedSource(rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})",
-                          own_input_shape(rebuilt), raw)
+    loaded = LoadedSource(
+        rebuilt, architecture, f"{raw.path} ({architecture.describe()}, {target})", own_input_shape(rebuilt), raw
+    )
     loaded.history = history
     loaded.check_input = recorded.check_input
     # the entry the model came from: the chosen one, or one the file records other than its state_dict
@@ -76,11 +84,18 @@ def check_directory_config(raw: RawCheckpoint, recorded: Recorded) -> None:
             f"{beside} differs from the config bnsurgeon recorded in {raw.path.name} (first at {shown(field, 80)}): "
             "from_pretrained would build one model and bnsurgeon another",
             "restore config.json; to change labels or settings, change model.config after bnsurgeon.load and "
-            "save_pretrained, then convert that directory")
+            "save_pretrained, then convert that directory",
+        )
 
 
-def load(path: "str | Path", *, model: "str | nn.Module | None" = None, model_args: dict[str, Any] | None = None,
-         accept_recorded_args: bool = False, mmap: bool = False) -> "nn.Module":
+def load(
+    path: "str | Path",
+    *,
+    model: "str | nn.Module | None" = None,
+    model_args: dict[str, Any] | None = None,
+    accept_recorded_args: bool = False,
+    mmap: bool = False,
+) -> "nn.Module":
     """Rebuild a converted model from a bnsurgeon checkpoint, ready to wrap in DDP.
 
     ``model`` overrides the recorded architecture: an ``nn.Module`` of the original
@@ -95,19 +110,24 @@ def load(path: "str | Path", *, model: "str | nn.Module | None" = None, model_ar
     written = bnsurgeon_weights_of(Path(path))  # a model directory bnsurgeon wrote (-o DIR)
     named_directory = Path(path).is_dir() or Path(path).name == "config.json"  # not a weights file in it
     if written is None and named_directory and model_directory(Path(path)) is not None:
-        raise CheckpointError(f"{path} is a Hugging Face model directory that bnsurgeon did not convert",
-                              f"convert it first: bnsurgeon convert {path} -o OUT_DIR")
+        raise CheckpointError(
+            f"{path} is a Hugging Face model directory that bnsurgeon did not convert",
+            f"convert it first: bnsurgeon convert {path} -o OUT_DIR",
+        )
     path = written or path
     raw = read_checkpoint(path, mmap=mmap)
     if not raw.is_bnsurgeon:
-        raise CheckpointError(f"{path} is not a bnsurgeon checkpoint (no bnsurgeon metadata)",
-                              "convert it first: bnsurgeon convert SOURCE -o OUT")
+        raise CheckpointError(
+            f"{path} is not a bnsurgeon checkpoint (no bnsurgeon metadata)",
+            "convert it first: bnsurgeon convert SOURCE -o OUT",
+        )
     if isinstance(model, nn.Module):
         rebuilt = rebuild_from_checkpoint(raw, model=model).model
     else:
         recorded = read_recorded(raw)
-        architecture = confirm_architecture(recorded.architecture, raw.path, model, model_args,
-                                            accept_recorded_args=accept_recorded_args)
+        architecture = confirm_architecture(
+            recorded.architecture, raw.path, model, model_args, accept_recorded_args=accept_recorded_args
+        )
         rebuilt = rebuild_from_checkpoint(raw, architecture=architecture).model
     return rebuilt
 
@@ -116,8 +136,9 @@ def load(path: "str | Path", *, model: "str | nn.Module | None" = None, model_ar
 REPEATABLE_KINDS = ("timm", "factory", "transformers")
 
 
-def recipe(architecture: Architecture, history: list[dict[str, Any]], classes: dict[str, str] | None = None
-           ) -> "Callable[[], nn.Module] | None":
+def recipe(
+    architecture: Architecture, history: list[dict[str, Any]], classes: dict[str, str] | None = None
+) -> "Callable[[], nn.Module] | None":
     """A picklable callable that builds this model's structure again in another process (verify's ranks),
     or None where the architecture is not recorded. Its tensors are the caller's to send: the build is seeded,
     not the model's weights."""
@@ -126,8 +147,9 @@ def recipe(architecture: Architecture, history: list[dict[str, Any]], classes: d
     return functools.partial(build_from_recipe, architecture.to_dict(), list(history), dict(classes or {}))
 
 
-def build_from_recipe(architecture: dict[str, Any], history: list[dict[str, Any]],
-                      classes: dict[str, str]) -> "nn.Module":
+def build_from_recipe(
+    architecture: dict[str, Any], history: list[dict[str, Any]], classes: dict[str, str]
+) -> "nn.Module":
     """What ``recipe`` sends: the architecture built, then every recorded conversion replayed."""
     model = Architecture.from_dict(architecture).build()
     if history:

@@ -115,7 +115,11 @@ def _architecture(raw: RawCheckpoint) -> Architecture:
         raise _bad(raw, "architecture", "must be an object with kind, name and kwargs")
     kind, name, kwargs = value.get("kind"), value.get("name"), value.get("kwargs") or {}
     if kind not in ARCHITECTURE_KINDS or not isinstance(name, str):
-        raise _bad(raw, "architecture", f"has kind {shown(kind)} and name {shown(name)}; kind must be one of {ARCHITECTURE_KINDS}")
+        raise _bad(
+            raw,
+            "architecture",
+            f"has kind {shown(kind)} and name {shown(name)}; kind must be one of {ARCHITECTURE_KINDS}",
+        )
     if len(name) > MAX_NAME_CHARS:  # it is quoted in messages, and typed again to confirm a factory
         raise _bad(raw, "architecture", f"names a {kind} of {len(name):,} characters (at most {MAX_NAME_CHARS})")
     if kind == "factory" and not FACTORY_PATTERN.match(name):
@@ -126,14 +130,19 @@ def _architecture(raw: RawCheckpoint) -> Architecture:
         from bnsurgeon.loading.transformers_source import CLASS_PATTERN, check_config
 
         if not CLASS_PATTERN.match(name) or set(kwargs) != {"config"}:
-            raise _bad(raw, "architecture", f"names {shown(name)} with {shown(sorted(kwargs))}: not a transformers "
-                                            "class and its config")
+            raise _bad(
+                raw,
+                "architecture",
+                f"names {shown(name)} with {shown(sorted(kwargs))}: not a transformers class and its config",
+            )
         try:
             check_config(kwargs["config"], f"{raw.path}: metadata {PREFIX}architecture's config")
         except CheckpointError as error:
             raise MetadataError(error.message, error.hint) from None
     if not isinstance(kwargs, dict) or not is_plain_literal(kwargs):
-        raise _bad(raw, "architecture", "has kwargs that are not plain literals (str, number, bool, None, lists, dicts)")
+        raise _bad(
+            raw, "architecture", "has kwargs that are not plain literals (str, number, bool, None, lists, dicts)"
+        )
     problem = size_args_problem(kwargs)
     if problem:  # it would shape the model: refused before anything is built
         raise MetadataError(f"{raw.path}: metadata {PREFIX}architecture kwargs.{problem}")
@@ -173,8 +182,10 @@ def stored_tensors(raw: RawCheckpoint, weights: str | None = None) -> dict[str, 
     if found is None:
         reason = why_not_a_state_dict(raw.obj)
         if reason:  # tensors are there: "missing every key" would misstate the file
-            raise CheckpointError(f"{raw.path} holds no state dict bnsurgeon can use: {reason}",
-                                  "the file's state_dict was edited; convert the original again")
+            raise CheckpointError(
+                f"{raw.path} holds no state dict bnsurgeon can use: {reason}",
+                "the file's state_dict was edited; convert the original again",
+            )
     return found or {}
 
 
@@ -185,8 +196,11 @@ def recorded_rules(raw: RawCheckpoint) -> list[str]:
     value = _field(raw, "rules", [])
     if value is None:
         return []
-    if not isinstance(value, list) or len(value) > 64 or not all(
-            isinstance(spec, str) and len(spec) <= 200 and FACTORY_PATTERN.match(spec) for spec in value):
+    if (
+        not isinstance(value, list)
+        or len(value) > 64
+        or not all(isinstance(spec, str) and len(spec) <= 200 and FACTORY_PATTERN.match(spec) for spec in value)
+    ):
         raise _bad(raw, "rules", "must be a JSON list of package.module:object names")
     return value
 
@@ -201,7 +215,9 @@ def _history(raw: RawCheckpoint, target: str, options: dict[str, Any]) -> list[d
     if problem:
         raise _bad(raw, "history", f"is not a valid conversion history ({problem})")
     if value[-1]["target"] != target:
-        raise _bad(raw, "history", f"ends with target {shown(value[-1]['target'])}, but the file records {shown(target)}")
+        raise _bad(
+            raw, "history", f"ends with target {shown(value[-1]['target'])}, but the file records {shown(target)}"
+        )
     return value
 
 
@@ -237,7 +253,9 @@ def read_recorded(raw: RawCheckpoint) -> Recorded:
     if not isinstance(options, dict):
         raise _bad(raw, "options", "must be a JSON object")
     if options.get("frozen", "keep") not in FROZEN_POLICIES:
-        raise _bad(raw, "options", f"has frozen={shown(options.get('frozen'))}, not one of {', '.join(FROZEN_POLICIES)}")
+        raise _bad(
+            raw, "options", f"has frozen={shown(options.get('frozen'))}, not one of {', '.join(FROZEN_POLICIES)}"
+        )
     if not isinstance(options.get("allow_unhandled", False), bool):
         raise _bad(raw, "options", "has a non-boolean allow_unhandled")
     classes = _string_map(raw, "classes")
@@ -262,8 +280,22 @@ def read_recorded(raw: RawCheckpoint) -> Recorded:
     history = _history(raw, target, options)
     check_input = _check_input(raw)
     counts = _counts(raw, stored)
-    return Recorded(schema, architecture, target, options, classes, aliases, source if isinstance(source, str) else "",
-                    folds, history, check_input, rules, recorded_weights(raw), _frozen_parameters(raw), counts)
+    return Recorded(
+        schema,
+        architecture,
+        target,
+        options,
+        classes,
+        aliases,
+        source if isinstance(source, str) else "",
+        folds,
+        history,
+        check_input,
+        rules,
+        recorded_weights(raw),
+        _frozen_parameters(raw),
+        counts,
+    )
 
 
 #: a counter is a non-negative int64; more entries than this is not a model's BN
@@ -277,7 +309,7 @@ def _counts(raw: RawCheckpoint, stored: dict[str, Any]) -> dict[str, int]:
     for key, count in value.items():
         if not isinstance(key, str) or not key.endswith("num_batches_tracked") or len(key) > 4096:
             raise _bad(raw, "counts", f"names {shown(key)}, not a BN batch counter")
-        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 2 ** 63:
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < 2**63:
             raise _bad(raw, "counts", f"gives {shown(key)} the count {shown(count)}, not a non-negative int64")
         if key in stored:
             raise _bad(raw, "counts", f"gives {shown(key)}, which the file stores as a tensor")
@@ -300,8 +332,12 @@ def apply_trainability(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module
     parameters = dict(model.named_parameters())
     unknown = sorted(set(recorded.frozen_parameters) - set(parameters))
     if unknown:
-        raise _bad(raw, "frozen_parameters", f"names {shown(unknown[0])}, which the rebuilt model has no "
-                                             f"parameter for ({counted(len(unknown), 'name')})")
+        raise _bad(
+            raw,
+            "frozen_parameters",
+            f"names {shown(unknown[0])}, which the rebuilt model has no "
+            f"parameter for ({counted(len(unknown), 'name')})",
+        )
     frozen = set(recorded.frozen_parameters)
     for name, parameter in parameters.items():
         parameter.requires_grad_(name not in frozen)
@@ -329,8 +365,9 @@ def check_rebuilt(raw: RawCheckpoint, recorded: Recorded, model: "nn.Module") ->
             )
 
 
-def state_from_checkpoint(raw: RawCheckpoint, recorded: Recorded | None = None,
-                          weights: str | None = None) -> dict[str, "torch.Tensor"]:
+def state_from_checkpoint(
+    raw: RawCheckpoint, recorded: Recorded | None = None, weights: str | None = None
+) -> dict[str, "torch.Tensor"]:
     import torch
 
     recorded = recorded or read_recorded(raw)

@@ -102,8 +102,10 @@ def load_source(
         raw = raw or read_checkpoint(Path(source), trust_pickle=trust_pickle, mmap=meta)
         return _load_file(raw, model, model_args, weights, meta, accept_recorded_args, flag, named_elsewhere)
     if model:
-        raise UsageError(f"--model is only for checkpoint files; {source!r} already names the model",
-                         "drop --model, or pass a checkpoint file")
+        raise UsageError(
+            f"--model is only for checkpoint files; {source!r} already names the model",
+            "drop --model, or pass a checkpoint file",
+        )
     architecture = parse_architecture(source, model_args)
     built = architecture.build(meta=meta)
     return LoadedSource(built, architecture, architecture.describe(), own_input_shape(built))
@@ -113,8 +115,9 @@ def _load_model_directory(directory: Path, meta: bool) -> LoadedSource:
     """A Hugging Face model directory: transformers' own class, from local files (loading.transformers_source)."""
     model, name, config = load_directory(directory, meta=meta)
     architecture = Architecture("transformers", name, {"config": config})
-    return LoadedSource(model, architecture, f"{directory} ({architecture.describe()})",
-                        None if meta else own_input_shape(model))
+    return LoadedSource(
+        model, architecture, f"{directory} ({architecture.describe()})", None if meta else own_input_shape(model)
+    )
 
 
 def unwrap_data_parallel(model: "nn.Module") -> "tuple[nn.Module, str]":
@@ -130,8 +133,16 @@ def unwrap_data_parallel(model: "nn.Module") -> "tuple[nn.Module, str]":
     return model, ""
 
 
-def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_recorded_args, flag,
-               named_elsewhere: Architecture | None = None) -> LoadedSource:
+def _load_file(
+    raw: RawCheckpoint,
+    model,
+    model_args,
+    weights,
+    meta,
+    accept_recorded_args,
+    flag,
+    named_elsewhere: Architecture | None = None,
+) -> LoadedSource:
     from torch import nn
 
     path = raw.path
@@ -139,20 +150,30 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_reco
         module, wrapper = unwrap_data_parallel(raw.obj)
         return LoadedSource(module, Architecture("unknown", type(module).__name__), str(path) + wrapper, None, raw)
     if raw.is_bnsurgeon:
-        architecture = confirm_architecture(read_recorded(raw).architecture, path, model, model_args,
-                                            accept_recorded_args=accept_recorded_args, flag=flag,
-                                            named_elsewhere=named_elsewhere)
+        architecture = confirm_architecture(
+            read_recorded(raw).architecture,
+            path,
+            model,
+            model_args,
+            accept_recorded_args=accept_recorded_args,
+            flag=flag,
+            named_elsewhere=named_elsewhere,
+        )
         return rebuild_from_checkpoint(raw, meta=meta, architecture=architecture, weights=weights)
 
     candidates = state_dict_candidates(raw.obj)
     if not candidates:
         reason = why_not_a_state_dict(raw.obj)
         if reason:  # tensors are there: "holds no model weights" would misstate the file
-            raise CheckpointError(f"{path} holds no state dict bnsurgeon can use: {reason}",
-                                  "save model.state_dict() alone (or under 'state_dict'), with its other entries beside it")
-        raise CheckpointError(f"{path} holds no model weights (no tensors, nor a state dict under "
-                              "state_dict/model/state_dict_ema/model_ema/ema)",
-                              "pass the file that holds the model's state dict")
+            raise CheckpointError(
+                f"{path} holds no state dict bnsurgeon can use: {reason}",
+                "save model.state_dict() alone (or under 'state_dict'), with its other entries beside it",
+            )
+        raise CheckpointError(
+            f"{path} holds no model weights (no tensors, nor a state dict under "
+            "state_dict/model/state_dict_ema/model_ema/ema)",
+            "pass the file that holds the model's state dict",
+        )
     key = pick_weights(path, candidates, weights)
     state = candidates[key]
     architecture = _architecture_for(path, raw, model, model_args, accept_recorded_args, flag)
@@ -174,8 +195,16 @@ def _load_file(raw: RawCheckpoint, model, model_args, weights, meta, accept_reco
         built = materialize(build, state, path, adapt=fit)
         prefix = prefix_found[-1] if prefix_found else ""
     carried = _carried(raw, key)
-    return LoadedSource(built, architecture, f"{path} ({architecture.describe()})", own_input_shape(built), raw,
-                        key or None, prefix, carried)
+    return LoadedSource(
+        built,
+        architecture,
+        f"{path} ({architecture.describe()})",
+        own_input_shape(built),
+        raw,
+        key or None,
+        prefix,
+        carried,
+    )
 
 
 def _carried(raw: RawCheckpoint, key: str) -> dict[str, Any]:
@@ -193,30 +222,45 @@ def _architecture_for(path, raw: RawCheckpoint, model, model_args, accept_record
     arch = obj.get("arch")
     if isinstance(arch, str):
         if len(arch) > MAX_NAME_CHARS:  # quoted in every message about it, and matched against timm's registry
-            raise CheckpointError(f"{path} names an architecture of {len(arch):,} characters (at most "
-                                  f"{MAX_NAME_CHARS}), which is not a timm model name", "pass --model ARCH")
+            raise CheckpointError(
+                f"{path} names an architecture of {len(arch):,} characters (at most "
+                f"{MAX_NAME_CHARS}), which is not a timm model name",
+                "pass --model ARCH",
+            )
         if not TIMM_NAME_PATTERN.match(arch):
-            raise CheckpointError(f"{path} names the architecture {arch!r}, which is not a timm model name",
-                                  "pass --model ARCH")
+            raise CheckpointError(
+                f"{path} names the architecture {arch!r}, which is not a timm model name", "pass --model ARCH"
+            )
         args = obj.get("args")
         recorded = {}
         for name in TRAINING_ARG_NAMES:
             value = getattr(args, name, None) if args is not None else None
             if value is not None:
                 if not is_plain_literal(value):
-                    raise CheckpointError(f"{path}: args.{name} is a {type(value).__name__}, not a plain value",
-                                          f"pass {flag}-arg {name}=VALUE and {flag} {arch}",
-                                          python=_typed_args_hint(name, arch, flag))
+                    raise CheckpointError(
+                        f"{path}: args.{name} is a {type(value).__name__}, not a plain value",
+                        f"pass {flag}-arg {name}=VALUE and {flag} {arch}",
+                        python=_typed_args_hint(name, arch, flag),
+                    )
                 problem = size_arg_problem(name, value)
                 if problem:  # it would shape the model: refused before anything is built
-                    raise CheckpointError(f"{path}: args.{name} {problem}",
-                                          f"pass {flag} {arch} and {flag}-arg {name}=VALUE",
-                                          python=_typed_args_hint(name, arch, flag))
+                    raise CheckpointError(
+                        f"{path}: args.{name} {problem}",
+                        f"pass {flag} {arch} and {flag}-arg {name}=VALUE",
+                        python=_typed_args_hint(name, arch, flag),
+                    )
                 recorded[name] = value
-        return confirm_architecture(Architecture("timm", arch, recorded), path, None, model_args,
-                                    accept_recorded_args=accept_recorded_args, flag=flag)
-    raise UsageError(f"{path} does not say which model it belongs to",
-                     "pass --model ARCH (a timm name or package.module:function)")
+        return confirm_architecture(
+            Architecture("timm", arch, recorded),
+            path,
+            None,
+            model_args,
+            accept_recorded_args=accept_recorded_args,
+            flag=flag,
+        )
+    raise UsageError(
+        f"{path} does not say which model it belongs to", "pass --model ARCH (a timm name or package.module:function)"
+    )
 
 
 def _typed_args_hint(name: str, arch: str, flag: str) -> str:

@@ -40,7 +40,12 @@ if TYPE_CHECKING:
 
 CONFIG_NAME = "config.json"
 #: the weights files save_pretrained writes; one of them beside config.json makes the directory the SOURCE
-WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHTS_NAMES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 #: the shards of a sharded save_pretrained
 SHARD_PATTERN = re.compile(r"^(model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin)$")
 #: a transformers model class name (DetrForObjectDetection): an identifier, nothing to import
@@ -65,19 +70,25 @@ def read_config(directory: Path) -> dict[str, Any]:
     """config.json as data: a JSON object, bounded, naming a transformers class, asking for no remote code."""
     path = directory / CONFIG_NAME
     if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise CheckpointError(f"{path} is {path.stat().st_size:,} bytes, not a model config", "pass the model directory")
+        raise CheckpointError(
+            f"{path} is {path.stat().st_size:,} bytes, not a model config", "pass the model directory"
+        )
     try:
         config = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
     except RepeatedKeyError as error:
-        raise CheckpointError(f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
-                              "value counts, so bnsurgeon reads neither",
-                              "keep one entry for the key (save the model again with save_pretrained)") from None
+        raise CheckpointError(
+            f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
+            "value counts, so bnsurgeon reads neither",
+            "keep one entry for the key (save the model again with save_pretrained)",
+        ) from None
     except (ValueError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON ({first_line(error)})",
-                              "the file is truncated or corrupt; save the model again") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({first_line(error)})", "the file is truncated or corrupt; save the model again"
+        ) from None
     except RecursionError:
-        raise CheckpointError(f"{path} is nested too deeply to be a model config",
-                              "the file is corrupt or hostile; save the model again") from None
+        raise CheckpointError(
+            f"{path} is nested too deeply to be a model config", "the file is corrupt or hostile; save the model again"
+        ) from None
     check_config(config, str(path))
     return config
 
@@ -90,27 +101,43 @@ def check_config(config: Any, origin: str) -> None:
             f"{origin} asks for remote code (auto_map {shown(config['auto_map'], 80)}): importing it runs code from "
             "the model directory, so bnsurgeon does not",
             "if you trust that code, write a factory that calls from_pretrained(..., trust_remote_code=True) "
-            "and pass it as SOURCE (package.module:function)")
+            "and pass it as SOURCE (package.module:function)",
+        )
     classes = config.get("architectures")
     if not isinstance(classes, list) or not classes or not all(isinstance(name, str) for name in classes):
-        raise CheckpointError(f"{origin} names no model class (its 'architectures' list is missing or empty)",
-                              "save the model with save_pretrained (it records its class), or pass a factory")
+        raise CheckpointError(
+            f"{origin} names no model class (its 'architectures' list is missing or empty)",
+            "save the model with save_pretrained (it records its class), or pass a factory",
+        )
     if not CLASS_PATTERN.match(classes[0]):
-        raise CheckpointError(f"{origin} names the class {shown(classes[0], 80)}, not a transformers model class",
-                              "pass a factory that builds the model")
+        raise CheckpointError(
+            f"{origin} names the class {shown(classes[0], 80)}, not a transformers model class",
+            "pass a factory that builds the model",
+        )
     for where, part in config_parts(config):  # a backbone_config, text_config, ... builds its own labels too
         labels = part.get("num_labels", 0)
-        if isinstance(labels, bool) or not isinstance(labels, int) or not 0 <= labels <= MAX_LABELS or any(
-                len(part.get(key) or ()) > MAX_LABELS for key in ("id2label", "label2id")
-                if isinstance(part.get(key), (dict, list))):
-            raise CheckpointError(f"{origin} asks for {shown(labels, 40)} labels{where} (at most {MAX_LABELS:,}): "
-                                  "the config builds a Python object per label before any weight is read",
-                                  "save the model again with save_pretrained, or restore its config.json")
+        if (
+            isinstance(labels, bool)
+            or not isinstance(labels, int)
+            or not 0 <= labels <= MAX_LABELS
+            or any(
+                len(part.get(key) or ()) > MAX_LABELS
+                for key in ("id2label", "label2id")
+                if isinstance(part.get(key), (dict, list))
+            )
+        ):
+            raise CheckpointError(
+                f"{origin} asks for {shown(labels, 40)} labels{where} (at most {MAX_LABELS:,}): "
+                "the config builds a Python object per label before any weight is read",
+                "save the model again with save_pretrained, or restore its config.json",
+            )
     layers = layer_count(config)
     if layers > MAX_LAYERS:
-        raise CheckpointError(f"{origin} asks for {layers:,} layers in all (at most {MAX_LAYERS:,}): the config "
-                              "builds every one before any weight is read",
-                              "save the model again with save_pretrained, or restore its config.json")
+        raise CheckpointError(
+            f"{origin} asks for {layers:,} layers in all (at most {MAX_LAYERS:,}): the config "
+            "builds every one before any weight is read",
+            "save the model again with save_pretrained, or restore its config.json",
+        )
 
 
 #: no model's config asks for more layers (depths, num_hidden_layers, ... summed over every sub-config): the
@@ -132,6 +159,7 @@ def config_parts(config: dict[str, Any], where: str = "", depth: int = 0) -> "li
 
 def layer_count(config: dict[str, Any]) -> int:
     """The layers a config asks for: every whole number under a layer-counting key, in it and its sub-configs."""
+
     def total(value: Any, depth: int = 0) -> int:
         if isinstance(value, bool):
             return 0
@@ -141,8 +169,12 @@ def layer_count(config: dict[str, Any]) -> int:
             return sum(total(item, depth + 1) for item in value)
         return 0
 
-    return sum(total(value) for _, part in config_parts(config)
-               for key, value in part.items() if isinstance(key, str) and LAYER_KEY.search(key))
+    return sum(
+        total(value)
+        for _, part in config_parts(config)
+        for key, value in part.items()
+        if isinstance(key, str) and LAYER_KEY.search(key)
+    )
 
 
 def model_class(name: str) -> Any:
@@ -150,12 +182,15 @@ def model_class(name: str) -> Any:
     try:
         import transformers
     except ImportError:
-        raise SourceNotFoundError("a Hugging Face model directory needs transformers",
-                                  "pip install transformers") from None
+        raise SourceNotFoundError(
+            "a Hugging Face model directory needs transformers", "pip install transformers"
+        ) from None
     cls = getattr(transformers, name, None) if CLASS_PATTERN.match(name) else None
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
-        raise SourceNotFoundError(f"transformers {transformers.__version__} has no model class {shown(name, 80)}",
-                                  "upgrade transformers, or pass a factory that builds the model")
+        raise SourceNotFoundError(
+            f"transformers {transformers.__version__} has no model class {shown(name, 80)}",
+            "upgrade transformers, or pass a factory that builds the model",
+        )
     return cls
 
 
@@ -203,10 +238,14 @@ def build(name: str, kwargs: dict[str, Any], origin: str | None = None) -> "nn.M
     except Exception as error:
         text = " ".join(str(error).split())[:300] or type(error).__name__
         if origin is not None:
-            raise CheckpointError(f"transformers {name} cannot be built from {origin}: {type(error).__name__}: {text}",
-                                  "save the model again with save_pretrained, or restore its config.json") from None
-        raise UsageError(f"transformers {name} cannot be built from its recorded config: {type(error).__name__}: {text}",
-                         "convert the original model directory again") from None
+            raise CheckpointError(
+                f"transformers {name} cannot be built from {origin}: {type(error).__name__}: {text}",
+                "save the model again with save_pretrained, or restore its config.json",
+            ) from None
+        raise UsageError(
+            f"transformers {name} cannot be built from its recorded config: {type(error).__name__}: {text}",
+            "convert the original model directory again",
+        ) from None
 
 
 def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str, dict[str, Any]]":
@@ -234,10 +273,15 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
         # meta: nothing allocated, but transformers' own key mapping and loading info, so that the weights must
         # fit as for a real load (inspect as convert)
         with hub_offline():
-            model, info = cls.from_pretrained(str(directory), local_files_only=True, output_loading_info=True,
-                                              dtype=stored or "auto", ignore_mismatched_sizes=True,
-                                              config=cls.config_class.from_dict(local_config(config)),
-                                              **({"device_map": "meta"} if meta else {}))
+            model, info = cls.from_pretrained(
+                str(directory),
+                local_files_only=True,
+                output_loading_info=True,
+                dtype=stored or "auto",
+                ignore_mismatched_sizes=True,
+                config=cls.config_class.from_dict(local_config(config)),
+                **({"device_map": "meta"} if meta else {}),
+            )
     except Exception as error:
         pickled = any(path.suffix == ".bin" for path in weights_files(directory))
         if pickled and (isinstance(error, pickle.UnpicklingError) or "weights_only" in str(error)):
@@ -245,9 +289,12 @@ def load_directory(directory: Path, meta: bool = False) -> "tuple[nn.Module, str
                 f"{directory}: its weights file is a pickle that would run code when loaded "
                 f"(torch refused it with weights_only=True)",
                 "ask for the model saved with save_pretrained (model.safetensors); bnsurgeon never runs code "
-                "from a model directory") from None
-        raise CheckpointError(f"{directory}: transformers could not load {name}: {type(error).__name__}: "
-                              f"{first_line(error)}", "check the directory's weights files") from None
+                "from a model directory",
+            ) from None
+        raise CheckpointError(
+            f"{directory}: transformers could not load {name}: {type(error).__name__}: {first_line(error)}",
+            "check the directory's weights files",
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bar:
@@ -278,8 +325,11 @@ def own_memory(model: "nn.Module") -> None:
 
 def weights_files(directory: Path) -> list[Path]:
     """The files save_pretrained writes for the weights (single, shards, their indexes), sorted."""
-    return sorted(path for path in directory.iterdir()
-                  if path.is_file() and (path.name in WEIGHTS_NAMES or SHARD_PATTERN.match(path.name)))
+    return sorted(
+        path
+        for path in directory.iterdir()
+        if path.is_file() and (path.name in WEIGHTS_NAMES or SHARD_PATTERN.match(path.name))
+    )
 
 
 def directory_inputs(directory: Path) -> list[Path]:
@@ -318,7 +368,8 @@ def check_model_size(directory: Path, name: str, skeleton: "nn.Module") -> None:
         raise CheckpointError(
             f"{directory / CONFIG_NAME} describes a {name} of {elements:,} weights, more than its weights files "
             f"({stored:,} bytes) can hold: the config does not belong to these weights",
-            "save the model again with save_pretrained, or restore its config.json")
+            "save the model again with save_pretrained, or restore its config.json",
+        )
 
 
 #: an index lists one file name per tensor: tens of MB for the largest models
@@ -342,8 +393,14 @@ def check_shard_index(directory: Path) -> None:
                 if not isinstance(files, dict) or not all(isinstance(f, str) for f in files.values()):
                     problem = "has no weight_map of tensor names to file names"
                 else:
-                    outside = next((f for f in files.values() if Path(f).name != f or f in ("", ".", "..")
-                                    or not (directory / f).is_file()), None)
+                    outside = next(
+                        (
+                            f
+                            for f in files.values()
+                            if Path(f).name != f or f in ("", ".", "..") or not (directory / f).is_file()
+                        ),
+                        None,
+                    )
                     suffix = ".safetensors" if name.startswith("model.") else ".bin"
                     other = next((f for f in files.values() if not f.endswith(suffix)), None)
                     if outside is not None:
@@ -373,7 +430,8 @@ def stored_tensors(directory: Path) -> "dict[str, torch.Tensor]":
             raise UnsafeCheckpointError(
                 f"{path}: this weights file is a pickle that would run code when loaded",
                 "ask for the model saved with save_pretrained (model.safetensors); bnsurgeon never runs code "
-                "from a model directory") from None
+                "from a model directory",
+            ) from None
         if isinstance(obj, dict):
             tensors.update((key, value) for key, value in obj.items() if isinstance(value, torch.Tensor))
     return tensors
@@ -392,7 +450,8 @@ def check_layer_count(directory: Path, config: dict[str, Any], tensors: "dict[st
         raise CheckpointError(
             f"{directory / CONFIG_NAME} asks for {layers:,} layers, more than its weights files hold tensors "
             f"({len(tensors):,}): the config does not belong to these weights",
-            "save the model again with save_pretrained, or restore its config.json")
+            "save the model again with save_pretrained, or restore its config.json",
+        )
 
 
 def stored_dtype(tensors: "dict[str, torch.Tensor]") -> "torch.dtype | None":
@@ -421,15 +480,17 @@ def check_loading_info(directory: Path, name: str, info: dict[str, Any]) -> None
     and it does not change what frozen BN computes)."""
     missing = sorted(info.get("missing_keys") or ())
     unexpected = sorted(key for key in info.get("unexpected_keys") or () if not key.endswith("num_batches_tracked"))
-    mismatched = sorted(str(item[0]) if isinstance(item, (tuple, list)) else str(item)
-                        for item in info.get("mismatched_keys") or ())
+    mismatched = sorted(
+        str(item[0]) if isinstance(item, (tuple, list)) else str(item) for item in info.get("mismatched_keys") or ()
+    )
     for keys, what in ((missing, "lacks"), (mismatched, "has another shape for"), (unexpected, "has weights")):
         if keys:
             detail = "it does not define" if what == "has weights" else "it defines"
             raise WeightsMismatchError(
                 f"{directory} {what} {len(keys)} of the weights {name} {detail} ({shown(keys[0], 120)}"
                 f"{', ...' if len(keys) > 1 else ''}): from_pretrained would only warn",
-                "save the model again with save_pretrained, or check that config.json belongs to these weights")
+                "save the model again with save_pretrained, or check that config.json belongs to these weights",
+            )
 
 
 def is_bnsurgeon_file(path: Path) -> bool:
@@ -456,22 +517,30 @@ def read_preprocessor_text(path: Path) -> str:
     """preprocessor_config.json as data, checked as config.json is: bounded, one JSON object whose keys do not repeat,
     asking for no remote code (an ``auto_map`` names code from the directory). Its text, to be used or copied."""
     if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise CheckpointError(f"{path} is {path.stat().st_size:,} bytes, not a preprocessor config",
-                              "save the image processor again with save_pretrained")
+        raise CheckpointError(
+            f"{path} is {path.stat().st_size:,} bytes, not a preprocessor config",
+            "save the image processor again with save_pretrained",
+        )
     try:
         text = path.read_text(encoding="utf-8")
         value = json.loads(text, object_pairs_hook=unique_keys)
     except RepeatedKeyError as error:
-        raise CheckpointError(f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
-                              "value counts, so bnsurgeon reads neither", "keep one entry for the key") from None
+        raise CheckpointError(
+            f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
+            "value counts, so bnsurgeon reads neither",
+            "keep one entry for the key",
+        ) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise CheckpointError(f"{path} is not valid JSON ({type(error).__name__})",
-                              "save the image processor again with save_pretrained") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({type(error).__name__})", "save the image processor again with save_pretrained"
+        ) from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} is not a JSON object", "save the image processor again with save_pretrained")
     if "auto_map" in value:
-        raise ConfirmationError(f"{path} asks for remote code (auto_map): bnsurgeon does not import it",
-                                "pass the preprocessed batches as a tensor file instead of an image folder")
+        raise ConfirmationError(
+            f"{path} asks for remote code (auto_map): bnsurgeon does not import it",
+            "pass the preprocessed batches as a tensor file instead of an image folder",
+        )
     return text
 
 
@@ -486,9 +555,12 @@ def image_processor(directory: Path) -> "tuple[Any, str] | None":
 
     try:
         with hub_offline():
-            processor = AutoImageProcessor.from_pretrained(str(directory), local_files_only=True,
-                                                           trust_remote_code=False)
+            processor = AutoImageProcessor.from_pretrained(
+                str(directory), local_files_only=True, trust_remote_code=False
+            )
     except Exception as error:
-        raise CheckpointError(f"{path}: transformers cannot build its image processor: {type(error).__name__}: "
-                              f"{first_line(error)}", "save the image processor again with save_pretrained") from None
+        raise CheckpointError(
+            f"{path}: transformers cannot build its image processor: {type(error).__name__}: {first_line(error)}",
+            "save the image processor again with save_pretrained",
+        ) from None
     return processor, f"{type(processor).__name__} from {path}"

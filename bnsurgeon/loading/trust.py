@@ -122,9 +122,14 @@ def confirmation_hints(unconfirmed: dict[str, Any], flag: str) -> tuple[str, str
     retyped = {key: _retyped(key, value) for key, value in unconfirmed.items()}
     if all(text is not None for text in retyped.values()):
         typed = " ".join(f"{flag}-arg {_shell_word(f'{key}={text}')}" for key, text in retyped.items())
-        hints = (f"confirm each with {typed} (or all with --accept-recorded-args)",
-                 python_args_hint({key: text for key, text in retyped.items() if text is not None}, flag,
-                                  " (or all with accept_recorded_args=True)"))
+        hints = (
+            f"confirm each with {typed} (or all with --accept-recorded-args)",
+            python_args_hint(
+                {key: text for key, text in retyped.items() if text is not None},
+                flag,
+                " (or all with accept_recorded_args=True)",
+            ),
+        )
         if max(map(len, hints)) <= MAX_TEXT - 200:  # whole, or not at all: a cut command would be wrong
             return hints
         why = " (the recorded values are too long together to retype)"
@@ -148,10 +153,16 @@ def same_value(a: Any, b: Any) -> bool:
         return False
 
 
-def confirm_architecture(recorded: Architecture, origin: Any, named: str | None = None,
-                         named_args: dict[str, Any] | None = None, *,
-                         accept_recorded_args: bool = False, flag: str = "--model",
-                         named_elsewhere: Architecture | None = None) -> Architecture:
+def confirm_architecture(
+    recorded: Architecture,
+    origin: Any,
+    named: str | None = None,
+    named_args: dict[str, Any] | None = None,
+    *,
+    accept_recorded_args: bool = False,
+    flag: str = "--model",
+    named_elsewhere: Architecture | None = None,
+) -> Architecture:
     """The architecture to build for a file that records ``recorded``, under the trust rules.
 
     ``named``/``named_args`` are what the user typed for this file (``--model``,
@@ -165,9 +176,16 @@ def confirm_architecture(recorded: Architecture, origin: Any, named: str | None 
     it confirm the same recorded values; any other factory or value still needs confirming.
     """
     named_args = dict(named_args or {})
-    elsewhere = named_elsewhere if (named is None and named_elsewhere is not None
-                                    and named_elsewhere.kind in ("timm", "factory")
-                                    and _same_spec(named_elsewhere, recorded)) else None
+    elsewhere = (
+        named_elsewhere
+        if (
+            named is None
+            and named_elsewhere is not None
+            and named_elsewhere.kind in ("timm", "factory")
+            and _same_spec(named_elsewhere, recorded)
+        )
+        else None
+    )
     if named is not None:
         chosen = parse_architecture(named, named_args)
         if not _same_spec(chosen, recorded):
@@ -179,7 +197,8 @@ def confirm_architecture(recorded: Architecture, origin: Any, named: str | None 
             f"if you trust that code, confirm it with {flag} {recorded.name}",
         )
     unconfirmed = {
-        key: value for key, value in recorded.kwargs.items()
+        key: value
+        for key, value in recorded.kwargs.items()
         if not (recorded.kind == "timm" and key in TENSOR_CHECKED_TIMM_ARGS)
         and recorded.kind != "transformers"  # the config is data, as config.json is to transformers itself
         and not (key in named_args and named_args[key] == value)
@@ -190,7 +209,8 @@ def confirm_architecture(recorded: Architecture, origin: Any, named: str | None 
         hint, python = confirmation_hints(unconfirmed, flag)
         raise ConfirmationError(
             f"{origin} records constructor arguments its weights cannot confirm: {describe_kwargs(unconfirmed)}",
-            hint, python=python,
+            hint,
+            python=python,
         )
     kwargs = {**recorded.kwargs, **named_args}
     return Architecture(recorded.kind, recorded.name, kwargs)

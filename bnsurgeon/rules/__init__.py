@@ -57,14 +57,17 @@ def _as_rules(value, origin: str) -> list[Rule]:
         try:
             value = value()
         except Exception as error:  # the user's code: its failure is a usage error, not a crash
-            raise UsageError(f"{origin} raised {type(error).__name__}: {str(error).strip()[:200]}",
-                             "make it a Rule, a list of Rules, or a callable that takes no arguments and "
-                             "returns them") from None
+            raise UsageError(
+                f"{origin} raised {type(error).__name__}: {str(error).strip()[:200]}",
+                "make it a Rule, a list of Rules, or a callable that takes no arguments and returns them",
+            ) from None
     items = [value] if isinstance(value, Rule) else list(value) if isinstance(value, (list, tuple)) else [value]
     for item in items:
         if not isinstance(item, Rule):
-            raise UsageError(f"{origin} gave {type(item).__name__}, not a Rule",
-                             "make it a bnsurgeon.rules.Rule, a list of them, or a callable returning those")
+            raise UsageError(
+                f"{origin} gave {type(item).__name__}, not a Rule",
+                "make it a bnsurgeon.rules.Rule, a list of them, or a callable returning those",
+            )
     return items
 
 
@@ -97,8 +100,10 @@ def use_rules(specs) -> list[str]:
         try:
             module, attribute = import_named_module(spec)
         except ImportError as error:
-            raise SourceNotFoundError(f"--rules {spec}: cannot import {module_name!r} ({error})",
-                                      "run from the directory that holds it, or install it") from None
+            raise SourceNotFoundError(
+                f"--rules {spec}: cannot import {module_name!r} ({error})",
+                "run from the directory that holds it, or install it",
+            ) from None
         if not hasattr(module, attribute):
             raise SourceNotFoundError(f"--rules {spec}: {module_name} has no {attribute!r}", "check the object's name")
         found = _as_rules(getattr(module, attribute), f"--rules {spec}")
@@ -118,16 +123,21 @@ def _refuse_builtin_overrides(found: list[Rule], spec: str) -> None:
 
     builtin = {rule.name for rule in builtin_rules()} | {name for _, name, _ in OPTIONAL_CLASSES.values()}
     registry = default_registry()
-    hint = ("claim only your own classes (rules match the exact class), under a name of your own; to replace a "
-            "built-in rule on purpose, register it in Python: bnsurgeon.rules.register(rule, replace=True)")
+    hint = (
+        "claim only your own classes (rules match the exact class), under a name of your own; to replace a "
+        "built-in rule on purpose, register it in Python: bnsurgeon.rules.register(rule, replace=True)"
+    )
     for rule in found:
         if rule.name in builtin:
             raise UsageError(f"--rules {spec}: rule name {rule.name!r} is a built-in rule's", hint)
         for cls in rule.classes:
             taken = registry.lookup(cls)
             if taken is not None and taken.name in builtin:
-                raise UsageError(f"--rules {spec}: rule {rule.name!r} claims {qualname(cls)}, which the built-in rule "
-                                 f"{taken.name!r} converts", hint)
+                raise UsageError(
+                    f"--rules {spec}: rule {rule.name!r} claims {qualname(cls)}, which the built-in rule "
+                    f"{taken.name!r} converts",
+                    hint,
+                )
 
 
 def specs_for(rule_names) -> list[str]:
@@ -152,14 +162,21 @@ def confirm_rules(recorded, origin: str) -> None:
         command = " ".join(f"--rules {spec}" for spec in missing)
         python = f"bnsurgeon.rules.use_rules({missing!r})"
         if len(command) + len(python) > CONFIRMATION_HINT_CHARS:  # a hint is a whole command or none
-            hint = (f"if you trust that code, name each of the {len(missing)} recorded rule modules with --rules "
-                    "(the file's bnsurgeon.rules metadata lists them)")
-            python = (f"if you trust that code, pass each of the {len(missing)} recorded rule modules to "
-                      "bnsurgeon.rules.use_rules([...]) (the file's bnsurgeon.rules metadata lists them)")
+            hint = (
+                f"if you trust that code, name each of the {len(missing)} recorded rule modules with --rules "
+                "(the file's bnsurgeon.rules metadata lists them)"
+            )
+            python = (
+                f"if you trust that code, pass each of the {len(missing)} recorded rule modules to "
+                "bnsurgeon.rules.use_rules([...]) (the file's bnsurgeon.rules metadata lists them)"
+            )
         else:
             hint, python = f"if you trust that code, confirm with {command}", f"if you trust that code, call {python}"
-        raise ConfirmationError(f"{origin} was converted with rules from {', '.join(missing)}; importing them runs code",
-                                hint, python=python)
+        raise ConfirmationError(
+            f"{origin} was converted with rules from {', '.join(missing)}; importing them runs code",
+            hint,
+            python=python,
+        )
 
 
 def default_registry() -> Registry:

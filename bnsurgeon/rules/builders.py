@@ -12,9 +12,15 @@ from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, att
 from bnsurgeon.rules.base import BuildContext
 
 PLAIN_BN: "dict[str, type[nn.modules.batchnorm._BatchNorm]]" = {
-    qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)}
+    qualname(c): c for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+}
 #: input rank seen at a module -> the plain class that accepts it
-_BN_FOR_DIMS: "dict[int, type[nn.modules.batchnorm._BatchNorm]]" = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+_BN_FOR_DIMS: "dict[int, type[nn.modules.batchnorm._BatchNorm]]" = {
+    2: nn.BatchNorm1d,
+    3: nn.BatchNorm1d,
+    4: nn.BatchNorm2d,
+    5: nn.BatchNorm3d,
+}
 DIMS_OF_PLAIN = {qualname(nn.BatchNorm1d): 3, qualname(nn.BatchNorm2d): 4, qualname(nn.BatchNorm3d): 5}
 
 
@@ -79,8 +85,10 @@ def to_plain(module: nn.Module, context: BuildContext) -> nn.Module:
     cls = PLAIN_BN.get(fields.origin)
     if cls is None and context.input_dims in _BN_FOR_DIMS:
         cls = _BN_FOR_DIMS[context.input_dims]
-        context.notes.append(f"{short_name(fields.origin)} has no dimensionality; {cls.__name__} from the "
-                             f"{context.input_dims}-d input the check input gave it")
+        context.notes.append(
+            f"{short_name(fields.origin)} has no dimensionality; {cls.__name__} from the "
+            f"{context.input_dims}-d input the check input gave it"
+        )
     if cls is None:
         cls = nn.BatchNorm2d
         if not is_frozen_origin(fields.origin):
@@ -101,8 +109,13 @@ def to_plain_act(module: nn.Module, context: BuildContext) -> nn.Module:
         return context.keep(module, "already plain")
     fields = read_fields(module)
     new = BatchNormAct2d(
-        fields.num_features, fields.eps, fields.momentum, fields.affine, fields.track_running_stats,  # type: ignore[arg-type]  # timm types momentum as float; None (cumulative) works
-        apply_act=False, device="meta",
+        fields.num_features,
+        fields.eps,
+        fields.momentum,  # type: ignore[arg-type]  # timm types momentum as float; None (cumulative) works
+        fields.affine,
+        fields.track_running_stats,
+        apply_act=False,
+        device="meta",
     )
     _with_tensors(new, fields)
     attach_children(new, fields)

@@ -63,7 +63,7 @@ def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torc
         clone, start = shallow_clone(producer), 0
         for name, conv in producer.named_children():
             width = out_features(conv)
-            clone._modules[name] = _fold_scale_shift(conv, scale[start:start + width], shift[start:start + width])
+            clone._modules[name] = _fold_scale_shift(conv, scale[start : start + width], shift[start : start + width])
             start += width
         return clone
     weight: torch.Tensor = getattr(producer, "weight")  # noqa: B009  (typed: Module.__getattr__ is Tensor | Module)
@@ -80,21 +80,34 @@ def _fold_scale_shift(producer: "nn.Module", scale: "torch.Tensor", shift: "torc
     new_bias = b64 * scale + shift
     cast_weight = folded.to(weight.dtype)
     cast_bias = new_bias.to(device=weight.device, dtype=bias.dtype if bias is not None else weight.dtype)
-    reason = _dtype_reason(folded, cast_weight, new_bias, cast_bias,
-                           channel_dim=1 if isinstance(producer, nn.modules.conv._ConvTransposeNd) else 0,
-                           groups=getattr(producer, "groups", 1))
+    reason = _dtype_reason(
+        folded,
+        cast_weight,
+        new_bias,
+        cast_bias,
+        channel_dim=1 if isinstance(producer, nn.modules.conv._ConvTransposeNd) else 0,
+        groups=getattr(producer, "groups", 1),
+    )
     if reason is not None:
         raise Unfoldable(reason)
     clone = shallow_clone(producer)
     clone._parameters["weight"] = nn.Parameter(cast_weight, requires_grad=weight.requires_grad)
     clone._parameters["bias"] = nn.Parameter(
-        cast_bias, requires_grad=bias.requires_grad if bias is not None else weight.requires_grad,
+        cast_bias,
+        requires_grad=bias.requires_grad if bias is not None else weight.requires_grad,
     )
     return clone
 
 
-def _dtype_reason(weight64: "torch.Tensor", weight: "torch.Tensor", bias64: "torch.Tensor", bias: "torch.Tensor",
-                  *, channel_dim: int = 0, groups: int = 1) -> str | None:
+def _dtype_reason(
+    weight64: "torch.Tensor",
+    weight: "torch.Tensor",
+    bias64: "torch.Tensor",
+    bias: "torch.Tensor",
+    *,
+    channel_dim: int = 0,
+    groups: int = 1,
+) -> str | None:
     """Why the float64 fold cannot be held in the producer's dtype, or None.
 
     Overflow: a folded weight or bias that is finite in float64 becomes inf (float16's max is
@@ -111,23 +124,30 @@ def _dtype_reason(weight64: "torch.Tensor", weight: "torch.Tensor", bias64: "tor
         over = high.isfinite() & ~low.isfinite()
         if bool(over.any()):
             largest = high[over].abs().max().item()
-            return (f"the fold overflows {name}: folded {what} reach {largest:.3g}, beyond {name}'s max "
-                    f"{torch.finfo(low.dtype).max:.3g} (a BN scale gamma/sqrt(var+eps) too large for {name}; "
-                    "convert a float32 copy to fold it)")
+            return (
+                f"the fold overflows {name}: folded {what} reach {largest:.3g}, beyond {name}'s max "
+                f"{torch.finfo(low.dtype).max:.3g} (a BN scale gamma/sqrt(var+eps) too large for {name}; "
+                "convert a float32 copy to fold it)"
+            )
     if channel_dim == 1:  # transposed conv: (in, out/groups, ...) per group -> (out, ...)
         shape = weight.shape
+
         def per_channel(t):
             return t.reshape(groups, shape[0] // groups, shape[1], -1).transpose(1, 2).reshape(groups * shape[1], -1)
     else:
+
         def per_channel(t):
             return t.reshape(t.shape[0], -1)
+
     lost = (per_channel(weight64) != 0).any(1) & ~(per_channel(weight) != 0).any(1)
     if bool(lost.any()):
         channels = lost.nonzero().flatten().tolist()
         listed = ", ".join(map(str, channels[:6])) + (", ..." if len(channels) > 6 else "")
-        return (f"the fold underflows {name}: {counted(len(channels), 'output channel')} ({listed}) would have all-zero "
-                f"weights in {name} (a BN scale gamma/sqrt(var+eps) too small for {name}; convert a float32 copy "
-                "to fold it)")
+        return (
+            f"the fold underflows {name}: {counted(len(channels), 'output channel')} ({listed}) would have all-zero "
+            f"weights in {name} (a BN scale gamma/sqrt(var+eps) too small for {name}; convert a float32 copy "
+            "to fold it)"
+        )
     return None
 
 
@@ -149,8 +169,15 @@ def producer_types() -> tuple[type, ...]:
     may change the weight (weight standardization, CondConv's expert mixing) and are left."""
     from torch import nn
 
-    torch_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-                   nn.Linear)
+    torch_types = (
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.ConvTranspose1d,
+        nn.ConvTranspose2d,
+        nn.ConvTranspose3d,
+        nn.Linear,
+    )
     return torch_types + _timm_producer_types()
 
 

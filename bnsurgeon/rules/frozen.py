@@ -22,8 +22,7 @@ def _frozen_rule(name: str, cls: type, description: str, *, act: bool, exact: bo
     return Rule(
         name=name,
         classes=(cls,),
-        targets={"sync": thaw_or_keep(sync), "plain": thaw_or_keep(plain), "frozen": keep_if("frozen"),
-                 "fused": fused},
+        targets={"sync": thaw_or_keep(sync), "plain": thaw_or_keep(plain), "frozen": keep_if("frozen"), "fused": fused},
         description=description,
         exact=exact,
     )
@@ -40,15 +39,29 @@ def rules() -> list[Rule]:
     try:
         from torchvision.ops.misc import FrozenBatchNorm2d
 
-        result.append(_frozen_rule("torchvision-frozen", FrozenBatchNorm2d,
-                                   "torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)", act=False, exact=False))
+        result.append(
+            _frozen_rule(
+                "torchvision-frozen",
+                FrozenBatchNorm2d,
+                "torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)",
+                act=False,
+                exact=False,
+            )
+        )
     except ImportError:
         pass
     try:
         from timm.layers import FrozenBatchNormAct2d
 
-        result.append(_frozen_rule("timm-frozen-act", FrozenBatchNormAct2d,
-                                   "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)", act=True, exact=False))
+        result.append(
+            _frozen_rule(
+                "timm-frozen-act",
+                FrozenBatchNormAct2d,
+                "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)",
+                act=True,
+                exact=False,
+            )
+        )
     except ImportError:
         pass
     return result

@@ -13,8 +13,12 @@ def rules() -> list[Rule]:
         Rule(
             name="bnsurgeon-sync-act",
             classes=(SyncBatchNormAct,),
-            targets={"sync": regroup_or_keep(to_sync_act), "plain": to_plain_act, "frozen": to_frozen_act,
-                     "fused": to_fused_act},
+            targets={
+                "sync": regroup_or_keep(to_sync_act),
+                "plain": to_plain_act,
+                "frozen": to_frozen_act,
+                "fused": to_fused_act,
+            },
             description="bnsurgeon SyncBatchNormAct (act and drop kept)",
         )
     ]

@@ -19,14 +19,26 @@ from bnsurgeon.rules.builders import to_frozen, to_fused, to_plain, to_sync
 
 #: module that must already be imported -> (attribute, rule name, description)
 OPTIONAL_CLASSES = {
-    "mmengine.utils.dl_utils.parrots_wrapper": ("SyncBatchNorm", "mmengine-syncbn",
-                                                "mmengine SyncBatchNorm (norm_cfg type='SyncBN')"),
-    "mmengine.model.utils": ("_BatchNormXd", "mmengine-batchnorm-xd",
-                             "mmengine _BatchNormXd (revert_sync_batchnorm); plain: dims from the check input"),
-    "lightning.pytorch.plugins.layer_sync": ("_BatchNormXd", "lightning-batchnorm-xd",
-                                             "Lightning _BatchNormXd (TorchSyncBatchNorm.revert)"),
-    "pytorch_lightning.plugins.layer_sync": ("_BatchNormXd", "pytorch-lightning-batchnorm-xd",
-                                             "pytorch_lightning _BatchNormXd (TorchSyncBatchNorm.revert)"),
+    "mmengine.utils.dl_utils.parrots_wrapper": (
+        "SyncBatchNorm",
+        "mmengine-syncbn",
+        "mmengine SyncBatchNorm (norm_cfg type='SyncBN')",
+    ),
+    "mmengine.model.utils": (
+        "_BatchNormXd",
+        "mmengine-batchnorm-xd",
+        "mmengine _BatchNormXd (revert_sync_batchnorm); plain: dims from the check input",
+    ),
+    "lightning.pytorch.plugins.layer_sync": (
+        "_BatchNormXd",
+        "lightning-batchnorm-xd",
+        "Lightning _BatchNormXd (TorchSyncBatchNorm.revert)",
+    ),
+    "pytorch_lightning.plugins.layer_sync": (
+        "_BatchNormXd",
+        "pytorch-lightning-batchnorm-xd",
+        "pytorch_lightning _BatchNormXd (TorchSyncBatchNorm.revert)",
+    ),
 }
 
 
@@ -39,7 +51,12 @@ def imported_rules(already: set[str]) -> list[Rule]:
         if cls is None or name in already:
             continue
         already.add(name)
-        found.append(Rule(name=name, classes=(cls,),
-                          targets={"sync": to_sync, "plain": to_plain, "frozen": to_frozen, "fused": to_fused},
-                          description=description))
+        found.append(
+            Rule(
+                name=name,
+                classes=(cls,),
+                targets={"sync": to_sync, "plain": to_plain, "frozen": to_frozen, "fused": to_fused},
+                description=description,
+            )
+        )
     return found

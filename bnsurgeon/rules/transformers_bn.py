@@ -78,14 +78,17 @@ def _probe(cls: type) -> float | None:
             if not (0 < eps < 1):
                 return None
             generator = torch.Generator().manual_seed(0)
-            values = {buffer: torch.rand(4, generator=generator, dtype=torch.float64) + 0.5
-                      for buffer in ("weight", "bias", "running_mean", "running_var")}
+            values = {
+                buffer: torch.rand(4, generator=generator, dtype=torch.float64) + 0.5
+                for buffer in ("weight", "bias", "running_mean", "running_var")
+            }
             for buffer, value in values.items():
                 buffers[buffer].copy_(value)
             x = torch.randn(2, 4, 3, 3, generator=generator, dtype=torch.float64)
             shape = (1, 4, 1, 1)
-            expected = ((x - values["running_mean"].view(shape)) / (values["running_var"].view(shape) + eps).sqrt()
-                        * values["weight"].view(shape) + values["bias"].view(shape))
+            expected = (x - values["running_mean"].view(shape)) / (
+                values["running_var"].view(shape) + eps
+            ).sqrt() * values["weight"].view(shape) + values["bias"].view(shape)
             got = module(x)
     except Exception:
         return None
@@ -126,8 +129,12 @@ def rule_for(cls: type, eps: float) -> Rule:
     return Rule(
         name=f"transformers-{cls.__name__}",
         classes=(cls,),
-        targets={"sync": thaw_or_keep(_with_eps(to_sync, eps)), "plain": thaw_or_keep(_with_eps(to_plain, eps)),
-                 "frozen": keep_if("frozen"), "fused": _with_eps(to_fused, eps)},
+        targets={
+            "sync": thaw_or_keep(_with_eps(to_sync, eps)),
+            "plain": thaw_or_keep(_with_eps(to_plain, eps)),
+            "frozen": keep_if("frozen"),
+            "fused": _with_eps(to_fused, eps),
+        },
         description=f"transformers {cls.__name__} (frozen BN, eps {eps:g} measured; x*scale+shift arithmetic)",
         exact=False,
     )

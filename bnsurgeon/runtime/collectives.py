@@ -44,7 +44,9 @@ def _finish(work, local: torch.Tensor, describe: Callable[[], str] | None) -> No
         ) from error
 
 
-def all_gather_rows(local: torch.Tensor, world_size: int, group, describe: Callable[[], str] | None = None) -> torch.Tensor:
+def all_gather_rows(
+    local: torch.Tensor, world_size: int, group, describe: Callable[[], str] | None = None
+) -> torch.Tensor:
     """One all_gather of a 1-D tensor; row r of the result is rank r's tensor.
 
     The output is allocated flat because gloo's flat all_gather requires it.
@@ -55,7 +57,9 @@ def all_gather_rows(local: torch.Tensor, world_size: int, group, describe: Calla
     return gathered.view(world_size, local.numel())
 
 
-def all_reduce_sum(local: torch.Tensor, world_size: int, group, describe: Callable[[], str] | None = None) -> torch.Tensor:
+def all_reduce_sum(
+    local: torch.Tensor, world_size: int, group, describe: Callable[[], str] | None = None
+) -> torch.Tensor:
     """Sum of a small 1-D tensor over the group, identical on every rank.
 
     Off the CPU (NCCL and other device backends) an all_reduce. On CPU an all_gather

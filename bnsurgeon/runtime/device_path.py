@@ -69,6 +69,7 @@ def all_reduce_into(packed: torch.Tensor, group) -> None:
 
 
 if hasattr(dist, "all_gather_single"):  # torch >= 2.13 deprecates all_gather_into_tensor (a warning per call)
+
     def all_gather_into(gathered: torch.Tensor, row: torch.Tensor, group) -> None:  # noqa: F811
         """ONE all_gather, stream-ordered: no host wait (a separate ``wait()`` is a second profiler record)."""
         dist.all_gather_single(gathered, row, group=group)
@@ -86,8 +87,20 @@ def _affine_for(x: torch.Tensor, weight, bias, stats_dtype: torch.dtype):
     return weight, bias
 
 
-def forward(x, weight, bias, running_mean, running_var, eps: float, momentum: float, group, world_size: int,
-            identity, remember: bool, replay: bool):
+def forward(
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    eps: float,
+    momentum: float,
+    group,
+    world_size: int,
+    identity,
+    remember: bool,
+    replay: bool,
+):
     """(y, GlobalStats) of the synchronized batch norm of ``x`` (a CUDA tensor in its memory format)."""
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
@@ -122,26 +135,39 @@ def forward(x, weight, bias, running_mean, running_var, eps: float, momentum: fl
     if count <= 1:  # only a rank holding at most one value can be part of a global batch of one
         torch._assert_async(counts.sum() != 1, one_value_message(x.shape, world_size, name))
 
-    mean, invstd = _merge(means, invstds, counts, running_mean, running_var, eps, momentum,
-                          stats_dtype, empty_here=count == 0, update=not replay)
+    mean, invstd = _merge(
+        means,
+        invstds,
+        counts,
+        running_mean,
+        running_var,
+        eps,
+        momentum,
+        stats_dtype,
+        empty_here=count == 0,
+        update=not replay,
+    )
     stats = GlobalStats(mean, None, invstd, counts.to(torch.int32), None, row[HEADER:] if remember else None)
     if identity is not None and remember and not replay:
         identity.stash.remember(stats)
     return _normalize(x, weight, bias, stats, eps), stats
 
 
-def _merge(means, invstds, counts, running_mean, running_var, eps, momentum, stats_dtype, empty_here: bool,
-           update: bool):
+def _merge(
+    means, invstds, counts, running_mean, running_var, eps, momentum, stats_dtype, empty_here: bool, update: bool
+):
     """Global (mean, invstd) from the ordered rows; the running statistics updated as plain BN's would be."""
     if not update or running_mean is None or running_var is None:
         return torch.batch_norm_gather_stats_with_counts(means, means, invstds, None, None, 0.0, eps, counts)
     direct = running_mean.dtype == stats_dtype and running_var.dtype == stats_dtype and not empty_here
     if direct:
-        return torch.batch_norm_gather_stats_with_counts(means, means, invstds, running_mean, running_var,
-                                                         momentum, eps, counts)
+        return torch.batch_norm_gather_stats_with_counts(
+            means, means, invstds, running_mean, running_var, momentum, eps, counts
+        )
     new_mean, new_var = running_mean.to(stats_dtype, copy=True), running_var.to(stats_dtype, copy=True)
-    mean, invstd = torch.batch_norm_gather_stats_with_counts(means, means, invstds, new_mean, new_var, momentum, eps,
-                                                             counts)
+    mean, invstd = torch.batch_norm_gather_stats_with_counts(
+        means, means, invstds, new_mean, new_var, momentum, eps, counts
+    )
     if empty_here:  # the global batch may be empty too: then the statistics stay as they were
         anything = counts.sum() > 0
         new_mean = torch.where(anything, new_mean, running_mean.to(stats_dtype))
@@ -166,15 +192,24 @@ def backward(grad_output, x, weight, stats_mean, stats_invstd, counts, group, ne
             all_reduce_into(packed, group)
         # parameter gradients of zeros, not None: DDP waits for a gradient of every parameter on every rank
         zeros = torch.zeros(x.shape[1], dtype=weight.dtype, device=x.device) if weight is not None else None
-        return (torch.zeros_like(x) if needs_input_grad[0] else None, zeros if needs_input_grad[1] else None,
-                zeros if needs_input_grad[2] else None)
+        return (
+            torch.zeros_like(x) if needs_input_grad[0] else None,
+            zeros if needs_input_grad[1] else None,
+            zeros if needs_input_grad[2] else None,
+        )
     param_dtype = weight.dtype if weight is not None else None
     weight_for_reduce = weight
     if weight is not None and weight.dtype not in (x.dtype, stats_mean.dtype):
         weight_for_reduce = weight.to(stats_mean.dtype)
     sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
-        grad_output, x, stats_mean, stats_invstd, weight_for_reduce, needs_input_grad[0],
-        weight is not None and needs_input_grad[1], weight is not None and needs_input_grad[2],
+        grad_output,
+        x,
+        stats_mean,
+        stats_invstd,
+        weight_for_reduce,
+        needs_input_grad[0],
+        weight is not None and needs_input_grad[1],
+        weight is not None and needs_input_grad[2],
     )
     grad_input = None
     if needs_input_grad[0]:
@@ -183,8 +218,9 @@ def backward(grad_output, x, weight, stats_mean, stats_invstd, counts, group, ne
         global_sum_dy, global_sum_dy_xmu = packed.split(x.shape[1])
         if weight is not None and weight.dtype != stats_mean.dtype:
             weight = weight.to(stats_mean.dtype)
-        grad_input = torch.batch_norm_backward_elemt(grad_output, x, stats_mean, stats_invstd, weight, global_sum_dy,
-                                                     global_sum_dy_xmu, counts)
+        grad_input = torch.batch_norm_backward_elemt(
+            grad_output, x, stats_mean, stats_invstd, weight, global_sum_dy, global_sum_dy_xmu, counts
+        )
     return grad_input, _as_param(grad_weight, param_dtype), _as_param(grad_bias, param_dtype)
 
 

@@ -61,6 +61,11 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         device = torch.device("cpu")
     seconds = timeout_s if timeout_s is not None else dist_timeout_s()
     if not dist.is_initialized():
-        dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=timedelta(seconds=seconds),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            chosen,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=seconds),
+            device_id=device if device.type == "cuda" else None,
+        )
     return DistributedInfo(rank, world_size, local_rank, device, chosen, True)

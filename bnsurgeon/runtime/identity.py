@@ -108,8 +108,14 @@ class LayerIdentity:
         """This call's forward header for input ``x``, on its device in ``stats_dtype`` (see ``header_for``)."""
         return self.header_for(x.device, x.dtype, x.shape[1], stats_dtype, advance)
 
-    def header_for(self, device: torch.device, input_dtype: torch.dtype, channels: int, stats_dtype: torch.dtype,
-                   advance: bool = True) -> torch.Tensor:
+    def header_for(
+        self,
+        device: torch.device,
+        input_dtype: torch.dtype,
+        channels: int,
+        stats_dtype: torch.dtype,
+        advance: bool = True,
+    ) -> torch.Tensor:
         """This call's forward header, on ``device`` in ``stats_dtype``; advances the call count
         (``advance=False``: the last call's header, for an unrecognised recompute).
 
@@ -146,8 +152,9 @@ def _call_step(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The header increment: 1 in the call slot, 0 elsewhere (one per device and dtype)."""
     step = _STEPS.get((device, dtype))
     if step is None:
-        step = _STEPS[(device, dtype)] = filled_on_device([0] * CALL_SLOT + [1] + [0] * (HEADER - CALL_SLOT - 1),
-                                                          dtype, device)
+        step = _STEPS[(device, dtype)] = filled_on_device(
+            [0] * CALL_SLOT + [1] + [0] * (HEADER - CALL_SLOT - 1), dtype, device
+        )
     return step
 
 
@@ -188,7 +195,8 @@ def mismatch_error(headers: torch.Tensor, group) -> DistributedMismatchError:
         rank = dist.get_global_rank(group, group_rank) if group is not None else group_rank
         seen.append(f"rank {rank}: {describe_header(row)}")
     return DistributedMismatchError(
-        "sync batch norm ranks are at different layers or calls: " + "; ".join(seen)
+        "sync batch norm ranks are at different layers or calls: "
+        + "; ".join(seen)
         + ". Every rank must run the same sync layers, in the same order, the same number of times in "
         "train mode (data-dependent control flow, or an extra train-mode forward on one rank?)."
     )

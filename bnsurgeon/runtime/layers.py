@@ -89,8 +89,9 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         bias: bool = True,
     ) -> None:
         if _TORCH_TAKES_BIAS:
-            super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype,
-                             bias=bias)
+            super().__init__(
+                num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype, bias=bias
+            )
         else:
             super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype)
             if affine and not bias:
@@ -147,7 +148,9 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         super().__setstate__(state)
         self.__dict__.setdefault("_pickled_group", None)
         if "_identity" not in self.__dict__:  # pickled by a bnsurgeon without layer identities
-            self._identity = LayerIdentity(state.get("layer_name") or default_name(type(self).__name__, self.num_features))
+            self._identity = LayerIdentity(
+                state.get("layer_name") or default_name(type(self).__name__, self.num_features)
+            )
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -171,14 +174,24 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         return (group, world_size) if world_size > 1 else (None, 1)
 
     @torch.jit.unused
-    def _sync_forward(self, x: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
-                      factor: float) -> Optional[torch.Tensor]:
+    def _sync_forward(
+        self, x: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], factor: float
+    ) -> Optional[torch.Tensor]:
         """The synchronized batch norm, or None when torch would run plain BN (no group, world of one)."""
         group, world_size = self._sync_group()
         if world_size <= 1:
             return None
         return SyncBatchNormFunction.apply(
-            x, self.weight, self.bias, running_mean, running_var, self.eps, factor, group, world_size, self._identity,
+            x,
+            self.weight,
+            self.bias,
+            running_mean,
+            running_var,
+            self.eps,
+            factor,
+            group,
+            world_size,
+            self._identity,
         )
 
     @torch.jit.unused
@@ -192,19 +205,26 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         from bnsurgeon.runtime import sync_op
 
         y, mean, var, total, counted = sync_op.sync_batch_norm(
-            x, self.weight, self.bias, self.eps, "" if group is None else group.group_name, world_size,
+            x,
+            self.weight,
+            self.bias,
+            self.eps,
+            "" if group is None else group.group_name,
+            world_size,
             self._identity.token,
         )
         if self.track_running_stats:
-            sync_op.update_compiled_stats(self.running_mean, self.running_var, self.num_batches_tracked, mean, var,
-                                          total, counted, self.momentum)
+            sync_op.update_compiled_stats(
+                self.running_mean, self.running_var, self.num_batches_tracked, mean, var, total, counted, self.momentum
+            )
         return y
 
     @torch.jit.unused
     @_outside_compile(
         "bnsurgeon: a sync batch norm layer whose local batch is empty runs eagerly (traced, its collectives "
         "would carry no data dependency and inductor would drop and reorder them); compile without "
-        "fullgraph=True, or give every rank at least one sample")
+        "fullgraph=True, or give every rank at least one sample"
+    )
     def _normalize_eagerly(self, x: torch.Tensor) -> torch.Tensor:
         """An empty batch under ``torch.compile``: the eager layer, outside the graph (a graph break).
 
@@ -224,8 +244,9 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         if not self.training:  # eval: torch's BN call, with nothing else on the way (host time is the cost)
             stats_missing = self.running_mean is None and self.running_var is None
             momentum = 0.0 if self.momentum is None else self.momentum
-            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, stats_missing,
-                                momentum, self.eps)
+            return F.batch_norm(
+                x, self.running_mean, self.running_var, self.weight, self.bias, stats_missing, momentum, self.eps
+            )
         counts = True
         if not torch.jit.is_scripting():
             if self.training and self._is_replica:
@@ -265,8 +286,13 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     @classmethod
     def _empty(cls, fields: BNFields, process_group: Any) -> "SyncBatchNorm":
         return cls(
-            fields.num_features, fields.eps, fields.momentum, fields.affine,
-            fields.track_running_stats, process_group or fields.process_group, device="meta",
+            fields.num_features,
+            fields.eps,
+            fields.momentum,
+            fields.affine,
+            fields.track_running_stats,
+            process_group or fields.process_group,
+            device="meta",
         )
 
     @staticmethod
@@ -298,8 +324,9 @@ class SyncBatchNormAct(SyncBatchNorm):
         *,
         bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype,
-                         bias=bias)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype, bias=bias
+        )
         _norm_act_children(self, act_layer, act_kwargs, apply_act, inplace, drop_layer)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -308,8 +335,14 @@ class SyncBatchNormAct(SyncBatchNorm):
     @classmethod
     def _empty(cls, fields: BNFields, process_group: Any) -> "SyncBatchNormAct":
         return cls(
-            fields.num_features, fields.eps, fields.momentum, fields.affine, fields.track_running_stats,
-            apply_act=False, process_group=process_group or fields.process_group, device="meta",
+            fields.num_features,
+            fields.eps,
+            fields.momentum,
+            fields.affine,
+            fields.track_running_stats,
+            apply_act=False,
+            process_group=process_group or fields.process_group,
+            device="meta",
         )
 
     @staticmethod
@@ -329,8 +362,16 @@ class FrozenBatchNorm(nn.Module):
     bnsurgeon_origin = None  # qualified name of the source class (None if built directly)
     __jit_ignored_attributes__ = ["bnsurgeon_origin"]
 
-    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True, momentum: Optional[float] = 0.1,
-                 track_count: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        momentum: Optional[float] = 0.1,
+        track_count: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
@@ -345,11 +386,15 @@ class FrozenBatchNorm(nn.Module):
         if track_count:
             self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         key = prefix + "num_batches_tracked"
         if "num_batches_tracked" not in self._buffers and key in state_dict:
             del state_dict[key]
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2:
@@ -389,10 +434,21 @@ class FrozenBatchNorm(nn.Module):
 class FrozenBatchNormAct(FrozenBatchNorm):
     """FrozenBatchNorm + drop + activation (frozen twin of timm's BatchNormAct2d)."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = True, momentum: float | None = 0.1,
-                 track_count: bool = False, apply_act: bool = True, act_layer: Any = nn.ReLU,
-                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: type[nn.Module] | None = None,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        momentum: float | None = 0.1,
+        track_count: bool = False,
+        apply_act: bool = True,
+        act_layer: Any = nn.ReLU,
+        act_kwargs: dict | None = None,
+        inplace: bool = True,
+        drop_layer: type[nn.Module] | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__(num_features, eps, affine, momentum, track_count, device, dtype)
         _norm_act_children(self, act_layer, act_kwargs, apply_act, inplace, drop_layer)
 

@@ -133,8 +133,10 @@ class ReplicaGroup:
             if meeting is None:
                 meeting = self._meetings[key] = _Meeting(size)
             if meeting.rows[index] is not None:
-                raise UsageError(f"DataParallel replica {index} of sync batch norm '{self.name}' ran {what} twice",
-                                 "call each replica once per forward, as nn.DataParallel does")
+                raise UsageError(
+                    f"DataParallel replica {index} of sync batch norm '{self.name}' ran {what} twice",
+                    "call each replica once per forward, as nn.DataParallel does",
+                )
             meeting.rows[index] = row
             meeting.arrived += 1
             if meeting.arrived == size:
@@ -269,8 +271,7 @@ def normalize_replica(module: "SyncBatchNorm", x: torch.Tensor) -> torch.Tensor:
                 module.num_batches_tracked.add_(1)
             if module.momentum is None:
                 factor = 1.0 / float(module.num_batches_tracked)
-    return ReplicaSyncFunction.apply(x, module.weight, module.bias, running_mean, running_var, module.eps, factor,
-                                     slot)
+    return ReplicaSyncFunction.apply(x, module.weight, module.bias, running_mean, running_var, module.eps, factor, slot)
 
 
 def _gathered(rows: list, device: torch.device) -> torch.Tensor:
@@ -354,11 +355,16 @@ class ReplicaSyncFunction(torch.autograd.Function):
                 sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, ctx.eps)
                 if ctx.needs_input_grad[0]:
                     packed = torch.cat([sum_dy, sum_term])
-                    rows = slot.group.exchange(("backward", ctx.call, backward_call), slot.index, packed,
-                                               f"backward of forward call {ctx.call}")
+                    rows = slot.group.exchange(
+                        ("backward", ctx.call, backward_call),
+                        slot.index,
+                        packed,
+                        f"backward of forward call {ctx.call}",
+                    )
                     global_sum_dy, global_sum_term = _gathered(rows, packed.device).sum(0).chunk(2)
-                    grad_input = kernels.grad_input(grad_output, x, weight, mean, var, invstd, ctx.eps, global_sum_dy,
-                                                    global_sum_term, ctx.total)
+                    grad_input = kernels.grad_input(
+                        grad_output, x, weight, mean, var, invstd, ctx.eps, global_sum_dy, global_sum_term, ctx.total
+                    )
         except (DistributedTimeoutError, ReplicaFailedError, DistributedMismatchError):
             raise
         except BaseException as error:

@@ -83,8 +83,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity,
-                remember=None):
+    def forward(
+        ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity, remember=None
+    ):
         # ``remember``: keep this forward's statistics for an activation-checkpointing recompute until
         # its backward runs (recompute.py). Inside a Function's forward grad mode is always off, so
         # this cannot tell a checkpointed forward from another: by default every synced forward is
@@ -95,14 +96,16 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if uses_device_path(x):
             x = x.contiguous(memory_format=_memory_format(x))
             replay = identity is not None and recomputing()
-            y, stats = device_path.forward(x, weight, bias, running_mean, running_var, eps, momentum, group,
-                                           world_size, identity, remember, replay)
+            y, stats = device_path.forward(
+                x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity, remember, replay
+            )
             ctx.save_for_backward(x, weight, stats.mean, stats.invstd, stats.total)
             ctx.stats, ctx.group, ctx.on_device = stats, group, True
             return y
         with statistics_precision(x):
-            y, saved_x, stats = sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, group,
-                                             world_size, identity, remember)
+            y, saved_x, stats = sync_forward(
+                x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity, remember
+            )
         ctx.save_for_backward(saved_x, weight, stats.mean, stats.var, stats.invstd, stats.header)
         ctx.total = stats.total
         ctx.stats = stats
@@ -122,13 +125,24 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if ctx.on_device:
             x, weight, mean, invstd, counts = saved
             grad_output = grad_output.contiguous(memory_format=_memory_format(x))
-            grad_input, grad_weight, grad_bias = device_path.backward(grad_output, x, weight, mean, invstd, counts,
-                                                                      ctx.group, ctx.needs_input_grad)
+            grad_input, grad_weight, grad_bias = device_path.backward(
+                grad_output, x, weight, mean, invstd, counts, ctx.group, ctx.needs_input_grad
+            )
             return (grad_input, grad_weight, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)
         x, weight, mean, var, invstd, header = saved
         with statistics_precision(grad_output):
             grad_input, grad_weight, grad_bias = sync_backward(
-                grad_output, x, weight, mean, var, invstd, header, ctx.total, ctx.eps, ctx.group, ctx.world_size,
+                grad_output,
+                x,
+                weight,
+                mean,
+                var,
+                invstd,
+                header,
+                ctx.total,
+                ctx.eps,
+                ctx.group,
+                ctx.world_size,
                 ctx.needs_input_grad[0],
             )
         grad_weight = grad_weight if weight is not None and ctx.needs_input_grad[1] else None
@@ -136,24 +150,28 @@ class SyncBatchNormFunction(torch.autograd.Function):
         return (grad_input, grad_weight, grad_bias) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
-def sync_backward(grad_output, x, weight, mean, var, invstd, header, total, eps, group, world_size,
-                  input_grad: bool = True):
+def sync_backward(
+    grad_output, x, weight, mean, var, invstd, header, total, eps, group, world_size, input_grad: bool = True
+):
     """(grad_input or None, grad_weight, grad_bias): ONE sum over ranks, grad_weight/bias stay local."""
     kernels = GenericKernels
     sum_dy, sum_term, sum_dy_xhat = kernels.backward_reduce(grad_output, x, weight, mean, invstd, eps)
 
     grad_input = None
     if input_grad:
-        global_sum_dy, global_sum_term = sum_over_ranks(header, torch.cat([sum_dy, sum_term]), counts_on_host(x),
-                                                        group, world_size).chunk(2)
-        grad_input = kernels.grad_input(grad_output, x, weight, mean, var, invstd, eps, global_sum_dy,
-                                        global_sum_term, total)
+        global_sum_dy, global_sum_term = sum_over_ranks(
+            header, torch.cat([sum_dy, sum_term]), counts_on_host(x), group, world_size
+        ).chunk(2)
+        grad_input = kernels.grad_input(
+            grad_output, x, weight, mean, var, invstd, eps, global_sum_dy, global_sum_term, total
+        )
     param_dtype = weight.dtype if weight is not None else sum_dy.dtype
     return grad_input, sum_dy_xhat.to(param_dtype), sum_dy.to(param_dtype)
 
 
-def sync_forward(x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity,
-                 remember: bool = False):
+def sync_forward(
+    x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity, remember: bool = False
+):
     """(y, x as the backward needs it, GlobalStats): ONE all_gather, or none for a recognised recompute.
 
     ``remember``: the engine will not keep this forward's input (it may be recomputed), so
@@ -173,8 +191,9 @@ def local_count(shape) -> int:
     return math.prod(shape) // max(shape[1], 1)
 
 
-def global_stats(local_mean, local_var, shape, input_dtype, eps, group, world_size, identity, remember: bool,
-                 replay: bool) -> GlobalStats:
+def global_stats(
+    local_mean, local_var, shape, input_dtype, eps, group, world_size, identity, remember: bool, replay: bool
+) -> GlobalStats:
     """The statistics of the global batch from this rank's (mean, biased var) of an input of ``shape``.
 
     One all_gather of [header, count, mean, var]; the headers are checked and the rows merged.
@@ -226,6 +245,7 @@ def sum_over_ranks(header, packed, on_host: bool, group, world_size: int):
     (identity.py); on devices an all_reduce, in place on ``packed``. Shared by the eager
     backward and the compiled path's ``sum_statistic_grads`` (sync_op.py).
     """
+
     def describe() -> str:
         return f"sync batch norm {describe_header(torch.cat(backward_header(header)))}"
 
@@ -235,7 +255,7 @@ def sum_over_ranks(header, packed, on_host: bool, group, world_size: int):
             debug.check_same_layer(row[:HEADER], world_size, group, describe)
         gathered = all_gather_rows(row, world_size, group, describe)
         check_headers(gathered, group, True, "")
-        return gathered[:, HEADER + 1:].sum(0)
+        return gathered[:, HEADER + 1 :].sum(0)
     if debug.enabled():
         debug.check_same_layer(torch.cat(backward_header(header)), world_size, group, describe)
     return all_reduce_sum(packed, world_size, group, describe)
@@ -247,6 +267,7 @@ try:
     def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
 except TypeError:  # torch < 2.4 style signature
+
     def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
 

@@ -61,8 +61,14 @@ def _group(name: str):
 
 @torch.library.custom_op("bnsurgeon::sync_statistics", mutates_args=())
 def sync_statistics(
-    local_mean: Tensor, local_var: Tensor, shape: list[int], input_dtype: torch.dtype, eps: float, group_name: str,
-    world_size: int, layer: int,
+    local_mean: Tensor,
+    local_var: Tensor,
+    shape: list[int],
+    input_dtype: torch.dtype,
+    eps: float,
+    group_name: str,
+    world_size: int,
+    layer: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(mean, var, total, header, counted, share) of the global batch: the eager layer's own step.
 
@@ -79,8 +85,9 @@ def sync_statistics(
     """
     identity = identity_for(layer)
     replay = recomputing()
-    stats = global_stats(local_mean, local_var, shape, input_dtype, eps, _group(group_name), world_size, identity,
-                         False, replay)
+    stats = global_stats(
+        local_mean, local_var, shape, input_dtype, eps, _group(group_name), world_size, identity, False, replay
+    )
     total = stats.total
     if not isinstance(total, Tensor):
         total = torch.tensor([float(total)], dtype=stats.mean.dtype, device=stats.mean.device)
@@ -93,8 +100,14 @@ def sync_statistics(
 @sync_statistics.register_fake
 def _(local_mean, local_var, shape, input_dtype, eps, group_name, world_size, layer):
     scalar = local_mean.new_empty((1,))
-    return torch.empty_like(local_mean), torch.empty_like(local_var), scalar, local_mean.new_empty((HEADER,)), \
-        torch.empty_like(scalar), torch.empty_like(scalar)
+    return (
+        torch.empty_like(local_mean),
+        torch.empty_like(local_var),
+        scalar,
+        local_mean.new_empty((HEADER,)),
+        torch.empty_like(scalar),
+        torch.empty_like(scalar),
+    )
 
 
 @torch.library.custom_op("bnsurgeon::sum_statistic_grads", mutates_args=())
@@ -143,8 +156,15 @@ def _local_statistics(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return mean, var
 
 
-def sync_batch_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, group_name: str,
-                    world_size: int, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def sync_batch_norm(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    group_name: str,
+    world_size: int,
+    layer: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y, mean, var, total, counted): the synchronized batch norm as the compiled graph runs it.
 
     The running statistics are updated by the caller (``update_compiled_stats``). ``x`` is
@@ -155,8 +175,9 @@ def sync_batch_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     dtype = stats_dtype(x)
     with statistics_precision(x):
         local_mean, local_var = _local_statistics(x, dtype)
-        mean, var, total, _, counted, _ = sync_statistics(local_mean, local_var, list(x.shape), x.dtype, eps,
-                                                       group_name, world_size, layer)
+        mean, var, total, _, counted, _ = sync_statistics(
+            local_mean, local_var, list(x.shape), x.dtype, eps, group_name, world_size, layer
+        )
         scale = torch.rsqrt(var + eps)
         if weight is not None:
             scale = scale * weight.to(dtype)
@@ -167,8 +188,9 @@ def sync_batch_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     return y.to(x.dtype), mean, var, total, counted
 
 
-def update_compiled_stats(running_mean, running_var, num_batches_tracked, mean, var, total, counted,
-                          momentum: Optional[float]) -> None:
+def update_compiled_stats(
+    running_mean, running_var, num_batches_tracked, mean, var, total, counted, momentum: Optional[float]
+) -> None:
     """The running-stat update of the compiled path, as traced tensor ops: no host read, no branch.
 
     ``total * counted`` is the count the update sees: 0 for an empty global batch or a

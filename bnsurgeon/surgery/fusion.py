@@ -35,9 +35,28 @@ if TYPE_CHECKING:
     from torch import nn
 
 #: tensor attribute reads that do not consume values (shape checks in forward are fine)
-_METADATA = frozenset({"shape", "size", "dim", "ndim", "ndimension", "dtype", "device", "is_contiguous", "stride",
-                       "numel", "is_floating_point", "layout", "requires_grad", "is_cuda", "is_meta",
-                       "element_size", "is_complex", "names"})
+_METADATA = frozenset(
+    {
+        "shape",
+        "size",
+        "dim",
+        "ndim",
+        "ndimension",
+        "dtype",
+        "device",
+        "is_contiguous",
+        "stride",
+        "numel",
+        "is_floating_point",
+        "layout",
+        "requires_grad",
+        "is_cuda",
+        "is_meta",
+        "element_size",
+        "is_complex",
+        "names",
+    }
+)
 
 
 def batched_rank(module: "nn.Module") -> int:
@@ -61,7 +80,12 @@ class Fold:
     producer_class: str = ""
 
     def to_dict(self) -> dict[str, str]:
-        return {"bn": self.bn, "producer": self.producer, "bn_class": self.bn_class, "producer_class": self.producer_class}
+        return {
+            "bn": self.bn,
+            "producer": self.producer,
+            "bn_class": self.bn_class,
+            "producer_class": self.producer_class,
+        }
 
 
 @dataclass
@@ -90,9 +114,13 @@ class FoldPlan:
         done = {change.path for change in report.changed}
         folded = [f.to_dict() for f in self.folds if f.bn in done]
         left = {kept.path: kept.reason for kept in report.kept}
-        return {"method": self.method, "folded": folded, "left": left,
-                "bn_before": len(report.changed) + len(report.kept) + len(report.unhandled),
-                "bn_after": len(report.kept) + len(report.unhandled)}
+        return {
+            "method": self.method,
+            "folded": folded,
+            "left": left,
+            "bn_before": len(report.changed) + len(report.kept) + len(report.unhandled),
+            "bn_after": len(report.kept) + len(report.unhandled),
+        }
 
 
 def fusion_plan(model: "nn.Module", example: Any, records: Any) -> FoldPlan:
@@ -100,8 +128,10 @@ def fusion_plan(model: "nn.Module", example: Any, records: Any) -> FoldPlan:
     if records is not None:
         return plan_from_records(model, records)
     if example is None:
-        raise UsageError("--to fused needs an example input to find which layer feeds each BatchNorm",
-                         "pass example_input= (a tensor or an input shape such as (2, 3, 64, 64))")
+        raise UsageError(
+            "--to fused needs an example input to find which layer feeds each BatchNorm",
+            "pass example_input= (a tensor or an input shape such as (2, 3, 64, 64))",
+        )
     return plan_folds(model, example_tensor(model, example))
 
 
@@ -122,9 +152,28 @@ def _func_name(func: Any) -> str:
 
 #: tensor -> Python value conversions: the forward may branch on them, so the rest of the run is one
 #: path of several (torch.fx cannot trace such a forward; the hooks run sees only the path taken)
-_VALUE_READS = frozenset({"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "__complex__",
-                          "numpy", "__array__", "__contains__", "equal", "allclose", "is_nonzero", "nonzero",
-                          "argwhere", "masked_select", "unique", "unique_consecutive"})
+_VALUE_READS = frozenset(
+    {
+        "__bool__",
+        "item",
+        "tolist",
+        "__int__",
+        "__float__",
+        "__index__",
+        "__complex__",
+        "numpy",
+        "__array__",
+        "__contains__",
+        "equal",
+        "allclose",
+        "is_nonzero",
+        "nonzero",
+        "argwhere",
+        "masked_select",
+        "unique",
+        "unique_consecutive",
+    }
+)
 
 
 @dataclass
@@ -290,25 +339,38 @@ def _hook_reason(seen: _Observed, bn_path: str, producer_path: str | None, *, ho
         return f"its producer {source} feeds other consumers besides it ({', '.join(sorted(set(others)))[:120]})"
     if direct != 1:
         return f"its producer {source} feeds it {counted(direct, 'time')} (one fold needs exactly one)"
-    reads = [op for owner, ops in seen.weight_reads.items() if owner == source or owner.startswith(source + ".") for op in ops]
+    reads = [
+        op
+        for owner, ops in seen.weight_reads.items()
+        if owner == source or owner.startswith(source + ".")
+        for op in ops
+    ]
     if reads:
         return f"the weights of {source} are also read outside its forward ({', '.join(sorted(set(reads)))[:80]})"
     if source in seen.held_after:
-        return (f"the output of {source} is still held after the forward (stored on a module or elsewhere), "
-                "which would then hold the folded values")
+        return (
+            f"the output of {source} is still held after the forward (stored on a module or elsewhere), "
+            "which would then hold the folded values"
+        )
     if hooks_only:
         first = seen.first_value_read
         if first is not None and first[0] < seen.produced_at[source]:
-            return (f"the forward reads tensor values into Python ({first[1]}) before its producer {source} runs: "
-                    "a value-dependent path torch.fx could not trace, and the hooks saw only the path taken")
+            return (
+                f"the forward reads tensor values into Python ({first[1]}) before its producer {source} runs: "
+                "a value-dependent path torch.fx could not trace, and the hooks saw only the path taken"
+            )
         if source in seen.value_read_while_alive:
-            return (f"the forward reads tensor values into Python ({seen.value_read_while_alive[source]}) while "
-                    f"the output of {source} is still held: a value-dependent path torch.fx could not trace, and "
-                    "the hooks saw only the path taken")
+            return (
+                f"the forward reads tensor values into Python ({seen.value_read_while_alive[source]}) while "
+                f"the output of {source} is still held: a value-dependent path torch.fx could not trace, and "
+                "the hooks saw only the path taken"
+            )
     return None
 
 
-def _fx_plan(model: "nn.Module", bn_modules: dict[int, str]) -> tuple[dict[str, tuple[str | None, str | None]] | None, str]:
+def _fx_plan(
+    model: "nn.Module", bn_modules: dict[int, str]
+) -> tuple[dict[str, tuple[str | None, str | None]] | None, str]:
     """bn path -> (producer path or None, reason or None) from a torch.fx trace; None when untraceable."""
     import torch.fx as fx
 
@@ -342,7 +404,11 @@ def _fx_plan(model: "nn.Module", bn_modules: dict[int, str]) -> tuple[dict[str, 
             result[path] = (None, f"called {calls[path]} times in the traced graph")
             continue
         source = node.args[0] if len(node.args) == 1 and not node.kwargs else None
-        if source is None or getattr(source, "op", None) != "call_module" or type(modules.get(source.target)) not in producers:
+        if (
+            source is None
+            or getattr(source, "op", None) != "call_module"
+            or type(modules.get(source.target)) not in producers
+        ):
             called = modules.get(source.target) if source is not None and source.op == "call_module" else None
             result[path] = (None, _not_a_producer(called, getattr(source, "target", None), producers))
             continue
@@ -364,10 +430,14 @@ def _not_a_producer(module: "nn.Module | None", target: str | None, producers: t
     from torch.nn.utils import parametrize
 
     if module is not None and parametrize.is_parametrized(module):
-        return f"its producer {target} has parametrized weights (torch.nn.utils.parametrize), which a fold cannot change"
+        return (
+            f"its producer {target} has parametrized weights (torch.nn.utils.parametrize), which a fold cannot change"
+        )
     if module is not None and isinstance(module, producers):
-        return (f"its producer {target} is a {qualname(type(module))}, a subclass whose forward bnsurgeon "
-                f"does not know (folds go into Conv1d/2d/3d, ConvTranspose, Linear and known subclasses)")
+        return (
+            f"its producer {target} is a {qualname(type(module))}, a subclass whose forward bnsurgeon "
+            f"does not know (folds go into Conv1d/2d/3d, ConvTranspose, Linear and known subclasses)"
+        )
     return "its input is not the output of a Conv1d/2d/3d, ConvTranspose or Linear (e.g. pre-activation BN)"
 
 
@@ -387,16 +457,23 @@ def plan_folds(model: "nn.Module", example: "torch.Tensor", *, use_fx: bool = Tr
     finally:
         for module, training in saved:
             module.training = training
-    plan = FoldPlan(method="torch.fx graph + hooks on the check input" if fx_result is not None
-                    else f"hooks on the check input (not traceable by torch.fx: {fx_error})")
+    plan = FoldPlan(
+        method="torch.fx graph + hooks on the check input"
+        if fx_result is not None
+        else f"hooks on the check input (not traceable by torch.fx: {fx_error})"
+    )
     modules = dict(model.named_modules())
     global_hooks = global_hook_reason()
     for path in bn_modules.values():
         module = modules[path] if path != "<root>" else model
         producer_path, reason = (None, None)
         if fx_result is not None:
-            producer_path, reason = fx_result.get(path, (None, "not called in eval mode (absent from the traced graph: a train-only or unused path)"))
-        reason = bn_hook_reason(module) or reason or _hook_reason(seen, path, producer_path, hooks_only=fx_result is None)
+            producer_path, reason = fx_result.get(
+                path, (None, "not called in eval mode (absent from the traced graph: a train-only or unused path)")
+            )
+        reason = (
+            bn_hook_reason(module) or reason or _hook_reason(seen, path, producer_path, hooks_only=fx_result is None)
+        )
         if reason is None:
             producer = producer_path or seen.bn_source[path]
             assert producer is not None, f"{path}: no producer and no reason"  # the hooks saw every BN's source
@@ -432,11 +509,16 @@ def _shape_reason(bn: "nn.Module", producer: "nn.Module", rank: int | None) -> s
     return None
 
 
-_HOOK_NAMES = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
-               "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks",
-               "_state_dict_hooks": "state_dict hooks", "_state_dict_pre_hooks": "state_dict pre-hooks",
-               "_load_state_dict_pre_hooks": "load_state_dict pre-hooks",
-               "_load_state_dict_post_hooks": "load_state_dict post-hooks"}
+_HOOK_NAMES = {
+    "_forward_pre_hooks": "forward pre-hooks",
+    "_forward_hooks": "forward hooks",
+    "_backward_pre_hooks": "backward pre-hooks",
+    "_backward_hooks": "backward hooks",
+    "_state_dict_hooks": "state_dict hooks",
+    "_state_dict_pre_hooks": "state_dict pre-hooks",
+    "_load_state_dict_pre_hooks": "load_state_dict pre-hooks",
+    "_load_state_dict_post_hooks": "load_state_dict post-hooks",
+}
 
 
 def _named(kinds: list[str]) -> str:
@@ -448,8 +530,10 @@ def producer_hook_reason(producer: "nn.Module") -> str | None:
     """Forward hooks on the producer (or inside it) would see the folded output; backward hooks
     the gradient of the BN's output instead of the producer's. Its state_dict hooks still see
     its own (folded) weights under its own keys, so they do not stop a fold."""
-    kinds = sorted({kind for module in producer.modules() for kind in hook_kinds(module, FORWARD_HOOKS + BACKWARD_HOOKS)},
-                   key=list(_HOOK_NAMES).index)
+    kinds = sorted(
+        {kind for module in producer.modules() for kind in hook_kinds(module, FORWARD_HOOKS + BACKWARD_HOOKS)},
+        key=list(_HOOK_NAMES).index,
+    )
     if kinds:
         return f"its producer has {_named(kinds)}, which would see the folded weights, output or gradients"
     return _parameter_hook_reason(producer, "its producer")
@@ -459,10 +543,13 @@ def _parameter_hook_reason(module: "nn.Module", who: str) -> str | None:
     """Tensor hooks on a weight or bias (``register_hook``, ``register_post_accumulate_grad_hook``) stay on
     the old Parameter: the fold makes new ones, so they would silently stop running."""
     for name, parameter in module.named_parameters():
-        if parameter is not None and (getattr(parameter, "_backward_hooks", None)
-                                      or getattr(parameter, "_post_accumulate_grad_hooks", None)):
-            return (f"{who}'s parameter {name} has tensor hooks (register_hook or register_post_accumulate_grad_hook), "
-                    "which the folded Parameters would not carry")
+        if parameter is not None and (
+            getattr(parameter, "_backward_hooks", None) or getattr(parameter, "_post_accumulate_grad_hooks", None)
+        ):
+            return (
+                f"{who}'s parameter {name} has tensor hooks (register_hook or register_post_accumulate_grad_hook), "
+                "which the folded Parameters would not carry"
+            )
     return None
 
 
@@ -472,8 +559,10 @@ def bn_hook_reason(bn: "nn.Module") -> str | None:
     The hook is the reason, whatever the dataflow says."""
     kinds = hook_kinds(bn, FORWARD_HOOKS[::-1] + BACKWARD_HOOKS[::-1] + STATE_DICT_HOOKS)
     if kinds:
-        return (f"it has {_named(kinds)}, which would run on what replaces it (the folded input and gradients, "
-                "no BatchNorm state or keys)")
+        return (
+            f"it has {_named(kinds)}, which would run on what replaces it (the folded input and gradients, "
+            "no BatchNorm state or keys)"
+        )
     return _parameter_hook_reason(bn, "the BN")
 
 
@@ -486,8 +575,11 @@ class _HookedModule:
 
 def _hooked_modules(model: "nn.Module") -> list[_HookedModule]:
     """Every module with forward or backward hooks, found once per plan (not once per fold)."""
-    return [_HookedModule(path or "<root>", kinds, {id(m) for m in module.modules()})
-            for path, module in model.named_modules() if (kinds := hook_kinds(module, FORWARD_HOOKS + BACKWARD_HOOKS))]
+    return [
+        _HookedModule(path or "<root>", kinds, {id(m) for m in module.modules()})
+        for path, module in model.named_modules()
+        if (kinds := hook_kinds(module, FORWARD_HOOKS + BACKWARD_HOOKS))
+    ]
 
 
 def _wrapper_hook_reason(hooked: list[_HookedModule], bn: "nn.Module", producer: "nn.Module") -> str | None:
@@ -497,8 +589,10 @@ def _wrapper_hook_reason(hooked: list[_HookedModule], bn: "nn.Module", producer:
     for module in hooked:
         if (id(bn) in module.inside) != (id(producer) in module.inside):
             holds = "the BN" if id(bn) in module.inside else "the producer"
-            return (f"{module.path} holds {holds} but not the other and has {_named(module.kinds)}, which may see "
-                    "the producer's output (folded: the BN's)")
+            return (
+                f"{module.path} holds {holds} but not the other and has {_named(module.kinds)}, which may see "
+                "the producer's output (folded: the BN's)"
+            )
     return None
 
 
@@ -507,17 +601,23 @@ def global_hook_reason() -> str | None:
     would see folded outputs or gradients and BNs that are gone. Named as registered."""
     from torch.nn.modules import module as torch_module
 
-    registered = [name for name, registry in (
-        ("register_module_forward_pre_hook", "_global_forward_pre_hooks"),
-        ("register_module_forward_hook", "_global_forward_hooks"),
-        ("register_module_full_backward_pre_hook", "_global_backward_pre_hooks"),
-        ("register_module_full_backward_hook or register_module_backward_hook", "_global_backward_hooks"),
-    ) if getattr(torch_module, registry, None)]
+    registered = [
+        name
+        for name, registry in (
+            ("register_module_forward_pre_hook", "_global_forward_pre_hooks"),
+            ("register_module_forward_hook", "_global_forward_hooks"),
+            ("register_module_full_backward_pre_hook", "_global_backward_pre_hooks"),
+            ("register_module_full_backward_hook or register_module_backward_hook", "_global_backward_hooks"),
+        )
+        if getattr(torch_module, registry, None)
+    ]
     if not registered:
         return None
     kinds = " and ".join(kind for kind in ("forward", "backward") if any(f"_{kind}" in name for name in registered))
-    return (f"global module {kinds} hooks are registered ({'; '.join(registered)}), which would see the folded "
-            "outputs or gradients and no BatchNorm; remove them to fold")
+    return (
+        f"global module {kinds} hooks are registered ({'; '.join(registered)}), which would see the folded "
+        "outputs or gradients and no BatchNorm; remove them to fold"
+    )
 
 
 def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
@@ -525,8 +625,11 @@ def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
     from bnsurgeon.core.anatomy import is_bn_like
 
     def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"recorded fold {what}", "the file's bnsurgeon.folds metadata does not fit the "
-                               "architecture; re-create it with bnsurgeon convert --to fused")
+        return CheckpointError(
+            f"recorded fold {what}",
+            "the file's bnsurgeon.folds metadata does not fit the "
+            "architecture; re-create it with bnsurgeon convert --to fused",
+        )
 
     if not isinstance(records, list):
         raise bad(f"list is a {type(records).__name__}, not a list")
@@ -550,14 +653,18 @@ def plan_from_records(model: "nn.Module", records: Any) -> FoldPlan:
         if qualname(type(bn)) != fold.bn_class:
             raise bad(f"{fold.bn}: the model has {qualname(type(bn))} there, the file says {fold.bn_class}")
         if type(producer) not in producer_types() or qualname(type(producer)) != fold.producer_class:
-            raise bad(f"{fold.producer}: the model has {qualname(type(producer))} there, the file says "
-                      f"{fold.producer_class} (must be a Conv/ConvTranspose/Linear)")
+            raise bad(
+                f"{fold.producer}: the model has {qualname(type(producer))} there, the file says "
+                f"{fold.producer_class} (must be a Conv/ConvTranspose/Linear)"
+            )
         reason = _shape_reason(bn, producer, batched_rank(producer))
         if reason is not None:
             raise bad(f"{fold.bn} -> {fold.producer}: {reason}")
         hooked = producer_hook_reason(producer) or bn_hook_reason(bn) or _wrapper_hook_reason(wrappers, bn, producer)
         if hooked is not None:
-            raise HookedModelError(f"cannot load the fused file into this model: {fold.bn} -> {fold.producer}: {hooked}")
+            raise HookedModelError(
+                f"cannot load the fused file into this model: {fold.bn} -> {fold.producer}: {hooked}"
+            )
         plan.folds.append(fold)
     global_hooks = global_hook_reason()
     if plan.folds and global_hooks is not None:
@@ -571,7 +678,9 @@ def example_tensor(model: "nn.Module", example: "torch.Tensor | tuple[int, ...]"
     if isinstance(example, torch.Tensor):
         return example
     if not isinstance(example, (tuple, list)) or not all(isinstance(s, int) and s > 0 for s in example):
-        raise UsageError(f"example_input {shown(example)} is neither a tensor nor an input shape", "pass e.g. (2, 3, 64, 64)")
+        raise UsageError(
+            f"example_input {shown(example)} is neither a tensor nor an input shape", "pass e.g. (2, 3, 64, 64)"
+        )
     reference = next(iter(model.parameters()), None)
     dtype = reference.dtype if reference is not None and reference.is_floating_point() else torch.float32
     device = reference.device if reference is not None else torch.device("cpu")

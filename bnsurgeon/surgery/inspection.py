@@ -70,11 +70,12 @@ def torch_converter_effect(module: "nn.Module") -> str:
     if type(module) not in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm):
         named = sorted(module.named_children(), key=lambda item: isinstance(item[1], nn.Identity))
         children = [
-            f"{name}={type(child).__name__}" if not isinstance(child, nn.Identity) else name
-            for name, child in named
+            f"{name}={type(child).__name__}" if not isinstance(child, nn.Identity) else name for name, child in named
         ]
         lost.append(
-            "drops " + ", ".join(children) if children else f"drops {type(module).__name__}.forward (bare SyncBatchNorm)"
+            "drops " + ", ".join(children)
+            if children
+            else f"drops {type(module).__name__}.forward (bare SyncBatchNorm)"
         )
     hooks = len(module._forward_hooks) + len(module._forward_pre_hooks)
     if hooks:

@@ -148,14 +148,22 @@ def render_markdown(report: Report) -> str:
         checks = report.verification["checks"]
         passed = sum(1 for c in checks if c["passed"])
         skipped = sum(1 for c in checks if c["passed"] is None)
-        lines.append(f"Verification: {passed}/{len(checks) - skipped} checks passed"
-                     + (f", {skipped} not applicable" if skipped else "") + ".")
+        lines.append(
+            f"Verification: {passed}/{len(checks) - skipped} checks passed"
+            + (f", {skipped} not applicable" if skipped else "")
+            + "."
+        )
     lines.append("")
     by_class: dict[tuple[str, str], list[ModuleChange]] = defaultdict(list)
     for change in report.changed:
         by_class[(change.from_class, change.to_class)].append(change)
     for (src, dst), changes in sorted(by_class.items()):
-        lines += [f"### {short(src)} -> {short(dst)} ({len(changes)})", "", "| paths | count | kept children |", "|---|---|---|"]
+        lines += [
+            f"### {short(src)} -> {short(dst)} ({len(changes)})",
+            "",
+            "| paths | count | kept children |",
+            "|---|---|---|",
+        ]
         children_by_pattern: dict[str, set[str]] = defaultdict(set)
         for change in changes:
             children_by_pattern[pattern_of(change.path)].update(change.children)
@@ -192,12 +200,17 @@ def render_markdown(report: Report) -> str:
 
 def _fusion_markdown(fusion: dict[str, Any]) -> list[str]:
     """--to fused: how producers were found, the measured error, and each BN -> producer fold."""
-    lines = [f"### Folds ({len(fusion['folded'])})", "",
-             f"BN modules {fusion['bn_before']} -> {fusion['bn_after']}. Producers found from {fusion['method']}."]
+    lines = [
+        f"### Folds ({len(fusion['folded'])})",
+        "",
+        f"BN modules {fusion['bn_before']} -> {fusion['bn_after']}. Producers found from {fusion['method']}.",
+    ]
     for name, value in (fusion.get("max_rel_error") or {}).items():
         lines.append(f"Max error relative to the output scale, {name.replace('_', ' ')}: {value:.3g}.")
     lines += ["", "| BN | folded into |", "|---|---|"]
-    lines += [f"| {code(f['bn'], cell=True)} ({_cell(short(f['bn_class']))}) | {code(f['producer'], cell=True)} "
-              f"({_cell(short(f['producer_class']))}) |"
-              for f in fusion["folded"]]
+    lines += [
+        f"| {code(f['bn'], cell=True)} ({_cell(short(f['bn_class']))}) | {code(f['producer'], cell=True)} "
+        f"({_cell(short(f['producer_class']))}) |"
+        for f in fusion["folded"]
+    ]
     return lines + [""]

@@ -116,11 +116,21 @@ def convert(
         raise LazyModuleError(f"uninitialized lazy batch norm has no size yet: {_describe(lazy)}")
     unhandled = [e for e in entries if e.rule is None]
     if unhandled and not allow_unhandled:
-        raise UnhandledModuleError(f"no rule for {'this BatchNorm-like module' if len(unhandled) == 1 else 'these BatchNorm-like modules'}: {_describe(unhandled)}")
+        raise UnhandledModuleError(
+            f"no rule for {'this BatchNorm-like module' if len(unhandled) == 1 else 'these BatchNorm-like modules'}: {_describe(unhandled)}"
+        )
     _refuse_unmatched_filters(entries, include, exclude)
 
-    report = Report(target=to, options={"frozen": frozen, "allow_unhandled": allow_unhandled, "inplace": inplace,
-                                        "include": list(include), "exclude": list(exclude)})
+    report = Report(
+        target=to,
+        options={
+            "frozen": frozen,
+            "allow_unhandled": allow_unhandled,
+            "inplace": inplace,
+            "include": list(include),
+            "exclude": list(exclude),
+        },
+    )
     replacements: dict[int, nn.Module] = {}
     exact = True
     fold_plan = None
@@ -132,12 +142,17 @@ def convert(
     for entry in entries:
         filtered = filtered_out(entry.paths, include, exclude)
         if filtered is not None:
-            report.kept.append(ModuleKept(entry.path, entry.paths[1:], entry.cls_name,
-                                          entry.rule.name if entry.rule else None, filtered))
+            report.kept.append(
+                ModuleKept(
+                    entry.path, entry.paths[1:], entry.cls_name, entry.rule.name if entry.rule else None, filtered
+                )
+            )
             continue
         if entry.rule is None:
             report.unhandled.append(
-                ModuleKept(entry.path, entry.paths[1:], entry.cls_name, None, "no rule claims this class (left untouched)")
+                ModuleKept(
+                    entry.path, entry.paths[1:], entry.cls_name, None, "no rule claims this class (left untouched)"
+                )
             )
             continue
         dims = next((input_dims[p] for p in entry.paths if p in input_dims), None) if input_dims else None
@@ -147,7 +162,9 @@ def convert(
         new = _build(entry, context) if to in entry.rule.targets else entry.module
         if new is entry.module:
             report.kept.append(
-                ModuleKept(entry.path, entry.paths[1:], entry.cls_name, entry.rule.name, context.kept_reason or "unchanged")
+                ModuleKept(
+                    entry.path, entry.paths[1:], entry.cls_name, entry.rule.name, context.kept_reason or "unchanged"
+                )
             )
             continue
         _carry_over(entry.module, new, entry.path)
@@ -191,12 +208,16 @@ def check_filters(include, exclude) -> tuple[tuple[str, ...], tuple[str, ...]]:
     result = []
     for name, globs in (("include", include), ("exclude", exclude)):
         if globs is not None and not isinstance(globs, (list, tuple)):  # a str would be split into one-letter globs
-            raise UsageError(f"--{name} takes a list of module-path globs, not a {type(globs).__name__}",
-                             f"pass a list: {name}=['backbone.body.layer1.*']")
+            raise UsageError(
+                f"--{name} takes a list of module-path globs, not a {type(globs).__name__}",
+                f"pass a list: {name}=['backbone.body.layer1.*']",
+            )
         globs = tuple(globs or ())
         if len(globs) > MAX_FILTERS or not all(isinstance(g, str) and 0 < len(g) <= 200 for g in globs):
-            raise UsageError(f"--{name} takes up to {MAX_FILTERS} module-path globs of 1-200 characters",
-                             "write them like backbone.body.layer1.*")
+            raise UsageError(
+                f"--{name} takes up to {MAX_FILTERS} module-path globs of 1-200 characters",
+                "write them like backbone.body.layer1.*",
+            )
         result.append(globs)
     return result[0], result[1]
 
@@ -213,13 +234,18 @@ def _refuse_unmatched_filters(entries: list[PlanEntry], include, exclude) -> Non
         for glob in globs:
             if not any(fnmatchcase(name, glob) for name in names):
                 shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "none"
-                raise UsageError(f"{flag} {glob} matches no BatchNorm module (their paths: {shown})",
-                                 "a glob matches the whole path: write backbone.layer1.* for the modules inside "
-                                 "backbone.layer1 (bnsurgeon inspect lists the paths)")
+                raise UsageError(
+                    f"{flag} {glob} matches no BatchNorm module (their paths: {shown})",
+                    "a glob matches the whole path: write backbone.layer1.* for the modules inside "
+                    "backbone.layer1 (bnsurgeon inspect lists the paths)",
+                )
     if (include or exclude) and entries and all(filtered_out(e.paths, include, exclude) for e in entries):
-        raise UsageError(f"the --include/--exclude globs keep all {counted(len(entries), 'BatchNorm module')}: nothing "
-                         "would be converted", "narrow the --exclude globs or widen the --include ones "
-                         "(bnsurgeon inspect with the same flags shows what they select)")
+        raise UsageError(
+            f"the --include/--exclude globs keep all {counted(len(entries), 'BatchNorm module')}: nothing "
+            "would be converted",
+            "narrow the --exclude globs or widen the --include ones "
+            "(bnsurgeon inspect with the same flags shows what they select)",
+        )
 
 
 def filtered_out(paths: list[str], include, exclude) -> str | None:
@@ -241,7 +267,9 @@ def _refuse_ddp_copy(model: "nn.Module", inplace: bool) -> None:
 
     if inplace:
         return
-    wrapped = [path or "<root>" for path, module in model.named_modules() if isinstance(module, DistributedDataParallel)]
+    wrapped = [
+        path or "<root>" for path, module in model.named_modules() if isinstance(module, DistributedDataParallel)
+    ]
     if wrapped:
         from bnsurgeon.core.errors import UsageError
 
@@ -334,8 +362,9 @@ def _rebuild(module: "nn.Module", replacements: dict[int, "nn.Module"], inplace:
     return target
 
 
-def relink_plain_references(converted: "nn.Module", memo: dict[int, "nn.Module"], originals: dict[int, "nn.Module"],
-                            inplace: bool) -> None:
+def relink_plain_references(
+    converted: "nn.Module", memo: dict[int, "nn.Module"], originals: dict[int, "nn.Module"], inplace: bool
+) -> None:
     """Point modules held in plain lists, tuples and dicts at their rebuilt selves.
 
     A model may keep its children twice: registered (``add_module``) and in a plain list its forward
@@ -360,7 +389,8 @@ def relink_plain_references(converted: "nn.Module", memo: dict[int, "nn.Module"]
                 raise UsageError(
                     f"{path or 'the model'} ({type(module).__name__}) holds converted modules in its plain attribute "
                     f"{shown(name, 60)} but is itself shared with the source, so its copy cannot be pointed at them",
-                    "convert in place (bnsurgeon.convert(model, inplace=True))")
+                    "convert in place (bnsurgeon.convert(model, inplace=True))",
+                )
             module.__dict__[name] = relinked
 
 
