@@ -39,6 +39,7 @@ from bnsurgeon.core.errors import (
     NoBatchNormReachedError,
     NonFiniteActivationsError,
     NothingToConvertError,
+    StatisticsOverflowError,
     UsageError,
     first_line,
     statistics_overflow,
@@ -724,6 +725,9 @@ def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
         ]
         first, path = min(non_finite)
         others = len(non_finite) - 1
+        overflow = _overflowed_variance(reached, path)
+        if overflow is not None:
+            raise overflow
         raise NonFiniteActivationsError(
             f"the input of {path} held NaN or Inf during recalibration"
             + (f" (and {counted(others, 'module')} after it)" if others else "")
@@ -749,6 +753,25 @@ def _check_outcome(tracked, merged, report: RecalibrationReport) -> None:
             f"the forward over {_batches(report.batches)} never called any of the model's "
             f"{counted(len(tracked), 'tracked BN module')}"
         )
+
+
+def _overflowed_variance(reached, path: str) -> StatisticsOverflowError | None:
+    """A finite input whose squared deviations overflow the activations' dtype (float32 past 1.8e19 in
+    std: the per-batch sums are taken in that dtype) has a finite mean and an infinite M2: that is a
+    statistic the dtype cannot hold, not an input holding NaN or Inf."""
+    for item, _, _, moments in reached:
+        if item.path != path:
+            continue
+        mean_finite = bool(torch.isfinite(moments.mean).all())
+        m2_nan = bool(torch.isnan(moments.m2).any())
+        if mean_finite and not m2_nan:
+            dtype = item.module._buffers["running_var"].dtype
+            kind = str(dtype).replace("torch.", "")
+            return StatisticsOverflowError(
+                f"the recalibrated running_var of {path} overflows: its input's squared deviations exceed what "
+                f"{kind} holds ({torch.finfo(dtype).max:.3g}), so it would be written as Inf"
+            )
+    return None
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
