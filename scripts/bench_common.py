@@ -121,8 +121,9 @@ def _stats_backward(ctx, grad_mean, grad_var):
     return (*_sum_stat_grads(grad_mean, grad_var, ctx.layer), None)
 
 
-_gather_local_stats.register_autograd(_stats_backward, setup_context=lambda ctx, inputs, output: setattr(
-    ctx, "layer", inputs[2]))
+_gather_local_stats.register_autograd(
+    _stats_backward, setup_context=lambda ctx, inputs, output: setattr(ctx, "layer", inputs[2])
+)
 
 
 def _compiled_sequenced_bn(self, x: torch.Tensor, factor: float) -> torch.Tensor:

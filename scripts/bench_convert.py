@@ -59,8 +59,10 @@ def measure(command: list[str]) -> tuple[float, int]:
 
 def make_checkpoint(arch: str, directory: Path) -> Path:
     path = directory / f"{arch}.pth"
-    code = (f"import torch, timm; torch.manual_seed(0); "
-            f"torch.save(timm.create_model({arch!r}, pretrained=False).state_dict(), {str(path)!r})")
+    code = (
+        f"import torch, timm; torch.manual_seed(0); "
+        f"torch.save(timm.create_model({arch!r}, pretrained=False).state_dict(), {str(path)!r})"
+    )
     subprocess.run([PYTHON, "-c", code], check=True)
     return path
 
@@ -83,7 +85,9 @@ def main() -> None:
             ours, naive, loads = [], [], []
             for repeat in range(args.repeats):  # interleaved
                 out = scratch / f"out{repeat}.safetensors"
-                ours.append(measure([bnsurgeon, "convert", str(checkpoint), "-m", arch, "-o", str(out), "--force", "-q"]))
+                ours.append(
+                    measure([bnsurgeon, "convert", str(checkpoint), "-m", arch, "-o", str(out), "--force", "-q"])
+                )
                 naive.append(measure([PYTHON, "-c", NAIVE, arch, str(checkpoint), str(scratch / f"naive{repeat}.pth")]))
                 loads.append(measure([PYTHON, "-c", LOAD, str(out)]))
             ours_wall = statistics.median(w for w, _ in ours)
@@ -91,23 +95,39 @@ def main() -> None:
             ours_rss = max(r for _, r in ours) - baseline_rss
             naive_rss = max(r for _, r in naive) - baseline_rss
             load_rss = max(r for _, r in loads) - baseline_rss
-            rows.append({"model": arch, "checkpoint_mb": size / 2**20, "ours_s": ours_wall, "naive_s": naive_wall,
-                         "time_ratio": ours_wall / naive_wall, "ours_rss_over_ckpt": ours_rss / size,
-                         "naive_rss_over_ckpt": naive_rss / size, "load_s": statistics.median(w for w, _ in loads),
-                         "load_rss_over_ckpt": load_rss / out.stat().st_size})
+            rows.append(
+                {
+                    "model": arch,
+                    "checkpoint_mb": size / 2**20,
+                    "ours_s": ours_wall,
+                    "naive_s": naive_wall,
+                    "time_ratio": ours_wall / naive_wall,
+                    "ours_rss_over_ckpt": ours_rss / size,
+                    "naive_rss_over_ckpt": naive_rss / size,
+                    "load_s": statistics.median(w for w, _ in loads),
+                    "load_rss_over_ckpt": load_rss / out.stat().st_size,
+                }
+            )
         inspect_wall = statistics.median(
-            measure([bnsurgeon, "inspect", args.inspect_model, "-q"])[0] for _ in range(args.repeats))
+            measure([bnsurgeon, "inspect", args.inspect_model, "-q"])[0] for _ in range(args.repeats)
+        )
         import_wall = statistics.median(measure([PYTHON, "-c", "import timm"])[0] for _ in range(args.repeats))
 
     print(f"baseline (python -c 'import torch, timm'): {baseline_wall:.2f} s, {baseline_rss / 2**20:.0f} MiB")
-    print(f"{'model':>14} {'ckpt MiB':>9} {'ours s':>8} {'naive s':>8} {'ours/naive':>11} "
-          f"{'ours RSS/ckpt':>14} {'naive RSS/ckpt':>15} {'load s':>7} {'load RSS/file':>14}")
+    print(
+        f"{'model':>14} {'ckpt MiB':>9} {'ours s':>8} {'naive s':>8} {'ours/naive':>11} "
+        f"{'ours RSS/ckpt':>14} {'naive RSS/ckpt':>15} {'load s':>7} {'load RSS/file':>14}"
+    )
     for r in rows:
-        print(f"{r['model']:>14} {r['checkpoint_mb']:9.0f} {r['ours_s']:8.2f} {r['naive_s']:8.2f} {r['time_ratio']:11.2f} "
-              f"{r['ours_rss_over_ckpt']:14.2f} {r['naive_rss_over_ckpt']:15.2f} {r['load_s']:7.2f} "
-              f"{r['load_rss_over_ckpt']:14.2f}")
-    print(f"inspect {args.inspect_model}: {inspect_wall:.2f} s vs `import timm` {import_wall:.2f} s "
-          f"-> {inspect_wall / import_wall:.2f}x")
+        print(
+            f"{r['model']:>14} {r['checkpoint_mb']:9.0f} {r['ours_s']:8.2f} {r['naive_s']:8.2f} {r['time_ratio']:11.2f} "
+            f"{r['ours_rss_over_ckpt']:14.2f} {r['naive_rss_over_ckpt']:15.2f} {r['load_s']:7.2f} "
+            f"{r['load_rss_over_ckpt']:14.2f}"
+        )
+    print(
+        f"inspect {args.inspect_model}: {inspect_wall:.2f} s vs `import timm` {import_wall:.2f} s "
+        f"-> {inspect_wall / import_wall:.2f}x"
+    )
     print(json.dumps(rows))
 
 

@@ -63,17 +63,19 @@ def _dispatch_count(fn) -> tuple[int, int]:
 
 def _layer_table(args, dtype, group) -> None:
     import torch
+    from bench_common import geometric_mean
     from torch import nn
     from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFunction
 
-    from bench_common import geometric_mean
     from bnsurgeon.runtime.identity import LayerIdentity
     from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
 
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"\nper layer, {dtype}: median of {args.iters} forward+backward (ms)")
-    print(f"{'shape':>20} {'layout':>14} {'plain':>8} {'torch sync':>11} {'bnsurgeon':>10} {'ours/torch':>11} "
-          f"{'ours/plain':>11} {'ops':>5} {'colls':>6}")
+    print(
+        f"{'shape':>20} {'layout':>14} {'plain':>8} {'torch sync':>11} {'bnsurgeon':>10} {'ours/torch':>11} "
+        f"{'ours/plain':>11} {'ops':>5} {'colls':>6}"
+    )
     ratios_torch, ratios_plain = [], []
     for shape in SHAPES:
         for layout in ["contiguous"] + (["channels_last"] if len(shape) == 4 else []):
@@ -89,23 +91,40 @@ def _layer_table(args, dtype, group) -> None:
                 layer(x).backward(grad)
 
             def torch_sync():
-                TorchSyncFunction.apply(x, layer.weight, layer.bias, layer.running_mean, layer.running_var,
-                                        layer.eps, 0.1, group, 1).backward(grad)
+                TorchSyncFunction.apply(
+                    x, layer.weight, layer.bias, layer.running_mean, layer.running_var, layer.eps, 0.1, group, 1
+                ).backward(grad)
 
             def ours():
-                SyncBatchNormFunction.apply(x, layer.weight, layer.bias, layer.running_mean, layer.running_var,
-                                            layer.eps, 0.1, group, 1, identity, False).backward(grad)
+                SyncBatchNormFunction.apply(
+                    x,
+                    layer.weight,
+                    layer.bias,
+                    layer.running_mean,
+                    layer.running_var,
+                    layer.eps,
+                    0.1,
+                    group,
+                    1,
+                    identity,
+                    False,
+                ).backward(grad)
 
-            row = {name: _time_ms(fn, args.iters) for name, fn in (("plain", plain), ("torch", torch_sync),
-                                                                   ("ours", ours))}
+            row = {
+                name: _time_ms(fn, args.iters) for name, fn in (("plain", plain), ("torch", torch_sync), ("ours", ours))
+            }
             x.grad = layer.weight.grad = layer.bias.grad = None
             ops, collectives = _dispatch_count(ours)
             ratios_torch.append(row["ours"] / row["torch"])
             ratios_plain.append(row["ours"] / row["plain"])
-            print(f"{str(shape):>20} {layout:>14} {row['plain']:8.3f} {row['torch']:11.3f} {row['ours']:10.3f} "
-                  f"{ratios_torch[-1]:11.3f} {ratios_plain[-1]:11.3f} {ops:5d} {collectives:6d}")
-    print(f"{'geometric mean':>20} {'':>14} {'':8} {'':11} {'':10} {geometric_mean(ratios_torch):11.3f} "
-          f"{geometric_mean(ratios_plain):11.3f}")
+            print(
+                f"{str(shape):>20} {layout:>14} {row['plain']:8.3f} {row['torch']:11.3f} {row['ours']:10.3f} "
+                f"{ratios_torch[-1]:11.3f} {ratios_plain[-1]:11.3f} {ops:5d} {collectives:6d}"
+            )
+    print(
+        f"{'geometric mean':>20} {'':>14} {'':8} {'':11} {'':10} {geometric_mean(ratios_torch):11.3f} "
+        f"{geometric_mean(ratios_plain):11.3f}"
+    )
 
 
 def _forced_sync(model, group):
@@ -124,8 +143,19 @@ def _forced_forward(self, x, running_mean, running_var, factor):
     from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
 
     group, world_size = self._sync_group()
-    return SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean, running_var, self.eps, factor, group,
-                                       world_size, self._identity, may_be_recomputed())
+    return SyncBatchNormFunction.apply(
+        x,
+        self.weight,
+        self.bias,
+        running_mean,
+        running_var,
+        self.eps,
+        factor,
+        group,
+        world_size,
+        self._identity,
+        may_be_recomputed(),
+    )
 
 
 def _model_steps(args, group) -> None:
@@ -136,9 +166,12 @@ def _model_steps(args, group) -> None:
 
     device = torch.device("cuda", torch.cuda.current_device())
     print("\nper training step, batch 64, 224 px, bf16 autocast, channels_last, SGD (ms, median)")
-    print(f"{'model':>16} {'plain':>8} {'sync':>8} {'graph':>8} {'compiled':>9} {'sync/plain':>11} "
-          f"{'graph/plain':>12} {'replay=eager':>13}")
+    print(
+        f"{'model':>16} {'plain':>8} {'sync':>8} {'graph':>8} {'compiled':>9} {'sync/plain':>11} "
+        f"{'graph/plain':>12} {'replay=eager':>13}"
+    )
     for name in ("resnet50", "efficientnet_b0"):
+
         def build(sync: bool):
             torch.manual_seed(0)
             model = timm.create_model(name, pretrained=False).to(device).to(memory_format=torch.channels_last)
@@ -159,6 +192,7 @@ def _model_steps(args, group) -> None:
                 loss.backward()
                 optimizer.step()
                 return loss
+
             return step
 
         times = {}
@@ -172,8 +206,10 @@ def _model_steps(args, group) -> None:
         except Exception as error:  # report, do not hide
             print(f"compile failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
             times["compiled"] = float("nan")
-        print(f"{name:>16} {times['plain']:8.2f} {times['sync']:8.2f} {times['graph']:8.2f} {times['compiled']:9.2f} "
-              f"{times['sync'] / times['plain']:11.3f} {times['graph'] / times['plain']:12.3f} {agrees:>13}")
+        print(
+            f"{name:>16} {times['plain']:8.2f} {times['sync']:8.2f} {times['graph']:8.2f} {times['compiled']:9.2f} "
+            f"{times['sync'] / times['plain']:11.3f} {times['graph'] / times['plain']:12.3f} {agrees:>13}"
+        )
 
 
 def _graph_step(build, stepper, iters: int) -> tuple[float, str]:
@@ -203,9 +239,11 @@ def _graph_step(build, stepper, iters: int) -> tuple[float, str]:
     for _ in range(replays):
         eager_loss = eager_step()
     torch.cuda.synchronize()
-    stats_equal = all(torch.allclose(model.state_dict()[k].float(), reference.state_dict()[k].float(), rtol=1e-3,
-                                     atol=1e-3)
-                      for k in model.state_dict() if "running" in k or "num_batches" in k)
+    stats_equal = all(
+        torch.allclose(model.state_dict()[k].float(), reference.state_dict()[k].float(), rtol=1e-3, atol=1e-3)
+        for k in model.state_dict()
+        if "running" in k or "num_batches" in k
+    )
     agrees = f"{'yes' if stats_equal else 'NO'} (loss {abs(static_loss.item() - eager_loss.item()):.1e})"
     return _time_ms(graph.replay, iters), agrees
 
@@ -226,8 +264,19 @@ def _layer_graph_check(group) -> str:
     identity = LayerIdentity("graph check")
 
     def step():
-        y = SyncBatchNormFunction.apply(static_x, layer.weight, layer.bias, layer.running_mean, layer.running_var,
-                                        layer.eps, 0.1, group, 1, identity, False)
+        y = SyncBatchNormFunction.apply(
+            static_x,
+            layer.weight,
+            layer.bias,
+            layer.running_mean,
+            layer.running_var,
+            layer.eps,
+            0.1,
+            group,
+            1,
+            identity,
+            False,
+        )
         y.backward(grad)
         return y
 
@@ -250,8 +299,9 @@ def _layer_graph_check(group) -> str:
     graph.replay()
     torch.cuda.synchronize()
     eager = x.detach().clone().requires_grad_()
-    expected = SyncBatchNormFunction.apply(eager, layer.weight, layer.bias, None, None, layer.eps, 0.1, group, 1,
-                                           None, False)
+    expected = SyncBatchNormFunction.apply(
+        eager, layer.weight, layer.bias, None, None, layer.eps, 0.1, group, 1, None, False
+    )
     difference = (static_y - expected).abs().max().item()
     return f"captured and replayed; max |graph - eager| = {difference:.2e}"
 
@@ -260,8 +310,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--model-iters", type=int, default=30)
-    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
-                        choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "float16", "bfloat16"]
+    )
     parser.add_argument("--skip-models", action="store_true")
     args = parser.parse_args()
 
@@ -274,11 +325,13 @@ def main() -> None:
         sys.exit("bench_cuda.py needs a CUDA device (the CPU yardstick is scripts/bench_runtime.py)")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=device)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, device_id=device
+    )
     group = dist.group.WORLD
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, NCCL world of 1 with the sync paths "
-          "forced")
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, NCCL world of 1 with the sync paths forced"
+    )
     for name in args.dtype:
         _layer_table(args, getattr(torch, name), group)
     print(f"\nCUDA graph, one layer (32, 256, 28, 28): {_layer_graph_check(group)}")

@@ -34,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-SHARDS = {0: dict(batches=6, size=2, side=40, mean=0.0, std=1.0), 1: dict(batches=3, size=3, side=56, mean=0.5, std=1.5)}
+SHARDS = {
+    0: dict(batches=6, size=2, side=40, mean=0.0, std=1.0),
+    1: dict(batches=3, size=3, side=56, mean=0.5, std=1.5),
+}
 
 
 def make_model():
@@ -47,8 +50,10 @@ def make_model():
 def shard(rank: int) -> list[torch.Tensor]:
     spec = SHARDS[rank]
     generator = torch.Generator().manual_seed(100 + rank)
-    return [torch.randn(spec["size"], 3, spec["side"], spec["side"], generator=generator) * spec["std"] + spec["mean"]
-            for _ in range(spec["batches"])]
+    return [
+        torch.randn(spec["size"], 3, spec["side"], spec["side"], generator=generator) * spec["std"] + spec["mean"]
+        for _ in range(spec["batches"])
+    ]
 
 
 def bn_modules(model) -> dict[str, torch.nn.Module]:
@@ -56,14 +61,18 @@ def bn_modules(model) -> dict[str, torch.nn.Module]:
 
 
 def stats_of(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {name: (m.running_mean.detach().clone(), m.running_var.detach().clone()) for name, m in bn_modules(model).items()}
+    return {
+        name: (m.running_mean.detach().clone(), m.running_var.detach().clone()) for name, m in bn_modules(model).items()
+    }
 
 
 def capture(model, data) -> dict[str, list[torch.Tensor]]:
     """Every BN input (float64) with BN normalising its batch and everything else in eval."""
     seen = {name: [] for name in bn_modules(model)}
-    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: seen[name].append(args[0].double().clone()))
-               for name, m in bn_modules(model).items()]
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args, name=name: seen[name].append(args[0].double().clone()))
+        for name, m in bn_modules(model).items()
+    ]
     model.eval()
     for m in bn_modules(model).values():
         m.training = True
@@ -206,37 +215,57 @@ def main() -> None:
     results = run_world(2, rank_main, args.repeats, timeout=900)
     exact = exact_statistics(results)
     generator = torch.Generator().manual_seed(7)
-    eval_batch = torch.cat([torch.randn(4, 3, 48, 48, generator=generator),
-                            torch.randn(4, 3, 48, 48, generator=generator) * 1.5 + 0.5])
-    print(f"resnet18, 2 gloo ranks: rank 0 {SHARDS[0]}, rank 1 {SHARDS[1]}; "
-          f"{len(exact)} BN modules, {sum(e[2] for e in exact.values()):,} elements per channel in all")
+    eval_batch = torch.cat(
+        [torch.randn(4, 3, 48, 48, generator=generator), torch.randn(4, 3, 48, 48, generator=generator) * 1.5 + 0.5]
+    )
+    print(
+        f"resnet18, 2 gloo ranks: rank 0 {SHARDS[0]}, rank 1 {SHARDS[1]}; "
+        f"{len(exact)} BN modules, {sum(e[2] for e in exact.values()):,} elements per channel in all"
+    )
     print()
-    print("| method | collectives per pass | running_mean max err / std | running_var max rel err | eval output max rel err |")
+    print(
+        "| method | collectives per pass | running_mean max err / std | running_var max rel err | eval output max rel err |"
+    )
     print("|---|---:|---:|---:|---:|")
-    for method in ("torch update_bn", "update_bn + timm distribute_bn(reduce)", "fvcore update_bn_stats",
-                   "bnsurgeon recalibrate", "bnsurgeon recalibrate(fast_normalization=True)"):
+    for method in (
+        "torch update_bn",
+        "update_bn + timm distribute_bn(reduce)",
+        "fvcore update_bn_stats",
+        "bnsurgeon recalibrate",
+        "bnsurgeon recalibrate(fast_normalization=True)",
+    ):
         if results[0][method] is None:
             print(f"| {method} | not installed (pip install .[bench]) | | | |")
             continue
         stats, collectives = results[0][method]
         mean_err, var_err, out_err = errors(stats, exact, eval_batch)
         agree = all(torch.equal(results[1][method][0][k][0], stats[k][0]) for k in stats)
-        print(f"| {method}{'' if agree else ' (rank 0; rank 1 differs)'} | {collectives} | {mean_err:.2e} | "
-              f"{var_err:.2e} | {out_err:.2e} |")
+        print(
+            f"| {method}{'' if agree else ' (rank 0; rank 1 differs)'} | {collectives} | {mean_err:.2e} | "
+            f"{var_err:.2e} | {out_err:.2e} |"
+        )
     print()
-    print("| rank | batches | time | no_grad forward (ms) | recalibrate (ms) | ratio | fast_normalization (ms) | ratio |")
+    print(
+        "| rank | batches | time | no_grad forward (ms) | recalibrate (ms) | ratio | fast_normalization (ms) | ratio |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for rank, result in enumerate(results):
         for kind in ("cpu", "time"):
             plain, recal, fast = result[kind]
-            print(f"| {rank} | {SHARDS[rank]['batches']} | {'CPU' if kind == 'cpu' else 'wall'} | {plain * 1e3:.1f} | "
-                  f"{recal * 1e3:.1f} | {recal / plain:.2f}x | {fast * 1e3:.1f} | {fast / plain:.2f}x |")
+            print(
+                f"| {rank} | {SHARDS[rank]['batches']} | {'CPU' if kind == 'cpu' else 'wall'} | {plain * 1e3:.1f} | "
+                f"{recal * 1e3:.1f} | {recal / plain:.2f}x | {fast * 1e3:.1f} | {fast / plain:.2f}x |"
+            )
     plain, recal, fast = (max(result["time"][i] for result in results) for i in range(3))
-    print(f"| the job (slowest rank) | {sum(s['batches'] for s in SHARDS.values())} | wall | {plain * 1e3:.1f} | "
-          f"{recal * 1e3:.1f} | {recal / plain:.2f}x | {fast * 1e3:.1f} | {fast / plain:.2f}x |")
+    print(
+        f"| the job (slowest rank) | {sum(s['batches'] for s in SHARDS.values())} | wall | {plain * 1e3:.1f} | "
+        f"{recal * 1e3:.1f} | {recal / plain:.2f}x | {fast * 1e3:.1f} | {fast / plain:.2f}x |"
+    )
     print()
-    print("(wall: best of the repeats; a rank's recalibrate wall time includes waiting in the one all_gather for the "
-          "slower rank. CPU: this rank's own CPU time, insensitive to other load on the machine)")
+    print(
+        "(wall: best of the repeats; a rank's recalibrate wall time includes waiting in the one all_gather for the "
+        "slower rank. CPU: this rank's own CPU time, insensitive to other load on the machine)"
+    )
 
 
 if __name__ == "__main__":

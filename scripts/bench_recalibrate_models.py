@@ -8,6 +8,7 @@ of the best times; then the geometric mean of the median ratios over the models.
 
     python scripts/bench_recalibrate_models.py [--repeats 5] [--models resnet18,efficientnet_b0]
 """
+
 import sys
 from pathlib import Path
 
@@ -72,8 +73,10 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     chosen = args.models.split(",")
-    print(f"torch {torch.__version__}, timm {timm.__version__}, 1 thread, {args.repeats} repeats, CPU time (ms): "
-          "median / best; ratio: median of the per-repeat ratios / ratio of the best times")
+    print(
+        f"torch {torch.__version__}, timm {timm.__version__}, 1 thread, {args.repeats} repeats, CPU time (ms): "
+        "median / best; ratio: median of the per-repeat ratios / ratio of the best times"
+    )
     print()
     print("| model | kind | BN | batches | no_grad forward | recalibrate | ratio | fast_normalization | ratio |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|")
@@ -87,11 +90,16 @@ def main():
             ratios = [t / p for t, p in zip(times[key], times["forward"])]
             median = statistics.median(ratios)
             medians[key].append(median)
-            cells.append(f"{statistics.median(times[key]) * 1e3:.0f} / {min(times[key]) * 1e3:.0f} | "
-                         f"{median:.2f}x / {min(times[key]) / min(times['forward']):.2f}x")
+            cells.append(
+                f"{statistics.median(times[key]) * 1e3:.0f} / {min(times[key]) * 1e3:.0f} | "
+                f"{median:.2f}x / {min(times[key]) / min(times['forward']):.2f}x"
+            )
         forward = times["forward"]
-        print(f"| {name} | {kind} | {modules} | {shape} | {statistics.median(forward) * 1e3:.0f} / "
-              f"{min(forward) * 1e3:.0f} | {cells[0]} | {cells[1]} |", flush=True)
+        print(
+            f"| {name} | {kind} | {modules} | {shape} | {statistics.median(forward) * 1e3:.0f} / "
+            f"{min(forward) * 1e3:.0f} | {cells[0]} | {cells[1]} |",
+            flush=True,
+        )
     geomean = {key: math.exp(sum(map(math.log, values)) / len(values)) for key, values in medians.items() if values}
     print(f"| geomean | | | | | | {geomean['recalibrate']:.2f}x | | {geomean['fast']:.2f}x |")
 

@@ -30,7 +30,6 @@ from pathlib import Path
 SHAPES = [(8, 64, 56, 56), (8, 256, 14, 14), (32, 512, 7, 7), (64, 128)]
 
 
-
 def _native_for(shape, channels):
     from torch import nn
 
@@ -47,9 +46,9 @@ def _time(fn, barrier) -> float:
 def _worker(rank, world_size, args):
     import torch
     import torch.distributed as dist
+    from bench_common import LayerCollectives, sequenced
 
     import bnsurgeon
-    from bench_common import LayerCollectives, sequenced
 
     torch.set_num_threads(args.threads)
     previous = _import_previous(args.previous_dir) if args.previous_dir else None
@@ -79,8 +78,13 @@ def _worker(rank, world_size, args):
 
         run_collectives = collectives.both
 
-        runners = {"native": run_native, "collectives": run_collectives, "sync": run_sync,
-                   "sequenced": run_sequenced, **runners}
+        runners = {
+            "native": run_native,
+            "collectives": run_collectives,
+            "sync": run_sync,
+            "sequenced": run_sequenced,
+            **runners,
+        }
         timings = {name: [] for name in runners}
         for _ in range(args.warmup):
             for run in runners.values():
@@ -99,10 +103,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    parser.add_argument("--previous", metavar="REV", help="also time the sync layer of the package at this git revision")
+    parser.add_argument(
+        "--previous", metavar="REV", help="also time the sync layer of the package at this git revision"
+    )
     args = parser.parse_args()
 
     import torch
+
     from bnsurgeon.checks.multiproc import run_world
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -113,8 +120,9 @@ def main() -> None:
 def _export_previous(revision: str, scratch: Path) -> str:
     """The package as it was at ``revision``, as ``bnsurgeon_previous`` under ``scratch`` (its imports are relative)."""
     root = Path(__file__).resolve().parents[1]
-    archive = subprocess.run(["git", "-C", str(root), "archive", revision, "bnsurgeon"], check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", revision, "bnsurgeon"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(scratch)], input=archive, check=True)
     (scratch / "bnsurgeon").rename(scratch / "bnsurgeon_previous")
     return str(scratch)
@@ -132,9 +140,11 @@ def _import_previous(directory: str):
 def _run(args, run_world, torch) -> None:
     by_rank = run_world(args.world_size, _worker, args, timeout=3600, collective_timeout=600)
 
-    print(f"torch {torch.__version__}, CPU, gloo, {args.world_size} ranks x {args.threads} thread(s), "
-          f"{args.iters} interleaved iterations (forward + backward, ms, rank 0)"
-          + (f"; previous = the package at {args.previous}" if args.previous else ""))
+    print(
+        f"torch {torch.__version__}, CPU, gloo, {args.world_size} ranks x {args.threads} thread(s), "
+        f"{args.iters} interleaved iterations (forward + backward, ms, rank 0)"
+        + (f"; previous = the package at {args.previous}" if args.previous else "")
+    )
     for index, statistic in enumerate(("median", "minimum")):
         _print_table(statistic, [{k: v[index] for k, v in row.items()} for row in by_rank[0]])
 
@@ -144,22 +154,28 @@ def _print_table(statistic: str, rows: list[dict]) -> None:
 
     previous = "previous" in rows[0]
     print(f"\n{statistic}:")
-    print(f"{'shape':>18} {'native':>9} {'collect.':>9} {'sequenced':>10} {'sync':>9} "
-          f"{'sync/native':>12} {'sync/floor':>11} {'sync/sequenced':>15}"
-          + (f" {'previous':>9} {'sync/previous':>14}" if previous else ""))
+    print(
+        f"{'shape':>18} {'native':>9} {'collect.':>9} {'sequenced':>10} {'sync':>9} "
+        f"{'sync/native':>12} {'sync/floor':>11} {'sync/sequenced':>15}"
+        + (f" {'previous':>9} {'sync/previous':>14}" if previous else "")
+    )
     ratios = {"native": [], "floor": [], "sequenced": []} | ({"previous": []} if previous else {})
     for shape, row in zip(SHAPES, rows):
         row = dict(row, floor=row["native"] + row["collectives"])
         for name in ratios:
             ratios[name].append(row["sync"] / row[name])
-        print(f"{str(shape):>18} {row['native']:9.3f} {row['collectives']:9.3f} {row['sequenced']:10.3f} "
-              f"{row['sync']:9.3f} {ratios['native'][-1]:12.3f} {ratios['floor'][-1]:11.3f} "
-              f"{ratios['sequenced'][-1]:15.3f}"
-              + (f" {row['previous']:9.3f} {ratios['previous'][-1]:14.3f}" if previous else ""))
+        print(
+            f"{str(shape):>18} {row['native']:9.3f} {row['collectives']:9.3f} {row['sequenced']:10.3f} "
+            f"{row['sync']:9.3f} {ratios['native'][-1]:12.3f} {ratios['floor'][-1]:11.3f} "
+            f"{ratios['sequenced'][-1]:15.3f}"
+            + (f" {row['previous']:9.3f} {ratios['previous'][-1]:14.3f}" if previous else "")
+        )
     geo = {name: geometric_mean(values) for name, values in ratios.items()}
-    print(f"{'geometric mean':>18} {'':9} {'':9} {'':10} {'':9} {geo['native']:12.3f} "
-          f"{geo['floor']:11.3f} {geo['sequenced']:15.3f}"
-          + (f" {'':9} {geo['previous']:14.3f}" if previous else ""))
+    print(
+        f"{'geometric mean':>18} {'':9} {'':9} {'':10} {'':9} {geo['native']:12.3f} "
+        f"{geo['floor']:11.3f} {geo['sequenced']:15.3f}" + (f" {'':9} {geo['previous']:14.3f}" if previous else "")
+    )
+
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -35,9 +35,9 @@ import time
 def _variants(args, world_size):
     import timm
     import torch
+    from bench_common import add_sequenced_collectives
 
     import bnsurgeon
-    from bench_common import add_sequenced_collectives
 
     def build():
         torch.manual_seed(0)
@@ -110,9 +110,12 @@ def _worker(rank, world_size, args):
             if index >= args.warmup:
                 times[name].append(time.perf_counter() - start)
                 collectives[name].append(gathers[0])
-    return {"layers": layers, "compile_s": compile_s,
-            "median": {k: statistics.median(v) for k, v in times.items()},
-            "collectives": {k: max(v) for k, v in collectives.items()}}
+    return {
+        "layers": layers,
+        "compile_s": compile_s,
+        "median": {k: statistics.median(v) for k, v in times.items()},
+        "collectives": {k: max(v) for k, v in collectives.items()},
+    }
 
 
 def main() -> None:
@@ -129,22 +132,27 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+
     from bnsurgeon.checks.multiproc import run_world
 
     by_rank = run_world(args.world_size, _worker, args, timeout=7200, collective_timeout=1800)
     row = by_rank[0]
     median = row["median"]
-    print(f"torch {torch.__version__}, CPU, gloo, {args.world_size} ranks x {args.threads} thread(s); {args.model}, "
-          f"batch {args.batch}/rank, {args.size}x{args.size}; median of {args.steps} interleaved steps; "
-          f"{row['layers']} BN layers; compile backend: {args.compile}")
+    print(
+        f"torch {torch.__version__}, CPU, gloo, {args.world_size} ranks x {args.threads} thread(s); {args.model}, "
+        f"batch {args.batch}/rank, {args.size}x{args.size}; median of {args.steps} interleaved steps; "
+        f"{row['layers']} BN layers; compile backend: {args.compile}"
+    )
     print(f"{'variant':>22} {'ms/step':>9} {'sync collectives/step':>22} {'first step s':>13}")
     for name, seconds in median.items():
         print(f"{name:>22} {seconds * 1e3:9.1f} {row['collectives'][name]:>22} {row['compile_s'][name]:13.1f}")
     for suffix in ("", " compiled"):
         if f"sync{suffix}" in median:
-            print(f"{('eager' if not suffix else 'compiled'):>9}: sync/plain = {median['sync' + suffix] / median['plain' + suffix]:.3f}; "
-                  f"sequenced/plain = {median['sequenced' + suffix] / median['plain' + suffix]:.3f}; "
-                  f"sync/sequenced = {median['sync' + suffix] / median['sequenced' + suffix]:.3f}")
+            print(
+                f"{('eager' if not suffix else 'compiled'):>9}: sync/plain = {median['sync' + suffix] / median['plain' + suffix]:.3f}; "
+                f"sequenced/plain = {median['sequenced' + suffix] / median['plain' + suffix]:.3f}; "
+                f"sync/sequenced = {median['sync' + suffix] / median['sequenced' + suffix]:.3f}"
+            )
     if "sync compiled" in median:
         print(f"compiled sync / eager sync = {median['sync compiled'] / median['sync']:.3f}")
 

@@ -46,12 +46,18 @@ def main() -> None:
     print(f"bnsurgeon verify {options.model} CONVERTED " + " ".join(f"-w {w}" for w in world_sizes), flush=True)
     cli_import, _ = timed_subprocess([python, "-c", "import bnsurgeon.cli"])
     heavy_import, _ = timed_subprocess([python, "-c", "import torch, timm"])
-    print(f"  start-up: python + CLI import {cli_import:6.1f} s; python + torch + timm {heavy_import:6.1f} s", flush=True)
+    print(
+        f"  start-up: python + CLI import {cli_import:6.1f} s; python + torch + timm {heavy_import:6.1f} s", flush=True
+    )
 
     with tempfile.TemporaryDirectory() as scratch:
         converted = Path(scratch) / "model.sync.safetensors"
-        done = subprocess.run([python, "-m", "bnsurgeon", "convert", options.model, "-o", str(converted), "-q"],
-                              cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(
+            [python, "-m", "bnsurgeon", "convert", options.model, "-o", str(converted), "-q"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode:
             sys.exit(f"convert failed: {done.stderr}")
         command = [python, "-m", "bnsurgeon", "verify", options.model, str(converted)]
@@ -66,11 +72,11 @@ def main() -> None:
 
 
 def in_process(model: str, converted: str, world_sizes: tuple[int, ...], *, yardstick: bool) -> None:
-    from bnsurgeon.checks.eval_check import first_runnable_shape
-    from bnsurgeon.loading.sources import load_source
-    from bnsurgeon.checks.verify import perturb_bn, rank_batch, rank_reference, verify_models
-
     import copy
+
+    from bnsurgeon.checks.eval_check import first_runnable_shape
+    from bnsurgeon.checks.verify import perturb_bn, rank_batch, rank_reference, verify_models
+    from bnsurgeon.loading.sources import load_source
 
     started = time.monotonic()
     left, right = load_source(model), load_source(converted)
@@ -79,10 +85,14 @@ def in_process(model: str, converted: str, world_sizes: tuple[int, ...], *, yard
     print(f"    loading both sides                   {time.monotonic() - started:6.1f} s", flush=True)
 
     started = time.monotonic()
-    rank_reference(perturb_bn(copy.deepcopy(left.model)), perturb_bn(copy.deepcopy(right.model)), shape,
-                   rank_batch(world_sizes))
-    print(f"    one float64 reference (batch {rank_batch(world_sizes)})      {time.monotonic() - started:6.1f} s "
-          "(computed once per variant now, once per N-rank check before)", flush=True)
+    rank_reference(
+        perturb_bn(copy.deepcopy(left.model)), perturb_bn(copy.deepcopy(right.model)), shape, rank_batch(world_sizes)
+    )
+    print(
+        f"    one float64 reference (batch {rank_batch(world_sizes)})      {time.monotonic() - started:6.1f} s "
+        "(computed once per variant now, once per N-rank check before)",
+        flush=True,
+    )
 
     totals = {}
     for label, share in [("shared (now)", True)] + ([("fresh per check (before)", False)] if yardstick else []):

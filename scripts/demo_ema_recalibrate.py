@@ -29,8 +29,14 @@ def make_net() -> nn.Module:
     def block(cin, cout, stride):
         return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
 
-    return nn.Sequential(*block(3, 16, 1), *block(16, 32, 2), *block(32, 64, 2),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, CLASSES))
+    return nn.Sequential(
+        *block(3, 16, 1),
+        *block(16, 32, 2),
+        *block(32, 64, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, CLASSES),
+    )
 
 
 class Synthetic:
@@ -102,15 +108,19 @@ def main() -> None:
     report = bnsurgeon.recalibrate_averaged(ema, calibration)
     recalibrated = evaluate(ema.module, test)
 
-    print(f"{args.steps} steps of batch {args.batch_size} on CPU in {trained:.1f} s; EMA decay {args.decay} "
-          f"(timm ModelEmaV3, buffers averaged with the weights); test set {sum(len(y) for _, y in test)} samples")
+    print(
+        f"{args.steps} steps of batch {args.batch_size} on CPU in {trained:.1f} s; EMA decay {args.decay} "
+        f"(timm ModelEmaV3, buffers averaged with the weights); test set {sum(len(y) for _, y in test)} samples"
+    )
     print()
     print("| weights | BN statistics | test accuracy | test loss |")
     print("|---|---|---:|---:|")
     print(f"| raw model | its running averages | {raw[0]:.1%} | {raw[1]:.3f} |")
     print(f"| EMA | averaged with the weights | {averaged[0]:.1%} | {averaged[1]:.3f} |")
-    print(f"| EMA | bnsurgeon.recalibrate_averaged ({report.samples} samples, {report.seconds:.2f} s) | "
-          f"{recalibrated[0]:.1%} | {recalibrated[1]:.3f} |")
+    print(
+        f"| EMA | bnsurgeon.recalibrate_averaged ({report.samples} samples, {report.seconds:.2f} s) | "
+        f"{recalibrated[0]:.1%} | {recalibrated[1]:.3f} |"
+    )
     worst = max(report.modules, key=lambda m: m.var_change_rel)
     print()
     print(f"largest change: {worst.path} running_var moved by up to {worst.var_change_rel:.0%} of its averaged value")

@@ -72,7 +72,7 @@ def drift(name: str) -> dict:
         for parameter in nudged.parameters():
             if parameter.is_floating_point():
                 signs = torch.randint(0, 2, parameter.shape, generator=generator).to(parameter.dtype) * 2 - 1
-                parameter.mul_(1 + signs * 2.0 ** -24)
+                parameter.mul_(1 + signs * 2.0**-24)
     row["ulp32_vs_source32"] = relative_error(_outputs(model, x32), _outputs(nudged, x32))[1]
     return row
 
@@ -81,13 +81,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", help="timm model names")
     args = parser.parse_args()
-    print(f"{'model':28} {'fused32/src32':>14} {'src32/src64':>12} {'fused32/src64':>14} {'fold64/src64':>13} "
-          f"{'ratio':>6} {'ulp32/src32':>12}")
+    print(
+        f"{'model':28} {'fused32/src32':>14} {'src32/src64':>12} {'fused32/src64':>14} {'fold64/src64':>13} "
+        f"{'ratio':>6} {'ulp32/src32':>12}"
+    )
     for name in args.models:
         row = drift(name)
-        print(f"{name:28} {row['fused32_vs_source32']:14.3g} {row['source32_vs_source64']:12.3g} "
-              f"{row['fused32_vs_source64']:14.3g} {row['fold64_vs_source64']:13.3g} {row['ratio']:6.2f} "
-              f"{row['ulp32_vs_source32']:12.3g}", flush=True)
+        print(
+            f"{name:28} {row['fused32_vs_source32']:14.3g} {row['source32_vs_source64']:12.3g} "
+            f"{row['fused32_vs_source64']:14.3g} {row['fold64_vs_source64']:13.3g} {row['ratio']:6.2f} "
+            f"{row['ulp32_vs_source32']:12.3g}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,14 @@ STEPS = ("inspect", "convert", "eval", "train", "ranks", "revert", "load")
 #: what the modeling source must name for its family to be swept
 BN_PATTERN = re.compile(r"\bnn\.(?:Sync)?BatchNorm[123]d\b|\b\w*FrozenBatchNorm\w*")
 #: the head classes tried first, then the base model, then whatever else the module exports
-PREFERRED_SUFFIXES = ("ForImageClassification", "ForObjectDetection", "ForSemanticSegmentation",
-                      "ForDepthEstimation", "Model", "Backbone")
+PREFERRED_SUFFIXES = (
+    "ForImageClassification",
+    "ForObjectDetection",
+    "ForSemanticSegmentation",
+    "ForDepthEstimation",
+    "Model",
+    "Backbone",
+)
 #: widths are divided by the first of these at which the model builds and runs (code that rounds channels
 #: to a divisor, or hard-codes a group count, needs its widths as they are); then the same with the blocks
 #: per stage kept (where a stage's output width is its blocks' concatenation, as in HGNet)
@@ -69,10 +75,13 @@ BATCH = 2
 #: failures that are known and tracked elsewhere: (pattern of the reason, what it is). They are
 #: reported, but do not make the exit code non-zero.
 KNOWN_FAILURES = [
-    (r"outputs are not per sample",
-     "outputs not per sample at the model and at every submodule tried (e.g. image pairs flattened into the "
-     "batch): verify cannot line ranks up (a limitation, named by verify's own message)"),
+    (
+        r"outputs are not per sample",
+        "outputs not per sample at the model and at every submodule tried (e.g. image pairs flattened into the "
+        "batch): verify cannot line ranks up (a limitation, named by verify's own message)",
+    ),
 ]
+
 
 #: Per family, what the generic shrink and class choice do not get right, each with its reason.
 #: "config": merged into the shrunk config dict (sub-configs as nested dicts); "model": the class to
@@ -86,13 +95,24 @@ def merge(base: dict, extra: dict) -> dict:
 
 _TIED_DECODER = {"config": {"decoder_layers": 2}}  # ForObjectDetection ties bbox/class heads of decoder layers
 # 1.. to layer 0's (tie_weights_keys): with one decoder layer the tie matches nothing and the build raises
-_INTRACLASS = {"config": {"intraclass_block_config": {  # None by default (the released checkpoints carry it):
-    # shape-preserving kernel/stride/padding triples for the block's 7/5/3 long, mid and short convs
-    "reduce_channel": [1, 1, 0], "return_channel": [1, 1, 0],
-    **{f"{kind}_{ratio}": args for ratio, k in (("longratio", 7), ("midratio", 5), ("shortratio", 3))
-       for kind, args in (("symmetric_conv_long", [k, 1, k // 2]),
-                          ("vertical_long_to_small_conv", [[k, 1], 1, [k // 2, 0]]),
-                          ("horizontal_small_to_long_conv", [[1, k], 1, [0, k // 2]]))}}}}
+_INTRACLASS = {
+    "config": {
+        "intraclass_block_config": {  # None by default (the released checkpoints carry it):
+            # shape-preserving kernel/stride/padding triples for the block's 7/5/3 long, mid and short convs
+            "reduce_channel": [1, 1, 0],
+            "return_channel": [1, 1, 0],
+            **{
+                f"{kind}_{ratio}": args
+                for ratio, k in (("longratio", 7), ("midratio", 5), ("shortratio", 3))
+                for kind, args in (
+                    ("symmetric_conv_long", [k, 1, k // 2]),
+                    ("vertical_long_to_small_conv", [[k, 1], 1, [k // 2, 0]]),
+                    ("horizontal_small_to_long_conv", [[1, k], 1, [0, k // 2]]),
+                )
+            },
+        }
+    }
+}
 OVERRIDES: dict[str, dict] = {
     # widths are width_coefficient (2.0 by default: B7) x the stage channels, rounded to depth_divisor; divided
     # by 8 they no longer meet the depthwise group counts: a B0-like coefficient instead
@@ -123,8 +143,13 @@ OVERRIDES: dict[str, dict] = {
     # the default config has no projector (where the BN is); the released checkpoints have one
     "lw_detr": {"config": {"projector_scale_factors": [1.0]}},
     # BeitForSemanticSegmentation needs 4 out_indices (the default config has none)
-    "beit": {"config": {"out_indices": [1, 2, 3, 4], "out_features": ["stage1", "stage2", "stage3", "stage4"],
-                        "num_hidden_layers": 5}},
+    "beit": {
+        "config": {
+            "out_indices": [1, 2, 3, 4],
+            "out_features": ["stage1", "stage2", "stage3", "stage4"],
+            "num_hidden_layers": 5,
+        }
+    },
     # the config refuses to build without prediction_length; the distilling conv layers (where the BN is)
     # sit between encoder layers: two layers make one
     "informer": {"config": {"prediction_length": 4, "encoder_layers": 2}},
@@ -132,18 +157,29 @@ OVERRIDES: dict[str, dict] = {
     "efficientloftr": {"input": (BATCH, 2, 3, IMAGE_SIDE, IMAGE_SIDE)},
     # image and trimap: 4 channels; the default config's backbone is 768 wide where the head expects
     # hidden_size 384 (the released configs agree): the backbone made 384 / 8 wide
-    "vitmatte": {"config": {"backbone_config": {"num_channels": 4, "hidden_size": 48}}, "width_factor": 8,
-                 "input": (BATCH, 4, IMAGE_SIDE, IMAGE_SIDE)},
+    "vitmatte": {
+        "config": {"backbone_config": {"num_channels": 4, "hidden_size": 48}},
+        "width_factor": 8,
+        "input": (BATCH, 4, IMAGE_SIDE, IMAGE_SIDE),
+    },
     # patches of 384 pixels at ratios down to 1/4 need 1536-pixel images: 32-pixel patches of a 128-pixel
     # image instead, and two layers per ViT so that the hooked layers (11 and 5 of 24) exist
-    "depth_pro": {"config": {"use_batch_norm_in_fusion_residual": True, "patch_size": 32,
-                             "intermediate_hook_ids": [1, 0],
-                             **{f"{part}_model_config": {"image_size": 32, "num_hidden_layers": 2}
-                                for part in ("image", "patch", "fov")}},
-                  "input": (BATCH, 3, 128, 128)},
+    "depth_pro": {
+        "config": {
+            "use_batch_norm_in_fusion_residual": True,
+            "patch_size": 32,
+            "intermediate_hook_ids": [1, 0],
+            **{
+                f"{part}_model_config": {"image_size": 32, "num_hidden_layers": 2} for part in ("image", "patch", "fov")
+            },
+        },
+        "input": (BATCH, 3, 128, 128),
+    },
     # random weights find keypoints everywhere (minutes per forward): at most 16 per image
-    "superglue": {"config": {"keypoint_detector_config": {"max_keypoints": 16}},
-                  "input": (BATCH, 2, 3, IMAGE_SIDE, IMAGE_SIDE)},
+    "superglue": {
+        "config": {"keypoint_detector_config": {"max_keypoints": 16}},
+        "input": (BATCH, 2, 3, IMAGE_SIDE, IMAGE_SIDE),
+    },
     # the conv preprocessor's channels (322 = d_model + position encoding) must divide by the cross-attention heads
     # (its forward's first argument is named inputs: images of 224, which the conv preprocessor takes to 56)
     "perceiver": {"config": {"num_cross_attention_heads": 1}, "input": (BATCH, 3, 224, 224)},
@@ -152,8 +188,10 @@ OVERRIDES: dict[str, dict] = {
     "granite_speech_plus": {"model": "GraniteSpeechPlusCTCEncoder", "input": (BATCH, 64, 160)},
     # input_features is (batch, 1, time, mel bins); the Swin's patch width is not a width the generic rule
     # divides (its name says patch): 32 wide, with heads that divide each stage's width
-    "clap": {"config": {"patch_embeds_hidden_size": 32, "num_attention_heads": [1, 2, 4, 8]},
-             "input": (BATCH, 1, IMAGE_SIDE, IMAGE_SIDE)},
+    "clap": {
+        "config": {"patch_embeds_hidden_size": 32, "num_attention_heads": [1, 2, 4, 8]},
+        "input": (BATCH, 1, IMAGE_SIDE, IMAGE_SIDE),
+    },
     # the encoder stacks frames: its input width is 4 x num_mel_bins
     "granite_speech5": {"input": (BATCH, 64, 320)},
     # the recognizer pools the 1/32 feature map by (3, 2): at least 96 pixels high
@@ -164,6 +202,7 @@ OVERRIDES: dict[str, dict] = {
 
 
 # -- discovery (text only: importing every modeling module takes minutes) -----------------------
+
 
 def transformers_root() -> Path:
     spec = importlib.util.find_spec("transformers")
@@ -183,24 +222,36 @@ def discover(root: Path | None = None) -> list[dict]:
         if names:
             # lines that name a BN class other than in an isinstance check (weight init): where one is built
             builds = [line for line in text.splitlines() if BN_PATTERN.search(line) and "isinstance" not in line]
-            families.append({"family": path.stem[len("modeling_"):], "module": f"transformers.models.{path.parent.name}."
-                             f"{path.stem}", "mentions": names, "only_isinstance": not builds})
+            families.append(
+                {
+                    "family": path.stem[len("modeling_") :],
+                    "module": f"transformers.models.{path.parent.name}.{path.stem}",
+                    "mentions": names,
+                    "only_isinstance": not builds,
+                }
+            )
     return families
 
 
 # -- small configs ---------------------------------------------------------------------------
 
 #: int (or list of int) fields that are widths: divided by WIDTH_FACTOR
-WIDTH_NAME = re.compile(r"hidden|_dim$|_dims$|^dim$|dim_|channels|d_model|d_latents|embed|ffn|intermediate|units|"
-                        r"feature_size|conv_dim|width|proj|feedforward|stem_|fusion_|neck_|aspp_|^out_features$")
-NOT_WIDTH = re.compile(r"kernel|stride|patch|image|window|vocab|position|max_|_id$|_ids$|num_labels|pool|ratio|"
-                       r"length|_len$|dilation|padding|mel|groups|factor|scale|temperature|bins|seq|size_per|"
-                       r"out_indices|hook|coefficient|cost|_index$|sampl|queries|mask_|num_|input_dim")  # input_dim: the data's width
+WIDTH_NAME = re.compile(
+    r"hidden|_dim$|_dims$|^dim$|dim_|channels|d_model|d_latents|embed|ffn|intermediate|units|"
+    r"feature_size|conv_dim|width|proj|feedforward|stem_|fusion_|neck_|aspp_|^out_features$"
+)
+NOT_WIDTH = re.compile(
+    r"kernel|stride|patch|image|window|vocab|position|max_|_id$|_ids$|num_labels|pool|ratio|"
+    r"length|_len$|dilation|padding|mel|groups|factor|scale|temperature|bins|seq|size_per|"
+    r"out_indices|hook|coefficient|cost|_index$|sampl|queries|mask_|num_|input_dim"
+)  # input_dim: the data's width
 #: int fields that count layers or blocks: set to 1
-DEPTH_NAME = re.compile(r"^(num_hidden_layers|num_layers|encoder_layers|decoder_layers|num_encoder_layers|"
-                        r"num_decoder_layers|num_attention_layers|speech_encoder_layers|t2u_encoder_layers|"
-                        r"t2u_decoder_layers|text_encoder_num_layers|decoder_num_layers|num_self_attends_per_block|"
-                        r"depth|query_dec_layers|num_adapter_layers)$")
+DEPTH_NAME = re.compile(
+    r"^(num_hidden_layers|num_layers|encoder_layers|decoder_layers|num_encoder_layers|"
+    r"num_decoder_layers|num_attention_layers|speech_encoder_layers|t2u_encoder_layers|"
+    r"t2u_decoder_layers|text_encoder_num_layers|decoder_num_layers|num_self_attends_per_block|"
+    r"depth|query_dec_layers|num_adapter_layers)$"
+)
 #: list fields that count blocks per stage: each entry set to 1
 DEPTH_LIST_NAME = re.compile(r"^(depths|depth|num_block_repeats|stage_num_blocks|n_attn_blocks|stage_numb_of_layers)$")
 #: lists of layer numbers: with num_hidden_layers shrunk they are renumbered 1..k, order kept
@@ -242,8 +293,9 @@ def shrink(config: dict, factor: int = WIDTH_FACTORS[0], depths: bool = True) ->
                 out[key] = value if value < VOCAB else VOCAB - 1 - (value % 8)
             elif key == "image_size":
                 patch = config.get("patch_size")
-                out[key] = min(value, IMAGE_SIDE if not isinstance(patch, int) or IMAGE_SIDE % patch == 0
-                               else patch * 4)
+                out[key] = min(
+                    value, IMAGE_SIDE if not isinstance(patch, int) or IMAGE_SIDE % patch == 0 else patch * 4
+                )
             elif WIDTH_NAME.search(key) and not NOT_WIDTH.search(key):
                 out[key] = _width(value, factor)
         elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -266,8 +318,12 @@ def shrink(config: dict, factor: int = WIDTH_FACTORS[0], depths: bool = True) ->
             if INDEX_LIST_NAME.match(key) and isinstance(value, list):
                 out[key] = _renumber(value, layers)
             if key == "out_features" and isinstance(value, list):
-                out[key] = [f"stage{layers[int(m.group(1))]}" if isinstance(v, str) and (m := stage.match(v))
-                            and int(m.group(1)) in layers else v for v in value]
+                out[key] = [
+                    f"stage{layers[int(m.group(1))]}"
+                    if isinstance(v, str) and (m := stage.match(v)) and int(m.group(1)) in layers
+                    else v
+                    for v in value
+                ]
         # one layer more than the highest number: 0-based (DPT) and 1-based (BEiT) readers both find theirs
         count = max(layers.values()) + 1 if layers else 1
         if "stage_names" in out and isinstance(out["stage_names"], list):
@@ -287,8 +343,9 @@ def small_resnet(out_indices) -> dict:
     from transformers import ResNetConfig
 
     stages = [f"stage{i}" for i in out_indices if 1 <= i <= 4] or ["stage4"]
-    return ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1],
-                        out_features=stages).to_dict()
+    return ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1], out_features=stages
+    ).to_dict()
 
 
 def fields_only(config) -> dict:
@@ -348,8 +405,9 @@ def candidates(module) -> list[str]:
 
     def rank(name: str) -> tuple[int, int, str]:
         checkable = first_argument(getattr(transformers, name)) in CHECKABLE
-        suffix = next((i for i, suffix in enumerate(PREFERRED_SUFFIXES) if name.endswith(suffix)),
-                      len(PREFERRED_SUFFIXES))
+        suffix = next(
+            (i for i, suffix in enumerate(PREFERRED_SUFFIXES) if name.endswith(suffix)), len(PREFERRED_SUFFIXES)
+        )
         return (0 if checkable else 1), suffix, name
 
     return sorted(names, key=rank)
@@ -389,8 +447,10 @@ def check_input(model, config) -> "tuple[tuple[int, ...] | None, str]":
     if first in ("input", "args", ""):
         return None, f"{type(model).__name__} has no forward of its own (it is used through other methods)"
     if "ids" in first:
-        return None, (f"its forward takes integer {first} first: bnsurgeon's check inputs are float noise "
-                      "(--example-input refuses integer tensors)")
+        return None, (
+            f"its forward takes integer {first} first: bnsurgeon's check inputs are float noise "
+            "(--example-input refuses integer tensors)"
+        )
     return None, f"its forward takes {first} first: the sweep has no input rule for it"
 
 
@@ -407,6 +467,7 @@ def runs_on(model, shape) -> str:
 
 
 # -- one family (runs in the worker) ------------------------------------------------------------
+
 
 def _step(status: str, reason: str = "") -> dict:
     return {"status": status, "reason": reason}
@@ -463,11 +524,19 @@ def build(family: dict, override: dict) -> dict:
                     failures.append("no BN-family module")
                     break  # sizes do not add modules
                 frozen = sum(g.count for g in inspection.groups if "Frozen" in g.cls.rsplit(".", 1)[-1])
-                built = {"model": model, "cls": name, "config": config, "bn": inspection.bn_modules,
-                         "frozen": frozen, "classes": {g.cls.rsplit(".", 1)[-1]: g.count for g in inspection.groups},
-                         "unhandled": inspection.unhandled, "tried": tried, "width_factor": factor,
-                         "paths": [path for group in inspection.groups for path in group.all_paths],
-                         "depths_shrunk": depths}
+                built = {
+                    "model": model,
+                    "cls": name,
+                    "config": config,
+                    "bn": inspection.bn_modules,
+                    "frozen": frozen,
+                    "classes": {g.cls.rsplit(".", 1)[-1]: g.count for g in inspection.groups},
+                    "unhandled": inspection.unhandled,
+                    "tried": tried,
+                    "width_factor": factor,
+                    "paths": [path for group in inspection.groups for path in group.all_paths],
+                    "depths_shrunk": depths,
+                }
                 shape, why = (tuple(override["input"]), "") if override.get("input") else check_input(model, config)
                 if shape is not None:
                     why = runs_on(model, shape)
@@ -484,10 +553,17 @@ def build(family: dict, override: dict) -> dict:
                 # not a size problem, at these depths at least
                 skip_depths = depths
         tried.append(f"{name}: {failures[-1] if failures else 'not built'}")
-        if fallback is not None and fallback["cls"] == name and len(failures) > 1 and failures[-1] != fallback["why_no_input"]:
+        if (
+            fallback is not None
+            and fallback["cls"] == name
+            and len(failures) > 1
+            and failures[-1] != fallback["why_no_input"]
+        ):
             factor, depths = attempts[min(len(failures), len(attempts)) - 1]
-            fallback["why_no_input"] += (f" (and at every size tried; at width / {factor} with "
-                                         f"{'depths to 1' if depths else 'the default depths'}: {failures[-1][:200]})")
+            fallback["why_no_input"] += (
+                f" (and at every size tried; at width / {factor} with "
+                f"{'depths to 1' if depths else 'the default depths'}: {failures[-1][:200]})"
+            )
     if fallback is not None:
         return fallback
     return {"tried": tried or ["the module exports no model class transformers exports"]}
@@ -498,8 +574,9 @@ def compare_at_candidates(paths: list[str], model, tries: int = 3) -> list[str]:
     child that holds the most of them."""
     from torch import nn
 
-    modules = {path: module for path, module in model.named_modules()
-               if not isinstance(module, (nn.ModuleList, nn.ModuleDict))}  # containers are never called
+    modules = {
+        path: module for path, module in model.named_modules() if not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    }  # containers are never called
     split = [path.split(".") for path in paths]
     common = []
     for parts in zip(*split):
@@ -515,7 +592,7 @@ def compare_at_candidates(paths: list[str], model, tries: int = 3) -> list[str]:
         counts: dict[str, int] = {}
         for path in paths:
             if path.startswith(prefix) and path != current:
-                child = prefix + path[len(prefix):].split(".", 1)[0]
+                child = prefix + path[len(prefix) :].split(".", 1)[0]
                 if child != path:  # a container, not the BN module itself
                     counts[child] = counts.get(child, 0) + 1
         if not counts:
@@ -535,8 +612,12 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
 
     started = time.perf_counter()
     name = family["family"]
-    row = {"family": name, "module": family["module"], "mentions": family["mentions"],
-           "steps": {step: _step("n.a.", "not run") for step in STEPS}}
+    row = {
+        "family": name,
+        "module": family["module"],
+        "mentions": family["mentions"],
+        "steps": {step: _step("n.a.", "not run") for step in STEPS},
+    }
     override = OVERRIDES.get(name, {})
     if override.get("skip"):
         row.update(status="skipped", reason=override["skip"])
@@ -545,8 +626,10 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
     try:
         built = build(family, override)
     except Exception as error:  # the module itself does not import (a missing package)
-        row.update(status="skipped", reason=f"cannot import {family['module']}: {type(error).__name__}: "
-                                            f"{' '.join(str(error).split())[:200]}")
+        row.update(
+            status="skipped",
+            reason=f"cannot import {family['module']}: {type(error).__name__}: {' '.join(str(error).split())[:200]}",
+        )
         return row
     if "model" not in built:
         by_why: dict[str, list[str]] = {}
@@ -555,8 +638,10 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
             by_why.setdefault(why, []).append(cls_name)
         tried = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items())
         if family.get("only_isinstance"):
-            reason = (f"builds no BN-family module: the source names {', '.join(family['mentions'])} only in "
-                      f"isinstance checks (weight init) ({tried})")
+            reason = (
+                f"builds no BN-family module: the source names {', '.join(family['mentions'])} only in "
+                f"isinstance checks (weight init) ({tried})"
+            )
         elif all(why == "no BN-family module" for why in by_why):
             reason = f"no BN-family module with the default options ({tried})"
         else:
@@ -564,10 +649,17 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
         row.update(status="skipped", tried=built["tried"], reason=" ".join(reason.split())[:500])
         return row
     model = built["model"]
-    row.update(cls=built["cls"], bn=built["bn"], frozen=built["frozen"], classes=built["classes"],
-               unhandled=built["unhandled"], tried=built["tried"], width_factor=built["width_factor"],
-               depths_shrunk=built["depths_shrunk"],
-               parameters=sum(p.numel() for p in model.parameters()))
+    row.update(
+        cls=built["cls"],
+        bn=built["bn"],
+        frozen=built["frozen"],
+        classes=built["classes"],
+        unhandled=built["unhandled"],
+        tried=built["tried"],
+        width_factor=built["width_factor"],
+        depths_shrunk=built["depths_shrunk"],
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
     shape, why_no_input = built["shape"], built["why_no_input"]
     row["input_shape"] = list(shape) if shape else None
     source = Path(workdir) / name
@@ -577,12 +669,14 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
 
         getattr(transformers, built["cls"]).from_pretrained(str(source), local_files_only=True)
     except Exception as error:
-        row.update(status="skipped", reason=f"transformers cannot load the {built['cls']} directory it saved: "
-                                            f"{type(error).__name__}: {' '.join(str(error).split())[:200]}")
+        row.update(
+            status="skipped",
+            reason=f"transformers cannot load the {built['cls']} directory it saved: "
+            f"{type(error).__name__}: {' '.join(str(error).split())[:200]}",
+        )
         return row
     reference_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    source_classes = {path: type(module).__name__ for path, module in model.named_modules()
-                      if path in built["paths"]}
+    source_classes = {path: type(module).__name__ for path, module in model.named_modules() if path in built["paths"]}
     out = Path(workdir) / f"{name}.sync.safetensors"
     back = Path(workdir) / f"{name}.back.safetensors"
     frozen = built["frozen"] > 0
@@ -608,13 +702,16 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
     def inspect_step():
         result = api.inspect(str(source))
         if result.bn_modules != built["bn"] or result.unhandled:
-            raise SweepCheckFailed(f"inspect of the directory: {result.bn_modules} BN modules, {result.unhandled} "
-                                 f"unhandled; the built model has {built['bn']}")
+            raise SweepCheckFailed(
+                f"inspect of the directory: {result.bn_modules} BN modules, {result.unhandled} "
+                f"unhandled; the built model has {built['bn']}"
+            )
         s["inspect"] = _step("pass", ", ".join(f"{k} x{v}" for k, v in built["classes"].items()))
 
     def convert_step():
-        outcome = api.convert_source(str(source), out, to="sync", frozen="unfreeze" if frozen else "keep",
-                                     check=shape is not None, **check)
+        outcome = api.convert_source(
+            str(source), out, to="sync", frozen="unfreeze" if frozen else "keep", check=shape is not None, **check
+        )
         report = outcome.result.report
         note = f"{len(report.changed)} converted"
         if report.check is not None:
@@ -637,8 +734,14 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
 
         begun = time.perf_counter()
         try:
-            api.verify(str(source), str(out), world_sizes=(world_size,) if "ranks" in steps else (),
-                       on_check=told, compare_at=compare_at, **check)
+            api.verify(
+                str(source),
+                str(out),
+                world_sizes=(world_size,) if "ranks" in steps else (),
+                on_check=told,
+                compare_at=compare_at,
+                **check,
+            )
             raised = ""
         except Exception as error:
             raised = "verify raised: " + _failure(error)
@@ -648,11 +751,16 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
     def judge(key: str, outcomes: list, raised: str, where: str = "") -> dict:
         failed = next((o for o in outcomes if o.passed is False), None)
         if failed is not None:
-            return _step("FAIL", " ".join(f"{where}{failed.name}: max |diff| {failed.max_abs_diff:.3g} "
-                                          f"{failed.detail}".split())[:300])
+            return _step(
+                "FAIL",
+                " ".join(f"{where}{failed.name}: max |diff| {failed.max_abs_diff:.3g} {failed.detail}".split())[:300],
+            )
         if raised:
-            return _step("FAIL", raised) if not outcomes or key == "ranks" else _step(
-                "pass", f"{len(outcomes)} checks passed before verify raised")
+            return (
+                _step("FAIL", raised)
+                if not outcomes or key == "ranks"
+                else _step("pass", f"{len(outcomes)} checks passed before verify raised")
+            )
         if outcomes and all(o.passed is None for o in outcomes):
             return _step("n.a.", outcomes[0].detail[:200])
         if outcomes:
@@ -671,8 +779,12 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
                     break
                 inside = sum(1 for path in built["paths"] if path.startswith(compare_at + "."))
                 groups, raised = verify(compare_at)
-                s["ranks"] = judge("ranks", groups["ranks"], raised,
-                                   f"at --compare-at {compare_at} ({inside} of {built['bn']} BN modules inside): ")
+                s["ranks"] = judge(
+                    "ranks",
+                    groups["ranks"],
+                    raised,
+                    f"at --compare-at {compare_at} ({inside} of {built['bn']} BN modules inside): ",
+                )
     elif not converted:
         for key in ("eval", "train", "ranks", "revert", "load"):
             s[key] = _step("n.a.", "convert failed" if "convert" in steps else "needs convert")
@@ -682,8 +794,7 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
 
     def revert_step():
         target = "frozen" if frozen else "plain"
-        frozen_paths = tuple(glob.escape(path) for path in built["paths"]
-                             if "Frozen" in source_classes.get(path, ""))
+        frozen_paths = tuple(glob.escape(path) for path in built["paths"] if "Frozen" in source_classes.get(path, ""))
         if frozen and len(frozen_paths) < len(built["paths"]):
             # frozen and plain BN in one model: --to frozen would freeze the plain ones too, --to plain thaw the
             # frozen ones; each goes back to its own class in its own pass
@@ -697,17 +808,21 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
         state = reverted.state_dict()
         missing, extra = sorted(set(reference_state) - set(state)), sorted(set(state) - set(reference_state))
         if missing or extra:
-            raise SweepCheckFailed(f"--to {target}: the rebuilt model's state-dict keys differ from the source's: "
-                                   f"missing {missing[:3]}, extra {extra[:3]}")
+            raise SweepCheckFailed(
+                f"--to {target}: the rebuilt model's state-dict keys differ from the source's: "
+                f"missing {missing[:3]}, extra {extra[:3]}"
+            )
         differ = [k for k, v in reference_state.items() if not torch.equal(state[k], v)]
         if differ:
             raise SweepCheckFailed(f"--to {target}: {len(differ)} tensors differ from the source's, e.g. {differ[0]}")
         theirs = {path: type(module).__name__ for path, module in reverted.named_modules()}
-        changed = [f"{path}: {cls} -> {theirs.get(path)}" for path, cls in source_classes.items()
-                   if theirs.get(path) != cls]
+        changed = [
+            f"{path}: {cls} -> {theirs.get(path)}" for path, cls in source_classes.items() if theirs.get(path) != cls
+        ]
         if changed:
-            raise SweepCheckFailed(f"--to {target}: {len(changed)} BN modules are not of their source class, "
-                                   f"e.g. {changed[0]}")
+            raise SweepCheckFailed(
+                f"--to {target}: {len(changed)} BN modules are not of their source class, e.g. {changed[0]}"
+            )
         s["revert"] = _step("pass", f"--to {target}: the source's classes and tensors, key for key")
 
     def load_step():
@@ -729,7 +844,9 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
             if not same:
                 diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("inf")
                 raise SweepCheckFailed(f"load: eval outputs differ from the source's (max |diff| {diff:.3g})")
-        s["load"] = _step("pass", "eval outputs " + ("bit-identical" if exact else "within rtol 1e-4") + " to the source's")
+        s["load"] = _step(
+            "pass", "eval outputs " + ("bit-identical" if exact else "within rtol 1e-4") + " to the source's"
+        )
 
     if converted:
         run("revert", revert_step)
@@ -741,6 +858,7 @@ def sweep_family(family: dict, steps: tuple[str, ...], world_size: int, workdir:
 
 
 # -- the worker and the sweep -----------------------------------------------------------------------
+
 
 def _worker(tasks, results, steps, world_size, threads):
     os.setsid()  # its own process group: a timeout kills it with its rank processes
@@ -767,9 +885,13 @@ def _worker(tasks, results, steps, world_size, threads):
             except BaseException as error:  # the sweep's own failure, not bnsurgeon's: say so
                 import traceback
 
-                row = {"family": family["family"], "module": family["module"], "status": "error",
-                       "reason": f"sweep error: {type(error).__name__}: {' '.join(str(error).split())[:200]}",
-                       "traceback": traceback.format_exc()[-2000:]}
+                row = {
+                    "family": family["family"],
+                    "module": family["module"],
+                    "status": "error",
+                    "reason": f"sweep error: {type(error).__name__}: {' '.join(str(error).split())[:200]}",
+                    "traceback": traceback.format_exc()[-2000:],
+                }
             results.put(row)
 
 
@@ -781,7 +903,7 @@ def _start(context, steps, world_size, threads):
         results.get(timeout=300)  # its imports done: the time box counts the family's own work
     except queue.Empty:
         _kill(worker)
-        raise SystemExit("the sweep's worker did not start within 300 s")
+        raise SystemExit("the sweep's worker did not start within 300 s") from None
     return worker, tasks, results
 
 
@@ -793,7 +915,9 @@ def _kill(worker) -> None:
     worker.join(timeout=10)
 
 
-def run_sweep(families: list[dict], steps: tuple[str, ...], world_size: int, timeout: float, threads: int) -> list[dict]:
+def run_sweep(
+    families: list[dict], steps: tuple[str, ...], world_size: int, timeout: float, threads: int
+) -> list[dict]:
     context = mp.get_context("spawn")
     worker, tasks, results = _start(context, steps, world_size, threads)
     rows = []
@@ -807,17 +931,29 @@ def run_sweep(families: list[dict], steps: tuple[str, ...], world_size: int, tim
                     row = results.get(timeout=2)
                 except queue.Empty:
                     if not worker.is_alive():
-                        row = {"family": family["family"], "module": family["module"], "status": "error",
-                               "reason": f"the worker died (exit code {worker.exitcode})"}
+                        row = {
+                            "family": family["family"],
+                            "module": family["module"],
+                            "status": "error",
+                            "reason": f"the worker died (exit code {worker.exitcode})",
+                        }
                     elif time.monotonic() - started > timeout:
-                        row = {"family": family["family"], "module": family["module"], "status": "timeout",
-                               "reason": f"over {timeout:.0f}s (--timeout-per-family)"}
+                        row = {
+                            "family": family["family"],
+                            "module": family["module"],
+                            "status": "timeout",
+                            "reason": f"over {timeout:.0f}s (--timeout-per-family)",
+                        }
                     if row is not None:
                         _kill(worker)
                         worker, tasks, results = _start(context, steps, world_size, threads)
             rows.append(row)
-            print(f"[{index + 1}/{len(families)}] {family['family']}: {row['status']} "
-                  f"({time.monotonic() - started:.0f}s)", file=sys.stderr, flush=True)
+            print(
+                f"[{index + 1}/{len(families)}] {family['family']}: {row['status']} "
+                f"({time.monotonic() - started:.0f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         tasks.put(None)
         worker.join(timeout=30)
@@ -827,6 +963,7 @@ def run_sweep(families: list[dict], steps: tuple[str, ...], world_size: int, tim
 
 
 # -- report ---------------------------------------------------------------------------------------
+
 
 def known(reason: str) -> str | None:
     return next((label for pattern, label in KNOWN_FAILURES if re.search(pattern, reason)), None)
@@ -844,11 +981,28 @@ def table(rows: list[dict]) -> str:
     lines = [header]
     for r in rows:
         if r["status"] in ("pass", "FAIL"):
-            lines.append([r["family"], r.get("cls", ""), str(r.get("bn", "")), str(r.get("frozen", "")),
-                          *(cell(r["steps"][step]) for step in STEPS), str(r.get("seconds", ""))])
+            lines.append(
+                [
+                    r["family"],
+                    r.get("cls", ""),
+                    str(r.get("bn", "")),
+                    str(r.get("frozen", "")),
+                    *(cell(r["steps"][step]) for step in STEPS),
+                    str(r.get("seconds", "")),
+                ]
+            )
         else:
-            lines.append([r["family"], r.get("cls", "-"), str(r.get("bn", "-")), str(r.get("frozen", "-")),
-                          r["status"], *([""] * (len(STEPS) - 1)), ""])
+            lines.append(
+                [
+                    r["family"],
+                    r.get("cls", "-"),
+                    str(r.get("bn", "-")),
+                    str(r.get("frozen", "-")),
+                    r["status"],
+                    *([""] * (len(STEPS) - 1)),
+                    "",
+                ]
+            )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(value.ljust(width) for value, width in zip(line, widths)).rstrip() for line in lines]
     return "\n".join(text)
@@ -867,8 +1021,9 @@ def details(rows: list[dict]) -> str:
                     lines.setdefault((value["status"], value["reason"]), []).append(step)
             for (status, reason), names in lines.items():
                 label = known(reason) if status == "FAIL" else None
-                out.append(f"  {r['family']}: {'/'.join(names)} {status}{' (known: ' + label + ')' if label else ''}: "
-                           f"{reason}")
+                out.append(
+                    f"  {r['family']}: {'/'.join(names)} {status}{' (known: ' + label + ')' if label else ''}: {reason}"
+                )
         else:
             out.append(f"  {r['family']}: {r['status']}: {r.get('reason', '')}")
     return "\n".join(out)
@@ -877,16 +1032,25 @@ def details(rows: list[dict]) -> str:
 def totals(rows: list[dict]) -> dict:
     swept = [r for r in rows if r["status"] in ("pass", "FAIL")]
     failed = [r for r in swept if r["status"] == "FAIL"]
-    unexpected = [r for r in failed if any(v["status"] == "FAIL" and not known(v["reason"]) for v in r["steps"].values())]
+    unexpected = [
+        r for r in failed if any(v["status"] == "FAIL" and not known(v["reason"]) for v in r["steps"].values())
+    ]
     skipped = [r for r in rows if r["status"] == "skipped"]
     reasons: dict[str, int] = {}
     for r in skipped:
-        key = ("BN only in isinstance checks" if r["reason"].startswith("builds no BN-family") else
-               "no BN with the default options" if r["reason"].startswith("no BN-family") else
-               "cannot be built small" if r["reason"].startswith("no model class builds") else
-               "cannot import" if r["reason"].startswith("cannot import") else
-               "transformers cannot load its own directory" if r["reason"].startswith("transformers cannot load")
-               else r["reason"][:60])
+        key = (
+            "BN only in isinstance checks"
+            if r["reason"].startswith("builds no BN-family")
+            else "no BN with the default options"
+            if r["reason"].startswith("no BN-family")
+            else "cannot be built small"
+            if r["reason"].startswith("no model class builds")
+            else "cannot import"
+            if r["reason"].startswith("cannot import")
+            else "transformers cannot load its own directory"
+            if r["reason"].startswith("transformers cannot load")
+            else r["reason"][:60]
+        )
         reasons[key] = reasons.get(key, 0) + 1
     return {
         "families": len(rows),
@@ -904,17 +1068,20 @@ def totals(rows: list[dict]) -> dict:
 
 def totals_line(t: dict) -> str:
     skipped = ", ".join(f"{n} {why}" for why, n in t["skipped_reasons"].items())
-    return (f"{t['families']} families: {t['all_pass']} all pass, {t['fail']} fail ({t['fail_known_only']} known only, "
-            f"{t['fail_unexpected']} unexpected), {t['skipped']} skipped ({skipped or 'none'}), {t['timeout']} timeout, "
-            f"{t['error']} sweep error; {t['no_check_input']} swept without a check input")
+    return (
+        f"{t['families']} families: {t['all_pass']} all pass, {t['fail']} fail ({t['fail_known_only']} known only, "
+        f"{t['fail_unexpected']} unexpected), {t['skipped']} skipped ({skipped or 'none'}), {t['timeout']} timeout, "
+        f"{t['error']} sweep error; {t['no_check_input']} swept without a check input"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="comma-separated family names (default: every one found)")
     parser.add_argument("--list", action="store_true", help="print the families found and exit")
-    parser.add_argument("--steps", default=",".join(STEPS),
-                        help=f"comma-separated steps to run (default: all of {','.join(STEPS)})")
+    parser.add_argument(
+        "--steps", default=",".join(STEPS), help=f"comma-separated steps to run (default: all of {','.join(STEPS)})"
+    )
     parser.add_argument("-w", "--world-size", type=int, default=2, help="ranks of verify's N-rank check")
     parser.add_argument("--timeout-per-family", type=float, default=300.0, help="seconds, then the family is killed")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the worker")
@@ -949,8 +1116,9 @@ def main() -> int:
     print()
     print(totals_line(t) + f" ({elapsed / 60:.1f} min)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"totals": t, "seconds": round(elapsed, 1), "families": rows},
-                                              indent=1, default=str) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"totals": t, "seconds": round(elapsed, 1), "families": rows}, indent=1, default=str) + "\n"
+        )
     return 1 if t["fail_unexpected"] or t["timeout"] or t["error"] else 0
 
 

@@ -4,6 +4,7 @@ fast_normalization, against a no_grad eval forward (and its own batch_norm calls
 
     python scripts/recalibrate_where_time_goes.py efficientnet_b0 [--batches 4] [--repeats 2]
 """
+
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def timed(key, fn):
             return fn(*args, **kwargs)
         finally:
             spent[key] += time.thread_time() - started
+
     return wrapper
 
 
@@ -52,8 +54,11 @@ def main():
             for x in data:
                 model(x)
 
-    runs = [("no_grad forward", forward), ("recalibrate", lambda: bnsurgeon.recalibrate(model, data)),
-            ("fast_normalization", lambda: bnsurgeon.recalibrate(model, data, fast_normalization=True))]
+    runs = [
+        ("no_grad forward", forward),
+        ("recalibrate", lambda: bnsurgeon.recalibrate(model, data)),
+        ("fast_normalization", lambda: bnsurgeon.recalibrate(model, data, fast_normalization=True)),
+    ]
     for _, fn in runs:
         fn()
     for _ in range(args.repeats):
@@ -62,8 +67,11 @@ def main():
             started = time.thread_time()
             fn()
             total = time.thread_time() - started
-            print(f"{args.model} {name}: {total * 1e3:.0f} ms, batch_norm {spent['batch_norm'] * 1e3:.0f} ms, "
-                  f"bnsurgeon statistics {spent['statistics'] * 1e3:.0f} ms", flush=True)
+            print(
+                f"{args.model} {name}: {total * 1e3:.0f} ms, batch_norm {spent['batch_norm'] * 1e3:.0f} ms, "
+                f"bnsurgeon statistics {spent['statistics'] * 1e3:.0f} ms",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

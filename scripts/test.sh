@@ -2,9 +2,9 @@
 # The whole test suite (CPU only; multi-process tests use gloo on 127.0.0.1), after the static checks.
 source "$(dirname "$0")/venv.sh"
 cd "$ROOT"
-# lint (pycodestyle, pyflakes, bugbear, isort) and format, on the package; rules in pyproject.toml
-ruff check bnsurgeon
-ruff format --check bnsurgeon
+# lint (pycodestyle, pyflakes, bugbear, isort) and format, the whole tree; rules in pyproject.toml
+ruff check .
+ruff format --check .
 # types (mypy, configured in pyproject.toml)
 mypy
 # the package's layering (stages import downward only; contracts in .importlinter)

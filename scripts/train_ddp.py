@@ -34,8 +34,11 @@ def main() -> None:
     cfg = getattr(model, "pretrained_cfg", None) or {}
     channels = (cfg.get("input_size") or (3,))[0]
     classes = getattr(model, "num_classes", 1000)
-    ddp = DistributedDataParallel(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None) \
-        if info.distributed else model
+    ddp = (
+        DistributedDataParallel(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+        if info.distributed
+        else model
+    )
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
 
     generator = torch.Generator().manual_seed(1234 + info.rank)
@@ -47,9 +50,14 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         if info.rank == 0:
-            print(f"step {step}: loss {loss.item():.4f} (rank 0 of {info.world_size}, {info.backend or 'single process'})", flush=True)
+            print(
+                f"step {step}: loss {loss.item():.4f} (rank 0 of {info.world_size}, {info.backend or 'single process'})",
+                flush=True,
+            )
 
-    stats = torch.cat([b.detach().float().flatten() for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))])
+    stats = torch.cat(
+        [b.detach().float().flatten() for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var"))]
+    )
     if info.distributed:
         reference = stats.clone()
         dist.broadcast(reference, src=0)
@@ -57,7 +65,10 @@ def main() -> None:
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         identical = diff.item() == 0.0
         if info.rank == 0:
-            print(f"running stats identical across {info.world_size} ranks: {identical} (max |diff| {diff.item():.3g})", flush=True)
+            print(
+                f"running stats identical across {info.world_size} ranks: {identical} (max |diff| {diff.item():.3g})",
+                flush=True,
+            )
         dist.destroy_process_group()
         if not identical:
             raise SystemExit(1)

@@ -44,6 +44,7 @@ def _require(condition: bool, message: str) -> None:
 
 def _kernel(function):
     """Count a stand-in as one op and hide its own ops from the counter."""
+
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         counter = _active[-1] if _active else None
@@ -55,6 +56,7 @@ def _kernel(function):
             return function(*args, **kwargs)
         finally:
             counter.hidden -= 1
+
     return wrapper
 
 
@@ -80,8 +82,7 @@ def _check_params(x: torch.Tensor, *params) -> None:
     if not defined:
         return
     first = defined[0].dtype
-    _require(first in (x.dtype, _acc(x.dtype)),
-             f"Expected parameters in {x.dtype} or {_acc(x.dtype)}, got {first}")
+    _require(first in (x.dtype, _acc(x.dtype)), f"Expected parameters in {x.dtype} or {_acc(x.dtype)}, got {first}")
     for p in defined[1:]:
         _require(p.dtype == first, f"Expected all parameters to have type {first} but got {p.dtype}")
 
@@ -162,13 +163,21 @@ def batch_norm_backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, c
     acc, ndim = mean.dtype, x.dim()
     norm = count.to(acc).sum().reciprocal()
     scale = invstd if weight is None else invstd * weight.to(acc)
-    dx = (dy.to(acc) - _channel(sum_dy * norm, ndim)
-          - (x.to(acc) - _channel(mean, ndim)) * _channel(invstd * invstd * sum_dy_xmu * norm, ndim))
+    dx = (
+        dy.to(acc)
+        - _channel(sum_dy * norm, ndim)
+        - (x.to(acc) - _channel(mean, ndim)) * _channel(invstd * invstd * sum_dy_xmu * norm, ndim)
+    )
     return (dx * _channel(scale, ndim)).to(x.dtype).contiguous(memory_format=_format(x))
 
 
-KERNELS = ("batch_norm_stats", "batch_norm_elemt", "batch_norm_gather_stats_with_counts",
-           "batch_norm_backward_reduce", "batch_norm_backward_elemt")
+KERNELS = (
+    "batch_norm_stats",
+    "batch_norm_elemt",
+    "batch_norm_gather_stats_with_counts",
+    "batch_norm_backward_reduce",
+    "batch_norm_backward_elemt",
+)
 
 
 def install(monkeypatch) -> None:
@@ -265,6 +274,7 @@ class OpCounter(TorchDispatchMode):
                 source = tensors[-1] if name.startswith("aten.copy_") else tensors[0]
                 target = kwargs.get("device") or (tensors[0].device if name.startswith("aten.copy_") else None)
                 if name.startswith("aten.lift_fresh") or (
-                        source.device.type == "cpu" and target is not None and torch.device(target).type != "cpu"):
+                    source.device.type == "cpu" and target is not None and torch.device(target).type != "cpu"
+                ):
                     self.host_copies.append(name)
         return func(*args, **kwargs)

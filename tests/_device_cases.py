@@ -28,8 +28,9 @@ def layer(dtype=torch.float64) -> nn.BatchNorm2d:
 
 def device_path_rank(rank: int, world_size: int, splits: list[int]) -> dict:
     """STEPS training steps of a converted layer on this rank's slice, through the CUDA path."""
-    import bnsurgeon
     from _cuda_standin import installed
+
+    import bnsurgeon
 
     model = bnsurgeon.convert(nn.Sequential(layer()), "sync").model.train()
     outputs, grads = [], []
@@ -37,11 +38,16 @@ def device_path_rank(rank: int, world_size: int, splits: list[int]) -> dict:
     with installed():
         for step in range(STEPS):
             x, dy = batch(splits, step)
-            x = x[start:start + splits[rank]].clone().requires_grad_()
+            x = x[start : start + splits[rank]].clone().requires_grad_()
             y = model(x)
-            y.backward(dy[start:start + splits[rank]])
+            y.backward(dy[start : start + splits[rank]])
             outputs.append(y.detach())
             grads.append(x.grad)
     bn = model[0]
-    return {"outputs": outputs, "grads": grads, "weight_grad": bn.weight.grad, "bias_grad": bn.bias.grad,
-            "state": {k: v.clone() for k, v in bn.state_dict().items()}}
+    return {
+        "outputs": outputs,
+        "grads": grads,
+        "weight_grad": bn.weight.grad,
+        "bias_grad": bn.bias.grad,
+        "state": {k: v.clone() for k, v in bn.state_dict().items()},
+    }

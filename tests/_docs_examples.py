@@ -32,8 +32,17 @@ ROOT = Path(__file__).resolve().parent.parent
 LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "console", "python": "python", "py": "python"}
 DIRECTIVE = re.compile(r"^<!-- docs-test: (.*?) -->\s*$")
 # reading order: the pages' examples build on the ones before them (needs ...)
-PAGE_ORDER = ["README.md", "docs/getting-started.md", "docs/commands.md", "docs/verify.md", "docs/deploy.md",
-              "docs/training.md", "docs/transformers.md", "docs/detection.md", "docs/recalibrate.md"]
+PAGE_ORDER = [
+    "README.md",
+    "docs/getting-started.md",
+    "docs/commands.md",
+    "docs/verify.md",
+    "docs/deploy.md",
+    "docs/training.md",
+    "docs/transformers.md",
+    "docs/detection.md",
+    "docs/recalibrate.md",
+]
 
 
 class ExampleError(AssertionError):
@@ -70,7 +79,7 @@ def parse(text: str, path: str = "<text>") -> list[Block]:
         while end < len(lines) and not lines[end].startswith("```"):
             end += 1
         if language in LANGUAGES:
-            block = Block(path, start + 1, LANGUAGES[language], "\n".join(lines[start + 1:end]) + "\n")
+            block = Block(path, start + 1, LANGUAGES[language], "\n".join(lines[start + 1 : end]) + "\n")
             above = start - 1
             while above >= 0 and DIRECTIVE.match(lines[above]):
                 _apply(block, DIRECTIVE.match(lines[above]).group(1))
@@ -201,8 +210,9 @@ def run_block(block: Block, session: Session) -> None:
                     if code != 0:
                         raise ExampleError(f"{block.id}: `{command}` exited {code}:\n{output}")
                     if any(line.strip() for line in shown) and not output_matches(shown, output):
-                        raise ExampleError(f"{block.id}: `{command}` printed\n{output}\nthe page shows\n"
-                                           + "\n".join(shown))
+                        raise ExampleError(
+                            f"{block.id}: `{command}` printed\n{output}\nthe page shows\n" + "\n".join(shown)
+                        )
             else:
                 for command in bash_commands(block.code):
                     code, output = run_command(command)

@@ -19,7 +19,6 @@ LR = 0.05
 
 def graph_model() -> nn.Module:
     import timm
-
     from _ddp_cases import only_bn_trains
 
     torch.manual_seed(0)
@@ -94,8 +93,12 @@ def _count_gathers():
 
         setattr(module, name, counting)
 
-    for module, name in ((sync_function, "all_gather_rows"), (sync_function, "all_reduce_sum"),
-                         (device_path, "all_gather_into"), (device_path, "all_reduce_into")):
+    for module, name in (
+        (sync_function, "all_gather_rows"),
+        (sync_function, "all_reduce_sum"),
+        (device_path, "all_gather_into"),
+        (device_path, "all_reduce_into"),
+    ):
         counted(module, name)
     return calls
 
@@ -122,8 +125,12 @@ def checkpoint_rank(rank: int, world_size: int, modes: list[str], device: str = 
             state = train(model, _rows(rank), mode=mode.replace("-unrecognised", ""), device=device)
         finally:
             recompute.StatsStash.take = take
-        results[mode] = {"state": state, "collectives": calls[0], "layers": bn_layers(model),
-                         "recomputes": recomputes[0]}
+        results[mode] = {
+            "state": state,
+            "collectives": calls[0],
+            "layers": bn_layers(model),
+            "recomputes": recomputes[0],
+        }
     return results
 
 
@@ -161,5 +168,9 @@ def compile_checkpoint_rank(rank: int, world_size: int, backend: str) -> dict:
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     calls = _count_gathers()
     state = train(model, _rows(rank), step_fn=compiled)
-    return {"state": state, "collectives": calls[0], "layers": bn_layers(model),
-            "checkpointed layers": sum(bn_layers(block) for block in model.blocks)}
+    return {
+        "state": state,
+        "collectives": calls[0],
+        "layers": bn_layers(model),
+        "checkpointed layers": sum(bn_layers(block) for block in model.blocks),
+    }

@@ -33,7 +33,9 @@ class Module(pl.LightningModule):
     def training_step(self, batch, index):
         x, g = batch
         if self.global_step == 0:  # what the layers are while training, per rank
-            kinds = sorted({f"{type(m).__name__}:{type(m.act).__name__}" for m in self.net.modules() if hasattr(m, "act")})
+            kinds = sorted(
+                {f"{type(m).__name__}:{type(m.act).__name__}" for m in self.net.modules() if hasattr(m, "act")}
+            )
             with open(f"{self.record_path}.rank{self.global_rank}", "w") as handle:
                 handle.write("\n".join(kinds))
         # sum over the global batch, scaled so DDP's gradient average equals the full-batch gradient
@@ -85,9 +87,13 @@ def precision_net():
 
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1), BatchNormAct2d(8, act_layer=torch.nn.SiLU),
-        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
-        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4),
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        BatchNormAct2d(8, act_layer=torch.nn.SiLU),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 4),
     )
 
 
@@ -135,9 +141,17 @@ def precision_rank(rank: int, world_size: int, precisions: list[str]) -> dict:
         module = PrecisionModule()
         op_calls[0] = 0
         trainer = pl.Trainer(
-            accelerator="cpu", devices=world_size, strategy="ddp", sync_batchnorm=True, plugins=[BNSurgeonLayerSync()],
-            max_steps=STEPS, precision=precision, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=world_size,
+            strategy="ddp",
+            sync_batchnorm=True,
+            plugins=[BNSurgeonLayerSync()],
+            max_steps=STEPS,
+            precision=precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(torch.compile(module, backend="aot_eager") if compiled else module)
         states[run] = {name: value.float().clone() for name, value in module.net.state_dict().items()}

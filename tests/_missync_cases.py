@@ -17,8 +17,17 @@ import warnings
 import torch
 from torch import nn
 
-SCENARIOS = ["no_future_warning", "swapped_layers", "swapped_unnamed_layers", "dtype_mismatch", "one_value_per_channel",
-             "debug_skip_last_layer", "subgroup_deepcopy_and_pickle", "ddp_wrapped_convert", "extra_forward"]
+SCENARIOS = [
+    "no_future_warning",
+    "swapped_layers",
+    "swapped_unnamed_layers",
+    "dtype_mismatch",
+    "one_value_per_channel",
+    "debug_skip_last_layer",
+    "subgroup_deepcopy_and_pickle",
+    "ddp_wrapped_convert",
+    "extra_forward",
+]
 
 
 def _outcome(fn) -> str:

@@ -61,18 +61,25 @@ def retinanet():
     from torchvision.models.detection import RetinaNet
     from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
-    backbone = _resnet18_fpn(False, returned_layers=(2, 3, 4),
-                             extra_blocks=LastLevelP6P7(FPN_CHANNELS, FPN_CHANNELS))
+    backbone = _resnet18_fpn(False, returned_layers=(2, 3, 4), extra_blocks=LastLevelP6P7(FPN_CHANNELS, FPN_CHANNELS))
     # score_thresh under the focal-loss prior (0.01) so a fresh head returns boxes
-    return RetinaNet(backbone, num_classes=3, min_size=SIDE, max_size=SIDE, score_thresh=0.001,
-                     topk_candidates=50, detections_per_img=10)
+    return RetinaNet(
+        backbone,
+        num_classes=3,
+        min_size=SIDE,
+        max_size=SIDE,
+        score_thresh=0.001,
+        topk_candidates=50,
+        detections_per_img=10,
+    )
 
 
 def ssdlite():
     from torchvision.models.detection import ssdlite320_mobilenet_v3_large
 
-    model = ssdlite320_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3,
-                                          topk_candidates=50, detections_per_img=10)
+    model = ssdlite320_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=3, topk_candidates=50, detections_per_img=10
+    )
     model.transform.fixed_size = (SIDE, SIDE)  # 320 in float64 costs minutes (depthwise convs)
     return model
 
@@ -118,7 +125,7 @@ def train_backbone_two_steps(rank: int, world_size: int, path: str, factory: str
     backbone = model.backbone.train()
     optimizer = torch.optim.SGD([p for p in backbone.parameters() if p.requires_grad], lr=0.01)
     for step in range(2):
-        x = torch.randn(4, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(100 + step))[rank * 2:rank * 2 + 2]
+        x = torch.randn(4, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(100 + step))[rank * 2 : rank * 2 + 2]
         loss = sum(feature.square().mean() for feature in backbone(x).values())
         optimizer.zero_grad()
         loss.backward()

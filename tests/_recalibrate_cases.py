@@ -21,9 +21,16 @@ def make_model(seed: int = 0) -> nn.Module:
 
     torch.manual_seed(seed)
     model = nn.Sequential(
-        nn.Conv2d(CHANNELS, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Dropout(0.5),
-        nn.Conv2d(6, 5, 3, padding=1), BatchNormAct2d(5, act_layer=nn.ReLU, drop_layer=nn.Dropout),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(5, 4), nn.BatchNorm1d(4),
+        nn.Conv2d(CHANNELS, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Conv2d(6, 5, 3, padding=1),
+        BatchNormAct2d(5, act_layer=nn.ReLU, drop_layer=nn.Dropout),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(5, 4),
+        nn.BatchNorm1d(4),
     )
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -55,6 +62,7 @@ def capture(model: nn.Module, paths=BN_PATHS) -> dict[str, list[torch.Tensor]]:
     def hook_for(path):
         def hook(module, args):
             seen[path].append(args[0].detach().to(torch.float64).clone())
+
         return hook
 
     for path in paths:
@@ -68,23 +76,37 @@ def buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def rank_plain_and_sync(rank: int, world_size: int, counts: tuple[int, ...]) -> dict:
     """Recalibrate (a) the plain model under DDP and (b) the sync-converted model on this rank's shard."""
-    import bnsurgeon
     from torch.nn.parallel import DistributedDataParallel
+
+    import bnsurgeon
 
     torch.set_num_threads(1)
     out = {}
     plain = make_model()
     plain_seen = capture(plain)
     report = bnsurgeon.recalibrate(DistributedDataParallel(plain), shard(rank, counts))
-    out["plain"] = {"buffers": buffers(plain), "statistics": report.statistics, "seen": plain_seen,
-                    "collectives": report.collectives, "batches": report.batches, "samples": report.samples,
-                    "rank_batches": report.rank_batches, "training": [m.training for m in plain.modules()]}
+    out["plain"] = {
+        "buffers": buffers(plain),
+        "statistics": report.statistics,
+        "seen": plain_seen,
+        "collectives": report.collectives,
+        "batches": report.batches,
+        "samples": report.samples,
+        "rank_batches": report.rank_batches,
+        "training": [m.training for m in plain.modules()],
+    }
     synced = bnsurgeon.convert(make_model(), "sync").model
     sync_seen = capture(synced)
     report = bnsurgeon.recalibrate(synced, shard(rank, counts))
-    out["sync"] = {"buffers": buffers(synced), "statistics": report.statistics, "seen": sync_seen,
-                   "collectives": report.collectives, "batches": report.batches, "samples": report.samples,
-                   "rank_batches": report.rank_batches}
+    out["sync"] = {
+        "buffers": buffers(synced),
+        "statistics": report.statistics,
+        "seen": sync_seen,
+        "collectives": report.collectives,
+        "batches": report.batches,
+        "samples": report.samples,
+        "rank_batches": report.rank_batches,
+    }
     return out
 
 
@@ -107,8 +129,15 @@ def _global_batch_reference(counts: tuple[int, ...]) -> dict[str, list[torch.Ten
                 flat = torch.cat([x.to(torch.float64).transpose(0, 1).reshape(x.shape[1], -1) for x in xs], 1)
                 mean, var = flat.mean(1), flat.var(1, unbiased=False)
                 shape = [1, -1] + [1] * (xs[0].dim() - 2)
-                xs = [((x.to(torch.float64) - mean.view(shape)) / (var.view(shape) + layer.eps).sqrt()
-                       * layer.weight.view(shape) + layer.bias.view(shape)).float() for x in xs]
+                xs = [
+                    (
+                        (x.to(torch.float64) - mean.view(shape))
+                        / (var.view(shape) + layer.eps).sqrt()
+                        * layer.weight.view(shape)
+                        + layer.bias.view(shape)
+                    ).float()
+                    for x in xs
+                ]
                 if hasattr(layer, "act"):
                     xs = [layer.act(x) for x in xs]
             else:
@@ -128,6 +157,10 @@ def rank_cli(rank: int, world_size: int, source: str, data: str, output: str, cw
     os.chdir(cwd)
     sys.path.insert(0, cwd)
     outcome = recalibrate_source(source, data, output, batch_size=3)
-    return {"output": str(outcome.output) if outcome.output else None, "rank_batches": outcome.report.rank_batches,
-            "samples": outcome.report.samples, "sha256": outcome.report.data["sha256"],
-            "statistics": outcome.report.statistics}
+    return {
+        "output": str(outcome.output) if outcome.output else None,
+        "rank_batches": outcome.report.rank_batches,
+        "samples": outcome.report.samples,
+        "sha256": outcome.report.data["sha256"],
+        "statistics": outcome.report.statistics,
+    }

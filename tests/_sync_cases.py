@@ -16,8 +16,9 @@ STEPS = 2
 def make_plain(case: dict) -> nn.Module:
     """The reference module, with non-trivial parameters and running statistics."""
     channels = case["shape"][1]
-    kwargs = dict(momentum=case.get("momentum", 0.1), affine=case.get("affine", True),
-                  track_running_stats=case.get("trs", True))
+    kwargs = dict(
+        momentum=case.get("momentum", 0.1), affine=case.get("affine", True), track_running_stats=case.get("trs", True)
+    )
     if case.get("act"):
         from timm.layers import BatchNormAct2d
 
@@ -65,8 +66,9 @@ def _run(module: nn.Module, case: dict, rows: slice) -> dict:
         x, g = batch(case, step)
         g = g.to(device)
         x = _layout(x[rows].to(device=device, dtype=_dtype(case)), case).requires_grad_()
-        with torch.autocast(device.type, dtype=getattr(torch, case.get("autocast", "bfloat16")),
-                            enabled="autocast" in case):
+        with torch.autocast(
+            device.type, dtype=getattr(torch, case.get("autocast", "bfloat16")), enabled="autocast" in case
+        ):
             y = module(x)
         if case.get("memory") == "channels_last" and x.numel():
             out["layout_kept"] &= y.is_contiguous(memory_format=_memory_format(x))

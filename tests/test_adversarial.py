@@ -10,13 +10,13 @@ import os
 
 import pytest
 import torch
+from test_untrusted import edited, good, listing, one_line_failure, run, tiny  # noqa: F401 (fixtures)
 
 import bnsurgeon
 from bnsurgeon.core.errors import MetadataError, UsageError
-from test_untrusted import edited, good, listing, one_line_failure, run, tiny  # noqa: F401 (fixtures)
-
 
 # ---- --example-input: odd files are refused with a reason, not a traceback or a wrong reason ----
+
 
 def _empty(path):
     path.write_bytes(b"")
@@ -40,12 +40,15 @@ def _safetensors(path):
     return path
 
 
-@pytest.mark.parametrize("make, message", [
-    (_empty, "is empty"),
-    (_directory, "is a directory, not a file"),
-    (_fifo, "is not a regular file"),
-    (_safetensors, "is a .safetensors file"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (_empty, "is empty"),
+        (_directory, "is a directory, not a file"),
+        (_fifo, "is not a regular file"),
+        (_safetensors, "is a .safetensors file"),
+    ],
+)
 def test_odd_example_input_files_are_one_line_usage_errors(tiny, make, message):
     path = make(tiny / "x.pt")
     before = listing(tiny)
@@ -55,6 +58,7 @@ def test_odd_example_input_files_are_one_line_usage_errors(tiny, make, message):
 
 
 # ---- a recorded check input is bounded like an --example-input, before anything is allocated ----
+
 
 def test_recorded_check_input_memory_bomb_is_refused_as_bad_metadata(good, tiny, monkeypatch):
     allocated = []
@@ -86,6 +90,7 @@ def test_metadata_nested_past_the_recursion_limit_is_bad_metadata(good, tiny):
 
 # ---- --include / --exclude ------------------------------------------------------------------
 
+
 def test_a_filter_given_as_a_string_is_refused_not_split_into_letters():
     from torch import nn
 
@@ -107,8 +112,9 @@ def test_recorded_filters_that_are_not_lists_are_bad_metadata(good, tiny):
 def test_a_glob_that_matches_no_bn_module_is_refused(tiny, flag):
     """``--exclude layer1`` for ``layer1.*`` would convert exactly what the user meant to keep."""
     before = listing(tiny)
-    result = run("convert", "tiny:build", flag, "1", flag, "nope", "--input-shape", "2,3,8,8",
-                 "-o", tiny / "o.safetensors")
+    result = run(
+        "convert", "tiny:build", flag, "1", flag, "nope", "--input-shape", "2,3,8,8", "-o", tiny / "o.safetensors"
+    )
     one_line_failure(result, 2, f"{flag} nope matches no BatchNorm module (their paths: 1, 4)")
     assert listing(tiny) == before
 
@@ -123,6 +129,7 @@ def test_filters_that_keep_every_bn_module_are_refused(tiny, flags):
 
 
 # ---- --compare-at --------------------------------------------------------------------------
+
 
 def test_compare_at_a_module_before_every_bn_is_refused_not_passed():
     from torch import nn
@@ -141,7 +148,7 @@ def test_compare_at_a_module_before_every_bn_is_refused_not_passed():
 
 # ---- --rules --------------------------------------------------------------------------------
 
-USER_RULES = '''
+USER_RULES = """
 from torch import nn
 from bnsurgeon.rules import Rule, keep_if, to_frozen, to_plain, to_sync
 
@@ -160,16 +167,22 @@ def needs_arg(x):
 
 HIJACK = Rule("hijack", (nn.BatchNorm2d,), {"sync": to_plain, "plain": to_plain, "frozen": to_plain})
 SAME_NAME = Rule("torch-batchnorm", (MyBN,), {"sync": to_sync, "plain": keep_if("plain"), "frozen": to_frozen})
-'''
+"""
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("adv_rules:raises", "--rules adv_rules:raises raised RuntimeError: rules factory broke"),
-    ("adv_rules:needs_arg", "--rules adv_rules:needs_arg raised TypeError"),
-    (".adv_rules:raises", "is not package.module:object"),
-    ("adv_rules:HIJACK", "claims torch.nn.modules.batchnorm.BatchNorm2d, which the built-in rule 'torch-batchnorm'"),
-    ("adv_rules:SAME_NAME", "rule name 'torch-batchnorm' is a built-in rule's"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("adv_rules:raises", "--rules adv_rules:raises raised RuntimeError: rules factory broke"),
+        ("adv_rules:needs_arg", "--rules adv_rules:needs_arg raised TypeError"),
+        (".adv_rules:raises", "is not package.module:object"),
+        (
+            "adv_rules:HIJACK",
+            "claims torch.nn.modules.batchnorm.BatchNorm2d, which the built-in rule 'torch-batchnorm'",
+        ),
+        ("adv_rules:SAME_NAME", "rule name 'torch-batchnorm' is a built-in rule's"),
+    ],
+)
 def test_bad_rules_specs_are_usage_errors_and_never_replace_a_builtin(tiny, monkeypatch, spec, message):
     import bnsurgeon.rules as rules_module
     from bnsurgeon.rules import default_registry
@@ -187,6 +200,7 @@ def test_bad_rules_specs_are_usage_errors_and_never_replace_a_builtin(tiny, monk
 
 # ---- error lines are text: what a file or a path says is never Rich markup or emoji -------------
 
+
 def test_error_lines_show_file_contents_and_paths_literally(good, tiny):
     step = {"target": "[/]", "frozen": "keep", "allow_unhandled": False}
     bad = edited(good, tiny / "markup.safetensors", history=[step])
@@ -195,5 +209,8 @@ def test_error_lines_show_file_contents_and_paths_literally(good, tiny):
     hidden = edited(good, tiny / "hidden.safetensors", history=[dict(step, target="[conceal]x")])
     one_line_failure(run("convert", hidden, "--model", "tiny:build", "-o", tiny / "o.safetensors"), 4, "[conceal]x")
     missing = tiny / "a:fire:b.pt"
-    one_line_failure(run("convert", "tiny:build", "--example-input", missing, "-o", tiny / "o.safetensors"), 2,
-                     f"--example-input {missing}: no such file")
+    one_line_failure(
+        run("convert", "tiny:build", "--example-input", missing, "-o", tiny / "o.safetensors"),
+        2,
+        f"--example-input {missing}: no such file",
+    )

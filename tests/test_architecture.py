@@ -22,10 +22,21 @@ def lint_imports(cwd: Path) -> subprocess.CompletedProcess:
     lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
     if lint is None:
         pytest.fail("import-linter is not installed: it is in the test extra (pip install -e '.[test]')")
-    env = {"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(cwd), "NO_COLOR": "1",
-           "HOME": str(cwd), "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([lint, "--config", str(cwd / ".importlinter"), "--no-cache"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=240)
+    env = {
+        "PATH": str(Path(sys.executable).parent),
+        "PYTHONPATH": str(cwd),
+        "NO_COLOR": "1",
+        "HOME": str(cwd),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    return subprocess.run(
+        [lint, "--config", str(cwd / ".importlinter"), "--no-cache"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -53,21 +64,26 @@ def test_the_layering_contracts_hold():
     assert "BROKEN" not in result.stdout and "KEPT" in result.stdout
 
 
-@pytest.mark.parametrize("planted, contract", [
-    # the bottom layer reaching up to the CLI
-    ("core/layout.py", "The stages of the pipeline"),
-    # a lower stage (files) importing a higher one (checks), lazily inside a function
-    ("files/history.py", "The stages of the pipeline"),
-    # one rule family importing another
-    ("rules/frozen.py", "Rule families know the registry"),
-])
+@pytest.mark.parametrize(
+    "planted, contract",
+    [
+        # the bottom layer reaching up to the CLI
+        ("core/layout.py", "The stages of the pipeline"),
+        # a lower stage (files) importing a higher one (checks), lazily inside a function
+        ("files/history.py", "The stages of the pipeline"),
+        # one rule family importing another
+        ("rules/frozen.py", "Rule families know the registry"),
+    ],
+)
 def test_a_planted_wrong_import_breaks_its_contract(tmp_path, planted, contract):
     copy = tmp_path / "tree"
     shutil.copytree(PACKAGE, copy / "bnsurgeon", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / ".importlinter", copy / ".importlinter")
-    wrong = {"core/layout.py": "\n\ndef planted():\n    from bnsurgeon.cli import commands\n    return commands\n",
-             "files/history.py": "\n\ndef planted():\n    from bnsurgeon.checks.verify import perturb_bn\n    return perturb_bn\n",
-             "rules/frozen.py": "\nfrom bnsurgeon.rules import norm_act  # noqa: E402\n"}[planted]
+    wrong = {
+        "core/layout.py": "\n\ndef planted():\n    from bnsurgeon.cli import commands\n    return commands\n",
+        "files/history.py": "\n\ndef planted():\n    from bnsurgeon.checks.verify import perturb_bn\n    return perturb_bn\n",
+        "rules/frozen.py": "\nfrom bnsurgeon.rules import norm_act  # noqa: E402\n",
+    }[planted]
     target = copy / "bnsurgeon" / planted
     target.write_text(target.read_text() + wrong)
     result = lint_imports(copy)
@@ -145,8 +161,11 @@ def private_imports(root: Path) -> list[str]:
         here = module_name(path, root)
         for target, names, line in imports_of(path, root):
             if target != here and target.startswith("bnsurgeon"):
-                found += [f"{path.relative_to(root)}:{line} takes {name} from {target}"
-                          for name in names if name.startswith("_") and not name.startswith("__")]
+                found += [
+                    f"{path.relative_to(root)}:{line} takes {name} from {target}"
+                    for name in names
+                    if name.startswith("_") and not name.startswith("__")
+                ]
     return found
 
 
@@ -159,8 +178,10 @@ def test_the_private_name_check_catches_one(tmp_path):
     (tmp_path / "bnsurgeon" / "__init__.py").write_text("")
     (tmp_path / "bnsurgeon" / "sub" / "__init__.py").write_text("")
     (tmp_path / "bnsurgeon" / "sub" / "a.py").write_text("from ..b import _hidden, shown\nfrom . import _helper\n")
-    assert private_imports(tmp_path) == ["bnsurgeon/sub/a.py:1 takes _hidden from bnsurgeon.b",
-                                         "bnsurgeon/sub/a.py:2 takes _helper from bnsurgeon.sub"]
+    assert private_imports(tmp_path) == [
+        "bnsurgeon/sub/a.py:1 takes _hidden from bnsurgeon.b",
+        "bnsurgeon/sub/a.py:2 takes _helper from bnsurgeon.sub",
+    ]
 
 
 def test_every_stage_folder_is_in_the_contract():

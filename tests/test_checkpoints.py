@@ -7,12 +7,11 @@ import json
 
 import pytest
 import torch
+from _modules import install_module
 from typer.testing import CliRunner
 
 import bnsurgeon
 from bnsurgeon.cli.commands import app
-
-from _modules import install_module
 
 runner = CliRunner()
 
@@ -85,11 +84,16 @@ def test_output_directory_not_writable(tmp_path, monkeypatch):
     assert_clean_failure(result, 8, "is not writable", tmp_path, before)
 
 
-@pytest.mark.parametrize("failure, code, message", [
-    (KeyboardInterrupt(), 130, "interrupted"),
-    (OSError(errno.ENOSPC, "No space left on device"), 8, "No space left on device"),
-])
-def test_interrupted_or_full_disk_write_keeps_previous_file_and_leaves_nothing(tmp_path, monkeypatch, failure, code, message):
+@pytest.mark.parametrize(
+    "failure, code, message",
+    [
+        (KeyboardInterrupt(), 130, "interrupted"),
+        (OSError(errno.ENOSPC, "No space left on device"), 8, "No space left on device"),
+    ],
+)
+def test_interrupted_or_full_disk_write_keeps_previous_file_and_leaves_nothing(
+    tmp_path, monkeypatch, failure, code, message
+):
     import safetensors.torch
 
     out = tmp_path / "o.safetensors"
@@ -112,12 +116,26 @@ def test_weights_flag_picks_the_ema_and_lists_choices(tmp_path, resnet):
 
     ema = {k: v + 1 if v.is_floating_point() else v for k, v in resnet.state_dict().items()}
     path = tmp_path / "train.pth.tar"
-    torch.save({"arch": "resnet18", "args": argparse.Namespace(num_classes=10), "state_dict": resnet.state_dict(),
-                "state_dict_ema": ema, "epoch": 7}, path)
+    torch.save(
+        {
+            "arch": "resnet18",
+            "args": argparse.Namespace(num_classes=10),
+            "state_dict": resnet.state_dict(),
+            "state_dict_ema": ema,
+            "epoch": 7,
+        },
+        path,
+    )
     listing = runner.invoke(app, ["inspect", str(path), "--json"])
     data = json.loads(listing.stdout)
     assert data["checkpoint"]["model_weights"] == {"state_dict": 122, "state_dict_ema": 122}
-    assert {e["key"] for e in data["checkpoint"]["entries"]} == {"arch", "args", "state_dict", "state_dict_ema", "epoch"}
+    assert {e["key"] for e in data["checkpoint"]["entries"]} == {
+        "arch",
+        "args",
+        "state_dict",
+        "state_dict_ema",
+        "epoch",
+    }
 
     out = tmp_path / "ema.safetensors"
     assert run("convert", path, "--weights", "state_dict_ema", "-o", out).exit_code == 0
@@ -164,10 +182,12 @@ def test_whole_module_pickle_needs_trust(tmp_path, resnet):
 
 
 def test_uninitialized_lazy_bn_via_cli(tmp_path, monkeypatch):
-    install_module(tmp_path, monkeypatch, "lazy_model",
-                   "import torch.nn as nn\n"
-                   "def build():\n"
-                   "    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())\n")
+    install_module(
+        tmp_path,
+        monkeypatch,
+        "lazy_model",
+        "import torch.nn as nn\ndef build():\n    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())\n",
+    )
     before = snapshot(tmp_path)
     result = run("convert", "lazy_model:build", "-o", tmp_path / "o.safetensors")
     assert_clean_failure(result, 7, "uninitialized lazy batch norm", tmp_path, before)

@@ -50,13 +50,25 @@ def test_pre_commit_try_repo_runs_the_hook_on_changed_checkpoints(tmp_path):
     (repo / "broken.safetensors.report.json").write_text('{"source": "timm:resnet18"}')
     (repo / "raw.safetensors").write_bytes(b"\x00" * 8)  # no report: not a converted checkpoint
     git("add", "-A")
-    env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home"), "PYTHONPATH": str(ROOT),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home"),
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
 
     def try_repo(*files):
-        return subprocess.run([sys.executable, "-m", "pre_commit", "try-repo", str(ROOT), HOOK_ID, "--verbose",
-                               "--files", *files], cwd=repo, env=env, capture_output=True, text=True)
+        return subprocess.run(
+            [sys.executable, "-m", "pre_commit", "try-repo", str(ROOT), HOOK_ID, "--verbose", "--files", *files],
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
 
     good = try_repo("r18.fused.safetensors", "raw.safetensors")
     assert good.returncode == 0, good.stdout + good.stderr

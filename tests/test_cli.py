@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _modules import install_module
 from typer.testing import CliRunner
 
 import bnsurgeon
 from bnsurgeon.cli.commands import app
 from bnsurgeon.core.errors import UsageError
 from bnsurgeon.runtime import SyncBatchNormAct
-
-from _modules import install_module
 
 runner = CliRunner()
 
@@ -109,11 +108,15 @@ def test_pt_output_loads_with_weights_only(tmp_path):
 
 
 def test_shared_module_saved_once_and_restored(tmp_path, monkeypatch):
-    install_module(tmp_path, monkeypatch, "shared_model",
-                   "import torch.nn as nn\n"
-                   "def build():\n"
-                   "    bn = nn.BatchNorm2d(3)\n"
-                   "    return nn.Sequential(nn.Conv2d(3, 3, 1), bn, nn.Conv2d(3, 3, 1), bn)\n")
+    install_module(
+        tmp_path,
+        monkeypatch,
+        "shared_model",
+        "import torch.nn as nn\n"
+        "def build():\n"
+        "    bn = nn.BatchNorm2d(3)\n"
+        "    return nn.Sequential(nn.Conv2d(3, 3, 1), bn, nn.Conv2d(3, 3, 1), bn)\n",
+    )
     out = tmp_path / "s.safetensors"
     result = run("convert", "shared_model:build", "-o", out)
     assert result.exit_code == 0, result.output
@@ -124,12 +127,16 @@ def test_shared_module_saved_once_and_restored(tmp_path, monkeypatch):
 
 
 def test_user_bn_subclass_refused_then_allowed(tmp_path, monkeypatch):
-    install_module(tmp_path, monkeypatch, "custom_model",
-                   "import torch.nn as nn\n"
-                   "class MyBN(nn.BatchNorm2d):\n"
-                   "    pass\n"
-                   "def build():\n"
-                   "    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), MyBN(4))\n")
+    install_module(
+        tmp_path,
+        monkeypatch,
+        "custom_model",
+        "import torch.nn as nn\n"
+        "class MyBN(nn.BatchNorm2d):\n"
+        "    pass\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), MyBN(4))\n",
+    )
     out = tmp_path / "c.safetensors"
     before = files(tmp_path)
     result = run("convert", "custom_model:build", "-o", out)
@@ -146,7 +153,11 @@ def test_user_bn_subclass_refused_then_allowed(tmp_path, monkeypatch):
     "args, code, message",
     [
         (["convert", "resnet5O", "-o", "{tmp}/x.safetensors"], 3, "did you mean resnet50"),
-        (["convert", "resnet18", "-o", "{tmp}/x.safetensors", "--to", "sideways"], 2, "'sideways' is not one of 'sync', 'plain', 'frozen'"),
+        (
+            ["convert", "resnet18", "-o", "{tmp}/x.safetensors", "--to", "sideways"],
+            2,
+            "'sideways' is not one of 'sync', 'plain', 'frozen'",
+        ),
         (["convert", "{tmp}/missing.pt", "-m", "resnet18", "-o", "{tmp}/x.safetensors"], 3, "no such file"),
         (["convert", "{tmp}", "-m", "resnet18", "-o", "{tmp}/x.safetensors"], 4, "is a directory"),
         (["convert", "{tmp}/empty.pt", "-m", "resnet18", "-o", "{tmp}/x.safetensors"], 4, "is empty"),

@@ -83,8 +83,11 @@ def data_parallel_step(module, x, grad, sizes, replicate):
     replicas = replicate(module, list(range(len(sizes))))
     slices = x.split(list(sizes))
     outputs = _raise_first(_in_threads(lambda i, piece: replicas[i](piece), slices))
-    _raise_first(_in_threads(lambda i, pair: torch.autograd.backward(pair[0], pair[1]),
-                             list(zip(outputs, grad.split(list(sizes))))))
+    _raise_first(
+        _in_threads(
+            lambda i, pair: torch.autograd.backward(pair[0], pair[1]), list(zip(outputs, grad.split(list(sizes))))
+        )
+    )
     return torch.cat(outputs)
 
 
@@ -96,8 +99,13 @@ def reference_step(module, x, grad):
 
 def _model(dims: int = 2):
     if dims == 2:
-        return nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.BatchNorm2d(5), nn.ReLU(),
-                             nn.Conv2d(5, 4, 1), nn.BatchNorm2d(4, momentum=None))
+        return nn.Sequential(
+            nn.Conv2d(3, 5, 3, padding=1),
+            nn.BatchNorm2d(5),
+            nn.ReLU(),
+            nn.Conv2d(5, 4, 1),
+            nn.BatchNorm2d(4, momentum=None),
+        )
     return nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 4), nn.BatchNorm1d(4))
 
 
@@ -118,7 +126,7 @@ def _pair(dims: int = 2, seed: int = 0, wrap_first: bool = False):
 def _batch(dims: int, n: int, seed: int = 1):
     generator = torch.Generator().manual_seed(seed)
     shape = (n, 3, 4, 4) if dims == 2 else (n, 6)
-    x = (torch.randn(shape, generator=generator, dtype=torch.float64) * 3 + 5)
+    x = torch.randn(shape, generator=generator, dtype=torch.float64) * 3 + 5
     return x, torch.randn((n, 4, 4, 4) if dims == 2 else (n, 4), generator=generator, dtype=torch.float64)
 
 
@@ -256,8 +264,11 @@ def test_a_replica_that_fails_inside_the_layer_stops_the_others_at_once(cpu_repl
     _, converted = _pair(2)
     layer = converted[1]
     replicas = cpu_replicate(layer, [0, 1, 2])
-    inputs = [torch.randn(2, 5, 3, 3, dtype=torch.float64), torch.randn(2, 6, 3, 3, dtype=torch.float64),
-              torch.randn(2, 5, 3, 3, dtype=torch.float64)]
+    inputs = [
+        torch.randn(2, 5, 3, 3, dtype=torch.float64),
+        torch.randn(2, 6, 3, 3, dtype=torch.float64),
+        torch.randn(2, 5, 3, 3, dtype=torch.float64),
+    ]
     results = _in_threads(lambda i, piece: replicas[i](piece), inputs)
     assert all(isinstance(r, DistributedMismatchError) for r in results), results
     assert "'1'" in str(results[0]) and "replica 1: 13" in str(results[0])
@@ -284,7 +295,9 @@ def test_an_error_in_one_replica_breaks_the_meeting_for_all(cpu_replicate, monke
     results = _in_threads(lambda i, piece: replicas[i](piece), inputs)
     assert bad.is_set()
     assert isinstance(results[1], RuntimeError) and "kernel exploded" in str(results[1])
-    assert isinstance(results[0], ReplicaFailedError) and "'1'" in str(results[0]) and "kernel exploded" in str(results[0])
+    assert (
+        isinstance(results[0], ReplicaFailedError) and "'1'" in str(results[0]) and "kernel exploded" in str(results[0])
+    )
 
 
 def test_data_parallel_inside_a_distributed_job_is_refused(cpu_replicate, monkeypatch):
@@ -309,8 +322,9 @@ def test_compiled_replicas_synchronize_through_a_graph_break(cpu_replicate):
     expected = reference_step(reference, x_ref, grad)
     compiled = [torch.compile(replica, backend="eager") for replica in cpu_replicate(converted, [0, 1])]
     outputs = _raise_first(_in_threads(lambda i, piece: compiled[i](piece), x_dp.split([3, 2])))
-    _raise_first(_in_threads(lambda i, pair: torch.autograd.backward(pair[0], pair[1]),
-                             list(zip(outputs, grad.split([3, 2])))))
+    _raise_first(
+        _in_threads(lambda i, pair: torch.autograd.backward(pair[0], pair[1]), list(zip(outputs, grad.split([3, 2]))))
+    )
     torch.testing.assert_close(torch.cat(outputs), expected, **EXACT)
     torch.testing.assert_close(x_dp.grad, x_ref.grad, **EXACT)
     _assert_same_state(reference, converted)
@@ -364,7 +378,12 @@ def test_inspect_and_verify_work_on_the_module_data_parallel_wraps(tmp_path):
     torch.save(nn.DataParallel(converted), tmp_path / "converted.pt")
     from_file = inspect(str(tmp_path / "plain.pt"), trust_pickle=True)
     assert [path for group in from_file.groups for path in group.all_paths] == ["1", "4"]
-    result = verify(str(tmp_path / "plain.pt"), str(tmp_path / "converted.pt"), trust_pickle=True, world_sizes=(),
-                    input_shape=(2, 3, 4, 4))
+    result = verify(
+        str(tmp_path / "plain.pt"),
+        str(tmp_path / "converted.pt"),
+        trust_pickle=True,
+        world_sizes=(),
+        input_shape=(2, 3, 4, 4),
+    )
     assert result.checks and all(check.passed for check in result.checks)
     assert "DataParallel wraps" in result.source

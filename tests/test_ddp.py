@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _ddp_cases import SPLIT, ddp_rank, only_bn_trains, skip_layer_rank, tiny_timm_model, train
 from _dist import free_port, run_world
 
@@ -24,8 +23,9 @@ def test_ddp_three_sgd_steps_match_single_process_full_batch():
     reference = train(only_bn_trains(tiny_timm_model()), slice(None), 1.0 / sum(SPLIT)).state_dict()
     for name, expected in reference.items():
         for rank, state in enumerate(ranks):
-            torch.testing.assert_close(state[name], expected, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{name} on rank {rank}: {m}")
+            torch.testing.assert_close(
+                state[name], expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} on rank {rank}: {m}"
+            )
     assert any("bn" in name and "running_var" in name for name in reference)
 
 
@@ -50,9 +50,25 @@ def test_train_ddp_script_under_torchrun(tmp_path):
     checkpoint = tmp_path / "b0.sync.safetensors"
     convert_source("efficientnet_b0", checkpoint, model_args={"num_classes": 4})
     env = dict(os.environ, OMP_NUM_THREADS="1", BNSURGEON_DIST_TIMEOUT="60")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(ROOT / "scripts" / "train_ddp.py"), str(checkpoint),
-               "--steps", "2", "--batch", "2", "--size", "32"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "scripts" / "train_ddp.py"),
+        str(checkpoint),
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--size",
+        "32",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "step 1: loss" in done.stdout

@@ -29,7 +29,9 @@ def two_identical_ranks(monkeypatch):
     CUDA path: device_path's)."""
     import _cuda_standin
 
-    monkeypatch.setattr(sync_function, "all_gather_rows", lambda local, world_size, group, *_: torch.stack([local, local]))
+    monkeypatch.setattr(
+        sync_function, "all_gather_rows", lambda local, world_size, group, *_: torch.stack([local, local])
+    )
     monkeypatch.setattr(sync_function, "all_reduce_sum", lambda local, world_size, group, *_: local * 2)
     _cuda_standin.identical_ranks(monkeypatch)
 
@@ -56,8 +58,13 @@ def test_device_path_never_reads_a_value_on_the_host(two_identical_ranks, shape)
     assert x.grad.shape == shape and bn.weight.grad.shape == (3,) and bn.bias.grad.shape == (3,)
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+    ),
+]
 
 
 @contextlib.contextmanager
@@ -116,6 +123,7 @@ def test_device_branch_matches_plain_bn(two_identical_ranks, monkeypatch, device
 def test_device_branch_header_mismatch_is_a_device_assert_naming_the_layer(monkeypatch):
     """Off the CPU the header check is ``torch._assert_async`` (no host read); on CPU values
     that assert raises at once, so CI sees the message a GPU run reports at its next sync."""
+
     def other_rank_elsewhere(local, world_size, group, *_):
         other = local.clone()
         other[:4] += 1  # another layer's id
@@ -144,8 +152,9 @@ CASES = {
     "float32 (N, C)": dict(dtype=torch.float32, params=torch.float32, shape=(6, 5)),
     "float64": dict(dtype=torch.float64, params=torch.float64),
     "autocast-like: bf16 input, float32 params": dict(dtype=torch.bfloat16, params=torch.float32),
-    "autocast-like: fp16 input, float32 params, channels_last": dict(dtype=torch.float16, params=torch.float32,
-                                                                     channels_last=True),
+    "autocast-like: fp16 input, float32 params, channels_last": dict(
+        dtype=torch.float16, params=torch.float32, channels_last=True
+    ),
     "fp16 model": dict(dtype=torch.float16, params=torch.float16),
     "bf16 model, channels_last": dict(dtype=torch.bfloat16, params=torch.bfloat16, channels_last=True),
     "no affine": dict(dtype=torch.float32, params=torch.float32, affine=False),
@@ -159,7 +168,8 @@ def _case_tensors(case: dict, device: str = "cpu"):
     x = torch.randn(shape, generator=generator, dtype=torch.float64) * 3 + 2
     dy = torch.randn(shape, generator=generator, dtype=torch.float64)
     plain = {2: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(shape)](
-        5, affine=case.get("affine", True)).double()
+        5, affine=case.get("affine", True)
+    ).double()
     if plain.affine:
         with torch.no_grad():
             plain.weight.copy_(torch.rand(5, generator=generator, dtype=torch.float64) + 0.5)
@@ -179,8 +189,9 @@ def _step(x, dy, bn, name="layer"):
         from bnsurgeon.runtime.identity import LayerIdentity
 
         identity = bn._bnsurgeon_identity = LayerIdentity(name)
-    y = SyncBatchNormFunction.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, bn.momentum,
-                                    None, 2, identity)
+    y = SyncBatchNormFunction.apply(
+        x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.eps, bn.momentum, None, 2, identity
+    )
     y.backward(dy)
     return y
 
@@ -229,14 +240,24 @@ def test_cuda_kernel_standins_refuse_what_the_gpu_refused():
     weight = torch.ones(3).half()
     sums = torch.zeros(3)
     with pytest.raises(RuntimeError, match="Expected weight to have type Float but got torch.float16"):
-        _cuda_standin.batch_norm_backward_elemt(x, x, mean, invstd, weight, sums, sums,
-                                                torch.tensor([16], dtype=torch.int32))
+        _cuda_standin.batch_norm_backward_elemt(
+            x, x, mean, invstd, weight, sums, sums, torch.tensor([16], dtype=torch.int32)
+        )
     with pytest.raises(RuntimeError, match="Expected count to have type Int"):
         _cuda_standin.batch_norm_backward_elemt(x, x, mean, invstd, weight.float(), sums, sums, torch.tensor([16.0]))
 
 
-@pytest.mark.parametrize("case", ["float32", "float32 channels_last", "float32 (N, C)",
-                                  "autocast-like: bf16 input, float32 params", "no affine", "fp16 model"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "float32",
+        "float32 channels_last",
+        "float32 (N, C)",
+        "autocast-like: bf16 input, float32 params",
+        "no affine",
+        "fp16 model",
+    ],
+)
 def test_cuda_path_dispatch_count_collectives_and_no_host_traffic(monkeypatch, case):
     """On meta tensors (no data: any host read raises), with each CUDA kernel counted as one op:
     one forward + backward dispatches at most OPS_BOUND ops (torch's Function launches 30 kernels;

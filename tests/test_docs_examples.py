@@ -7,8 +7,7 @@ block is still syntax-checked and shows up here as a skip with its reason.
 from __future__ import annotations
 
 import pytest
-
-from _docs_examples import ROOT, Block, ExampleError, Session, all_blocks, output_matches, parse, pages, run_block
+from _docs_examples import ROOT, Block, ExampleError, Session, all_blocks, output_matches, pages, parse, run_block
 
 BLOCKS = all_blocks()
 

@@ -7,16 +7,15 @@ import json
 
 import pytest
 import torch
+from _modules import install_module
 from torch import nn
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.cli.commands import app
-from bnsurgeon.core.errors import ModelCannotRunError
-from bnsurgeon.core.anatomy import is_bn_like
 from bnsurgeon.checks.verify import perturb_bn
-
-from _modules import install_module
+from bnsurgeon.cli.commands import app
+from bnsurgeon.core.anatomy import is_bn_like
+from bnsurgeon.core.errors import ModelCannotRunError
 
 
 def fused(model: nn.Module, example, **kwargs):
@@ -40,10 +39,15 @@ def close(source: nn.Module, converted: nn.Module, x: torch.Tensor) -> bool:
 # ------------------------------------------------------------------ hooks on the BN
 
 
-@pytest.mark.parametrize("hook", [
-    lambda module, args, output: output + args[0],  # reads the BN's input: the fold would hand it the folded one
-    lambda module, args, output: output * module.weight.view(1, -1, 1, 1),  # reads the BN's state: gone after a fold
-])
+@pytest.mark.parametrize(
+    "hook",
+    [
+        lambda module, args, output: output + args[0],  # reads the BN's input: the fold would hand it the folded one
+        lambda module, args, output: (
+            output * module.weight.view(1, -1, 1, 1)
+        ),  # reads the BN's state: gone after a fold
+    ],
+)
 def test_a_bn_with_forward_hooks_is_left_with_its_reason(hook):
     torch.manual_seed(0)
     model = perturb_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
@@ -277,8 +281,12 @@ def test_a_fold_record_naming_a_non_bn_module_says_so():
     from bnsurgeon.surgery.fusion import plan_from_records
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
-    record = {"bn": "1", "producer": "0", "bn_class": "torch.nn.modules.activation.ReLU",
-              "producer_class": "torch.nn.modules.conv.Conv2d"}
+    record = {
+        "bn": "1",
+        "producer": "0",
+        "bn_class": "torch.nn.modules.activation.ReLU",
+        "producer_class": "torch.nn.modules.conv.Conv2d",
+    }
     with pytest.raises(CheckpointError, match="not a BatchNorm-family module"):
         plan_from_records(model, [record])
 

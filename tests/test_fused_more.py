@@ -8,16 +8,15 @@ import json
 
 import pytest
 import torch
+from _modules import install_module
 from torch import nn
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.cli.commands import app
 from bnsurgeon.checks.fused_check import check_fused, compare
-from bnsurgeon.core.anatomy import is_bn_like
 from bnsurgeon.checks.verify import perturb_bn
-
-from _modules import install_module
+from bnsurgeon.cli.commands import app
+from bnsurgeon.core.anatomy import is_bn_like
 
 
 def fused(model: nn.Module, example, **kwargs):
@@ -103,13 +102,14 @@ def fp16_underflowing_fold() -> nn.Module:
     normal fp16) but whose folded weights (2**-23 * w) are fp16 subnormals: ~0.3 rounds up to 0.5, ~1 stays.
     Not a whole channel lost (each keeps nonzero weights): a partial underflow the fold itself allows."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 1, bias=False), nn.Conv2d(4, 4, 3, bias=False), nn.BatchNorm2d(4),
-                          nn.Conv2d(4, 2, 1))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 1, bias=False), nn.Conv2d(4, 4, 3, bias=False), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1)
+    )
     with torch.no_grad():
         model[0].weight.mul_(1e3)
         magnitude = torch.where(torch.rand_like(model[1].weight) < 0.5, 1.0, 0.3)
         model[1].weight.copy_(magnitude * torch.randn_like(magnitude).sign())
-        model[2].weight.fill_(2.0 ** -23)
+        model[2].weight.fill_(2.0**-23)
         model[2].bias.zero_()
         model[3].bias.zero_()
     return model.half().eval()
@@ -195,17 +195,21 @@ def test_a_fold_that_overflows_float16_is_left_with_the_dtype_reason():
     assert [o.passed for o in check_fused(model, result.model, result.report.fusion["folded"], x)] == [True, True]
 
 
-@pytest.mark.parametrize("conv", [
-    lambda: nn.Conv2d(3, 4, 3),
-    lambda: nn.ConvTranspose2d(4, 4, 3, groups=2),  # weight (in, out/groups, k, k): channel 2 is group 1, row 0
-], ids=["conv2d", "conv-transpose2d-groups"])
+@pytest.mark.parametrize(
+    "conv",
+    [
+        lambda: nn.Conv2d(3, 4, 3),
+        lambda: nn.ConvTranspose2d(4, 4, 3, groups=2),  # weight (in, out/groups, k, k): channel 2 is group 1, row 0
+    ],
+    ids=["conv2d", "conv-transpose2d-groups"],
+)
 def test_a_fold_that_zeroes_a_channel_in_float16_is_left_with_the_dtype_reason(conv):
     """gamma = 2**-23: the source's BN scales channel 2 to small but normal float16 values; folded into the
     weights (~0.1 * 2**-23, below float16's smallest subnormal / 2) the whole channel became zeros."""
     from bnsurgeon.checks.fused_check import fused_check_result
 
     module = conv()
-    model = _fp16_conv_bn(module, channel=2, gamma=2.0 ** -23, var=1.0)
+    model = _fp16_conv_bn(module, channel=2, gamma=2.0**-23, var=1.0)
     with torch.no_grad():
         model[0].weight.clamp_(-0.2, 0.2)
     shape = (2, module.in_channels, 8, 8)
@@ -217,7 +221,7 @@ def test_a_fold_that_zeroes_a_channel_in_float16_is_left_with_the_dtype_reason(c
 
 
 def test_a_float32_fold_of_the_same_model_folds():
-    model = _fp16_conv_bn(nn.Conv2d(3, 4, 3), channel=2, gamma=2.0 ** -23, var=1.0).float()
+    model = _fp16_conv_bn(nn.Conv2d(3, 4, 3), channel=2, gamma=2.0**-23, var=1.0).float()
     result = fused(model, (2, 3, 8, 8))
     assert bn_left(result.model) == [] and result.report.fusion["left"] == {}
 
@@ -265,12 +269,18 @@ def test_a_compiled_model_converted_in_place_runs_the_folded_modules(where):
 
 
 def test_cli_a_factory_returning_a_compiled_model_exits_2(tmp_path, monkeypatch):
-    install_module(tmp_path, monkeypatch, "compiled_model",
-                   "import torch, torch.nn as nn\n"
-                   "def build():\n"
-                   "    return torch.compile(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend='eager')\n")
+    install_module(
+        tmp_path,
+        monkeypatch,
+        "compiled_model",
+        "import torch, torch.nn as nn\n"
+        "def build():\n"
+        "    return torch.compile(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), backend='eager')\n",
+    )
     for to in ("fused", "sync"):
-        result = run("convert", "compiled_model:build", "--to", to, "--input-shape", "2,3,8,8", "-o", tmp_path / "o.safetensors")
+        result = run(
+            "convert", "compiled_model:build", "--to", to, "--input-shape", "2,3,8,8", "-o", tmp_path / "o.safetensors"
+        )
         assert result.exit_code == 2, result.output
         assert "torch.compile'd" in result.output and "Traceback" not in result.output
         assert "from Python, convert it in place" in result.output  # the CLI has no in-place conversion

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from _modules import install_module
 from timm.layers import BatchNormAct2d, FrozenBatchNormAct2d, MixedConv2d
 from timm.layers import Linear as TimmLinear
 from timm.layers.conv2d_same import Conv2dSame
@@ -16,15 +17,13 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 from typer.testing import CliRunner
 
 import bnsurgeon
+from bnsurgeon.checks.verify import perturb_bn
 from bnsurgeon.cli.commands import app
+from bnsurgeon.core.anatomy import is_bn_like
 from bnsurgeon.core.errors import CheckpointError, UsageError
 from bnsurgeon.rules import Registry, Rule, builtin_rules, keep_if
 from bnsurgeon.runtime import FrozenBatchNorm, FrozenBatchNormAct, SyncBatchNorm
 from bnsurgeon.runtime.folded import FoldedNormAct
-from bnsurgeon.core.anatomy import is_bn_like
-from bnsurgeon.checks.verify import perturb_bn
-
-from _modules import install_module
 
 
 def fused(model: nn.Module, shape, **kwargs):
@@ -50,21 +49,38 @@ PRODUCERS = {
     "conv2d": (lambda: conv_bn(nn.Conv2d(4, 6, 3), nn.BatchNorm2d(6)), (3, 4, 12, 12)),
     "conv3d": (lambda: conv_bn(nn.Conv3d(4, 6, 3), nn.BatchNorm3d(6)), (3, 4, 6, 6, 6)),
     "conv2d-no-bias": (lambda: conv_bn(nn.Conv2d(4, 6, 3, bias=False), nn.BatchNorm2d(6)), (3, 4, 12, 12)),
-    "groups-dilation-stride": (lambda: conv_bn(nn.Conv2d(4, 8, 3, groups=2, dilation=2, stride=2, padding=2),
-                                               nn.BatchNorm2d(8)), (3, 4, 12, 12)),
-    "depthwise": (lambda: conv_bn(nn.Conv2d(6, 6, 3, groups=6, padding=1, bias=False), nn.BatchNorm2d(6)), (3, 6, 9, 9)),
-    **{f"padding-{mode}": (lambda mode=mode: conv_bn(nn.Conv2d(4, 6, 3, padding=1, padding_mode=mode), nn.BatchNorm2d(6)),
-                           (3, 4, 10, 10)) for mode in ("reflect", "replicate", "circular")},
-    "conv-transpose2d-groups": (lambda: conv_bn(nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2), nn.BatchNorm2d(6)),
-                                (3, 4, 7, 7)),
-    "conv-transpose1d-no-bias": (lambda: conv_bn(nn.ConvTranspose1d(4, 6, 3, bias=False), nn.BatchNorm1d(6)), (3, 4, 9)),
+    "groups-dilation-stride": (
+        lambda: conv_bn(nn.Conv2d(4, 8, 3, groups=2, dilation=2, stride=2, padding=2), nn.BatchNorm2d(8)),
+        (3, 4, 12, 12),
+    ),
+    "depthwise": (
+        lambda: conv_bn(nn.Conv2d(6, 6, 3, groups=6, padding=1, bias=False), nn.BatchNorm2d(6)),
+        (3, 6, 9, 9),
+    ),
+    **{
+        f"padding-{mode}": (
+            lambda mode=mode: conv_bn(nn.Conv2d(4, 6, 3, padding=1, padding_mode=mode), nn.BatchNorm2d(6)),
+            (3, 4, 10, 10),
+        )
+        for mode in ("reflect", "replicate", "circular")
+    },
+    "conv-transpose2d-groups": (
+        lambda: conv_bn(nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2), nn.BatchNorm2d(6)),
+        (3, 4, 7, 7),
+    ),
+    "conv-transpose1d-no-bias": (
+        lambda: conv_bn(nn.ConvTranspose1d(4, 6, 3, bias=False), nn.BatchNorm1d(6)),
+        (3, 4, 9),
+    ),
     "linear-bn1d": (lambda: conv_bn(nn.Linear(5, 7), nn.BatchNorm1d(7)), (4, 5)),
     "no-affine": (lambda: conv_bn(nn.Conv2d(4, 6, 1), nn.BatchNorm2d(6, affine=False)), (3, 4, 5, 5)),
     # timm's subclasses that use self.weight/self.bias unchanged, and MixedConv2d (a slice of channels per conv)
     "timm-conv2d-same": (lambda: conv_bn(Conv2dSame(4, 6, 3, stride=2, bias=False), nn.BatchNorm2d(6)), (3, 4, 9, 9)),
     "timm-linear": (lambda: conv_bn(TimmLinear(5, 7), nn.BatchNorm1d(7)), (4, 5)),
-    "timm-mixed-conv2d": (lambda: conv_bn(MixedConv2d(6, 9, [3, 5, 7], padding="same", depthwise=False),
-                                          nn.BatchNorm2d(9)), (3, 6, 11, 11)),
+    "timm-mixed-conv2d": (
+        lambda: conv_bn(MixedConv2d(6, 9, [3, 5, 7], padding="same", depthwise=False), nn.BatchNorm2d(9)),
+        (3, 6, 11, 11),
+    ),
 }
 
 
@@ -87,7 +103,9 @@ def test_each_producer_folds_exactly_in_float64(kind):
 
 def test_channels_last_fp32_within_1e5():
     torch.manual_seed(0)
-    model = perturb_bn(conv_bn(nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16))).to(memory_format=torch.channels_last)
+    model = perturb_bn(conv_bn(nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16))).to(
+        memory_format=torch.channels_last
+    )
     x = torch.randn(2, 8, 10, 10).to(memory_format=torch.channels_last)
     result = fused(model, x)
     assert result.model[0].weight.is_contiguous(memory_format=torch.channels_last)  # the layout the user chose stays
@@ -195,13 +213,16 @@ class TrainOnly(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("model_cls, path, reason", [
-    (TwoConsumers, "bn", "feeds 2 consumers"),
-    (PreActivation, "bn", "not the output of a Conv"),
-    (SharedProducer, "bn", "called 2 times"),
-    (LinearOnSequence, "bn", "rank 3"),
-    (TrainOnly, "aux_bn", "not called in eval"),
-])
+@pytest.mark.parametrize(
+    "model_cls, path, reason",
+    [
+        (TwoConsumers, "bn", "feeds 2 consumers"),
+        (PreActivation, "bn", "not the output of a Conv"),
+        (SharedProducer, "bn", "called 2 times"),
+        (LinearOnSequence, "bn", "rank 3"),
+        (TrainOnly, "aux_bn", "not called in eval"),
+    ],
+)
 def test_what_cannot_fold_stays_with_its_reason(model_cls, path, reason):
     torch.manual_seed(0)
     model = perturb_bn(model_cls())
@@ -229,8 +250,11 @@ def test_hooks_see_an_in_place_op_on_the_producer_output():
     torch.manual_seed(0)
     model = perturb_bn(Untraceable(inplace_add=True))
     result = fused(model, (2, 3, 7, 7))
-    assert "bn2" in bn_left(result.model) and "add_" in result.report.fusion["left"]["bn2"] or \
-        "consumers" in result.report.fusion["left"]["bn2"]
+    assert (
+        "bn2" in bn_left(result.model)
+        and "add_" in result.report.fusion["left"]["bn2"]
+        or "consumers" in result.report.fusion["left"]["bn2"]
+    )
     assert max_rel_error(model, result.model, torch.randn(2, 3, 7, 7)) < 1e-5
 
 
@@ -249,8 +273,9 @@ def test_fused_needs_an_example_input_and_rules_without_fused_builder_keep():
 
 def test_export_has_no_batch_norm_for_folded_modules():
     torch.manual_seed(0)
-    model = perturb_bn(nn.Sequential(nn.Conv2d(3, 6, 3), BatchNormAct2d(6, act_layer=nn.ReLU),
-                                     nn.ReLU(), nn.BatchNorm2d(6)))  # the last BN has no conv before it
+    model = perturb_bn(
+        nn.Sequential(nn.Conv2d(3, 6, 3), BatchNormAct2d(6, act_layer=nn.ReLU), nn.ReLU(), nn.BatchNorm2d(6))
+    )  # the last BN has no conv before it
     result = fused(model, (2, 3, 8, 8))
     assert bn_left(result.model) == ["3"]
     x = torch.randn(2, 3, 8, 8)
@@ -271,8 +296,17 @@ def test_onnx_has_no_batch_norm_for_folded_modules():
     import onnx
 
     torch.manual_seed(0)
-    model = perturb_bn(nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.Flatten(), nn.Linear(216, 5),
-                                     nn.BatchNorm1d(5), nn.ReLU(), nn.BatchNorm1d(5)))  # the last: no producer
+    model = perturb_bn(
+        nn.Sequential(
+            nn.Conv2d(3, 6, 3),
+            nn.BatchNorm2d(6),
+            nn.Flatten(),
+            nn.Linear(216, 5),
+            nn.BatchNorm1d(5),
+            nn.ReLU(),
+            nn.BatchNorm1d(5),
+        )
+    )  # the last: no producer
     result = fused(model, (2, 3, 8, 8))
     assert bn_left(result.model) == ["6"]
 
@@ -338,7 +372,9 @@ def test_cli_convert_load_round_trip_and_verify(tmp_path, factory):
     human = run("verify", factory, out, "--converted-model", factory, "--input-shape", "2,3,8,8")
     assert human.exit_code == 0, human.output
     lines = [line.split() for line in human.output.splitlines()]
-    assert [line[0] for line in lines if line and line[0] in ("eval", "train")] == ["eval", "eval", "train"], human.output
+    assert [line[0] for line in lines if line and line[0] in ("eval", "train")] == ["eval", "eval", "train"], (
+        human.output
+    )
     at = run("verify", factory, out, "--converted-model", factory, "--input-shape", "2,3,8,8", "--compare-at", "0")
     assert at.exit_code == 2 and "does not apply to a fused checkpoint" in at.output
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import run_world
 from _graph_cases import STEPS, checkpoint_rank, compile_rank, reference
 
@@ -37,7 +36,8 @@ def checkpointed() -> list[dict]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpointed_training_equals_plain_bn_with_one_update_and_two_collectives_per_layer(
-        checkpointed, expected, mode):
+    checkpointed, expected, mode
+):
     """Recompute reuses the original statistics: 2 collectives per layer per step (not 3),
     num_batches_tracked counts optimizer steps, outputs and gradients as without checkpointing.
     An unrecognised recompute (the stash cannot serve it) synchronizes again (one more
@@ -49,7 +49,11 @@ def test_checkpointed_training_equals_plain_bn_with_one_update_and_two_collectiv
         assert counters and all(int(c) == STEPS for c in counters), f"{mode}: num_batches_tracked {counters}"
         assert (result["recomputes"] > 0) == (mode != "none"), (mode, result["recomputes"])
         fallbacks = result["recomputes"] if mode.endswith("-unrecognised") else 0
-        assert result["collectives"] == result["layers"] * 2 * STEPS + fallbacks, (mode, result["collectives"], fallbacks)
+        assert result["collectives"] == result["layers"] * 2 * STEPS + fallbacks, (
+            mode,
+            result["collectives"],
+            fallbacks,
+        )
 
 
 def test_fullgraph_compile_has_no_graph_break_and_trains_like_plain_bn(expected):
@@ -104,7 +108,9 @@ def test_compiled_layer_equals_the_eager_layer_for_every_input_kind():
                         torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-9, msg=lambda m: f"{what}: {m}")
                         continue
                     exact = truth[step][name]
-                    rounding = 4 * torch.finfo(value.dtype).eps * max(exact.abs().max().item() if exact.numel() else 0, 1)
+                    rounding = (
+                        4 * torch.finfo(value.dtype).eps * max(exact.abs().max().item() if exact.numel() else 0, 1)
+                    )
                     compiled_error, eager_error = _max_error(got[name], exact), _max_error(value, exact)
                     assert compiled_error <= 2 * eager_error + rounding, (what, compiled_error, eager_error, rounding)
 
@@ -121,8 +127,9 @@ def test_rank_with_an_empty_batch_keeps_its_collectives_under_inductor():
         eager, compiled, _ = per_case["empty-rank"]
         for step, (want, got) in enumerate(zip(eager, compiled)):
             for name, value in want.items():
-                torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-9,
-                                           msg=lambda m: f"rank {rank}, step {step}, {name}: {m}")
+                torch.testing.assert_close(
+                    got[name], value, rtol=1e-9, atol=1e-9, msg=lambda m: f"rank {rank}, step {step}, {name}: {m}"
+                )
 
 
 def test_compiled_and_checkpointed_training_is_exact_with_one_update_per_step(expected):

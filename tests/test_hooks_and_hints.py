@@ -11,20 +11,19 @@ import shlex
 
 import pytest
 import torch
+from _modules import install_module
 from torch import nn
 from torch.nn.modules import module as torch_module
 from typer.testing import CliRunner
 
 import bnsurgeon
-from bnsurgeon.loading.architecture import parse_model_args
-from bnsurgeon.cli.commands import app
-from bnsurgeon.core.errors import FLAG_KEYWORDS, MAX_TEXT, BnSurgeonError, ConfirmationError, HookedModelError, bounded
-from bnsurgeon.core.anatomy import is_bn_like
 from bnsurgeon.checks.verify import perturb_bn
+from bnsurgeon.cli.commands import app
+from bnsurgeon.core.anatomy import is_bn_like
+from bnsurgeon.core.errors import FLAG_KEYWORDS, MAX_TEXT, BnSurgeonError, ConfirmationError, HookedModelError, bounded
+from bnsurgeon.loading.architecture import parse_model_args
 
-from _modules import install_module
-
-FACTORY = '''
+FACTORY = """
 import torch
 from torch import nn
 
@@ -33,7 +32,7 @@ def build(width=4, note=None):
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.ReLU(),
                          nn.Conv2d(width, width, 1), nn.BatchNorm2d(width))
-'''
+"""
 
 
 def run(*args):
@@ -133,8 +132,9 @@ class WrappedConvBN(nn.Module):
         return self.bn(self.wrap(x))
 
 
-@pytest.mark.parametrize("register", ["register_forward_hook", "register_full_backward_hook",
-                                      "register_full_backward_pre_hook"])
+@pytest.mark.parametrize(
+    "register", ["register_forward_hook", "register_full_backward_hook", "register_full_backward_pre_hook"]
+)
 def test_a_hooked_wrapper_that_returns_the_producer_output_leaves_the_bn(register):
     """The wrapper's hook sees the conv's output (or its gradient); folded, it would see the BN's
     (a gradient 3x as large with running_var 9). A hook that reads nothing was not seen at all."""
@@ -246,8 +246,11 @@ def test_a_hook_added_to_a_converted_copy_never_reaches_the_source():
     converted[0][1]._register_state_dict_hook(_noop)
     source(torch.randn(2, 3, 8, 8))
     assert calls == []
-    assert not any(getattr(m, name) for m in source.modules()
-                   for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks"))
+    assert not any(
+        getattr(m, name)
+        for m in source.modules()
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks")
+    )
 
 
 def test_a_folded_producer_copy_owns_its_hook_dicts():
@@ -286,8 +289,9 @@ def test_messages_and_hints_are_bounded_and_the_cut_count_is_true():
 
 def _recorded(factory, tmp_path, note) -> object:
     out = tmp_path / "noted.safetensors"
-    result = run("convert", factory, "--to", "plain", "--input-shape", "2,3,8,8", "-o", out,
-                 "--model-arg", f"note={note!r}")
+    result = run(
+        "convert", factory, "--to", "plain", "--input-shape", "2,3,8,8", "-o", out, "--model-arg", f"note={note!r}"
+    )
     assert result.exit_code == 0, result.output
     return out
 
@@ -349,7 +353,7 @@ def test_a_timm_checkpoint_with_a_huge_integer_arg_gets_a_line_not_a_traceback(t
     import timm
 
     path = tmp_path / "train.pth"
-    args = argparse.Namespace(num_classes=10 ** 5000)
+    args = argparse.Namespace(num_classes=10**5000)
     torch.save({"arch": "resnet18", "args": args, "state_dict": timm.create_model("resnet18").state_dict()}, path)
     result = run("inspect", path, "--trust-pickle")
     assert result.exit_code == 4 and "Traceback" not in result.output, result.output[-800:]
@@ -363,9 +367,11 @@ def test_every_cli_option_has_its_python_keyword():
     from bnsurgeon.loading.sources import load_source
 
     output_only = {"--json", "--quiet", "--verbose", "--output", "--version", "--rules"}
-    takes = {"convert": set(inspect.signature(pipeline.convert_source).parameters),
-             "verify": set(inspect.signature(pipeline.verify).parameters),
-             "inspect": set(inspect.signature(pipeline.inspect).parameters) | set(inspect.signature(load_source).parameters)}
+    takes = {
+        "convert": set(inspect.signature(pipeline.convert_source).parameters),
+        "verify": set(inspect.signature(pipeline.verify).parameters),
+        "inspect": set(inspect.signature(pipeline.inspect).parameters) | set(inspect.signature(load_source).parameters),
+    }
     for command in app.registered_commands:
         name = command.name or command.callback.__name__
         for parameter in inspect.signature(command.callback).parameters.values():

@@ -13,16 +13,19 @@ import textwrap
 
 import pytest
 import torch
-
 from test_untrusted import ROOT, edited, good, listing, one_line_failure, run, tiny  # noqa: F401 (fixtures)
 
 
 def unit(directory, name="o.safetensors"):
-    return {p: (directory / p).read_bytes() for p in (name, f"{name}.report.json", f"{name}.report.md")
-            if (directory / p).exists()}
+    return {
+        p: (directory / p).read_bytes()
+        for p in (name, f"{name}.report.json", f"{name}.report.md")
+        if (directory / p).exists()
+    }
 
 
 # ---- output names: the reports are outputs too --------------------------------------------------
+
 
 def test_a_report_name_that_is_the_input_is_refused_even_with_force(good, tiny):
     source = tiny / "o.safetensors.report.json"
@@ -74,6 +77,7 @@ def test_a_dangling_symlink_output_is_named_up_front_and_force_replaces_the_link
 
 # ---- input files that are not files ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("make", ["fifo", "/dev/zero"])
 def test_an_input_that_is_not_a_regular_file_is_named_not_called_empty(tiny, make):
     if make == "fifo":
@@ -107,8 +111,14 @@ def test_a_pt_write_that_hits_a_size_limit_says_why(tiny):
         app()
     """)
     before = listing(tiny)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tiny,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tiny,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+    )
     flat = " ".join(done.stderr.split())
     assert done.returncode == 8, done.stderr[-800:]
     assert "File too large" in flat and "nothing was written" in flat and "unexpected pos" not in flat, flat
@@ -117,36 +127,55 @@ def test_a_pt_write_that_hits_a_size_limit_says_why(tiny):
 
 # ---- weights that would make a different model ------------------------------------------------------
 
-@pytest.mark.parametrize("poison, message", [
-    (lambda t: t.fill_(float("inf")), "non-finite values (NaN or Inf)"),
-    (lambda t: t.fill_(-1.0), "negative running variances"),
-])
+
+@pytest.mark.parametrize(
+    "poison, message",
+    [
+        (lambda t: t.fill_(float("inf")), "non-finite values (NaN or Inf)"),
+        (lambda t: t.fill_(-1.0), "negative running variances"),
+    ],
+)
 def test_impossible_bn_statistics_are_refused_even_when_the_check_cannot_see_them(good, tiny, poison, message):
     """An Inf variance zeroes its channel (outputs stay finite); convert wrote it and verify refused it."""
+
     def damage(stored):
         poison(stored["1.running_var"][:1])
         return stored
 
     bad = edited(good, tiny / "bad.safetensors", tensors=damage)
     before = listing(tiny)
-    result = run("convert", bad, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors",
-                 "--input-shape", "2,3,8,8")
+    result = run(
+        "convert",
+        bad,
+        "--model",
+        "tiny:build",
+        "--to",
+        "plain",
+        "-o",
+        tiny / "o.safetensors",
+        "--input-shape",
+        "2,3,8,8",
+    )
     one_line_failure(result, 4, message, "1.running_var")
     assert listing(tiny) == before
 
 
-@pytest.mark.parametrize("cast, code, message", [
-    (lambda t: t.double() + 1e-12, 6, "float64 -> float32"),
-    (lambda t: torch.complex(t, torch.ones_like(t)), 6, "complex64 -> float32"),
-    (lambda t: t.half().float().half(), 0, None),  # every float16 value is a float32 value: accepted
-])
+@pytest.mark.parametrize(
+    "cast, code, message",
+    [
+        (lambda t: t.double() + 1e-12, 6, "float64 -> float32"),
+        (lambda t: torch.complex(t, torch.ones_like(t)), 6, "complex64 -> float32"),
+        (lambda t: t.half().float().half(), 0, None),  # every float16 value is a float32 value: accepted
+    ],
+)
 def test_weights_that_a_cast_would_change_are_refused(tiny, cast, code, message):
     import tiny as tiny_module
 
     state = {k: cast(v) if v.is_floating_point() else v for k, v in tiny_module.build().state_dict().items()}
     torch.save(state, tiny / "w.pth")
-    result = run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors",
-                 "--input-shape", "2,3,8,8")
+    result = run(
+        "convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8"
+    )
     if message is None:
         assert result.exit_code == 0, result.output
     else:
@@ -160,19 +189,24 @@ def test_weights_that_are_not_dense_tensors_are_named(tiny, layout):
 
     state = tiny_module.build().state_dict()
     key = next(k for k, v in state.items() if v.dim() == 4)
-    state[key] = state[key].to_sparse() if layout == "sparse" else \
-        torch.quantize_per_tensor(state[key], 0.01, 0, torch.qint8)
+    state[key] = (
+        state[key].to_sparse() if layout == "sparse" else torch.quantize_per_tensor(state[key], 0.01, 0, torch.qint8)
+    )
     torch.save(state, tiny / "w.pth")
-    result = run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors",
-                 "--input-shape", "2,3,8,8")
+    result = run(
+        "convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8"
+    )
     one_line_failure(result, 6, "are not dense tensors", key)
     assert not (tiny / "o.safetensors").exists()
 
 
-@pytest.mark.parametrize("state, message", [
-    ("extra", "entry 'epoch' is an int"),
-    ("int_keys", "entry 0 is keyed by an int"),
-])
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ("extra", "entry 'epoch' is an int"),
+        ("int_keys", "entry 0 is keyed by an int"),
+    ],
+)
 def test_a_dict_that_is_almost_a_state_dict_is_described_truly(tiny, state, message):
     import tiny as tiny_module
 
@@ -186,13 +220,15 @@ def test_a_dict_that_is_almost_a_state_dict_is_described_truly(tiny, state, mess
 
 # ---- metadata text: bounded, unambiguous ------------------------------------------------------------
 
+
 def test_huge_metadata_text_gives_a_bounded_error_line(good, tiny):
     huge = edited(good, tiny / "huge.safetensors", target="x" * 1_000_000)
     result = run("convert", huge, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors")
     one_line_failure(result, 4, "metadata bnsurgeon.target", "(1,000,000 characters)")
     assert len(result.output) < 3000
-    named = edited(good, tiny / "named.safetensors",
-                   architecture={"kind": "factory", "name": "a" * 100_000 + ":b", "kwargs": {}})
+    named = edited(
+        good, tiny / "named.safetensors", architecture={"kind": "factory", "name": "a" * 100_000 + ":b", "kwargs": {}}
+    )
     result = run("convert", named, "--to", "plain", "-o", tiny / "o.safetensors")
     one_line_failure(result, 4, "names a factory of 100,002 characters (at most 200)")
     assert len(result.output) < 3000
@@ -200,22 +236,29 @@ def test_huge_metadata_text_gives_a_bounded_error_line(good, tiny):
 
 def test_metadata_json_with_a_repeated_key_is_refused(good, tiny):
     """Python keeps the last 'name', another reader the first: what the file records is ambiguous."""
-    twice = edited(good, tiny / "twice.safetensors",
-                   raw_architecture='{"kind": "factory", "name": "tiny:build", "name": "os:system", "kwargs": {}}')
+    twice = edited(
+        good,
+        tiny / "twice.safetensors",
+        raw_architecture='{"kind": "factory", "name": "tiny:build", "name": "os:system", "kwargs": {}}',
+    )
     result = run("convert", twice, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors")
     one_line_failure(result, 4, "metadata bnsurgeon.architecture is not valid JSON", "'name' appears twice")
 
 
 # ---- option values that cannot work --------------------------------------------------------------
 
-@pytest.mark.parametrize("args, env, message", [
-    (["-w", "100000"], {}, "--world-size 100000 is more ranks than verify starts"),
-    (["--atol", "nan"], {}, "--atol nan is not a tolerance"),
-    (["--atol", "-1"], {}, "--atol -1.0 is not a tolerance"),
-    (["--atol", "inf"], {}, "--atol inf is not a tolerance"),
-    ([], {"BNSURGEON_DIST_TIMEOUT": "1e-9"}, "BNSURGEON_DIST_TIMEOUT='1e-9' is not a usable timeout"),
-    ([], {"BNSURGEON_DIST_TIMEOUT": "1e20"}, "BNSURGEON_DIST_TIMEOUT='1e20' is not a usable timeout"),
-])
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["-w", "100000"], {}, "--world-size 100000 is more ranks than verify starts"),
+        (["--atol", "nan"], {}, "--atol nan is not a tolerance"),
+        (["--atol", "-1"], {}, "--atol -1.0 is not a tolerance"),
+        (["--atol", "inf"], {}, "--atol inf is not a tolerance"),
+        ([], {"BNSURGEON_DIST_TIMEOUT": "1e-9"}, "BNSURGEON_DIST_TIMEOUT='1e-9' is not a usable timeout"),
+        ([], {"BNSURGEON_DIST_TIMEOUT": "1e20"}, "BNSURGEON_DIST_TIMEOUT='1e20' is not a usable timeout"),
+    ],
+)
 def test_verify_options_that_cannot_work_are_usage_errors(tiny, args, env, message):
     result = run("verify", "tiny:build", "tiny:build", "--input-shape", "2,3,8,8", *args, env=env)
     one_line_failure(result, 2, message, "fix:")

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-
 from test_untrusted import edited, good, one_line_failure, run, tiny  # noqa: F401 (fixtures)
 
 
@@ -22,11 +21,15 @@ def listing(directory):
 
 # ---- output directories that are not directories ------------------------------------------------
 
-@pytest.mark.parametrize("output, message", [
-    ("afile/o.safetensors", "output directory afile is a file, not a directory"),
-    ("afile/sub/o.safetensors", "output directory afile/sub cannot be created: afile is a file, not a directory"),
-    ("link/o.safetensors", "output directory link is a symlink to a missing path, not a directory"),
-])
+
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        ("afile/o.safetensors", "output directory afile is a file, not a directory"),
+        ("afile/sub/o.safetensors", "output directory afile/sub cannot be created: afile is a file, not a directory"),
+        ("link/o.safetensors", "output directory link is a symlink to a missing path, not a directory"),
+    ],
+)
 def test_an_output_directory_that_is_a_file_is_named_as_one(tiny, output, message):
     (tiny / "afile").write_text("not a directory")
     (tiny / "link").symlink_to(tiny / "missing")
@@ -39,16 +42,22 @@ def test_an_output_directory_that_is_a_file_is_named_as_one(tiny, output, messag
 
 # ---- an input is never an output, --force or not ------------------------------------------------
 
-@pytest.mark.parametrize("output, example, what", [
-    ("x.pt", "x.pt", "output"),
-    ("o.safetensors", "o.safetensors.report.json", "report"),
-    ("o.pt", "o.pt.report.md", "report"),
-])
+
+@pytest.mark.parametrize(
+    "output, example, what",
+    [
+        ("x.pt", "x.pt", "output"),
+        ("o.safetensors", "o.safetensors.report.json", "report"),
+        ("o.pt", "o.pt.report.md", "report"),
+    ],
+)
 @pytest.mark.parametrize("force", [True, False])
 def test_the_example_input_is_never_overwritten_as_an_output(tiny, output, example, what, force):
     torch.save(torch.randn(2, 3, 8, 8), tiny / example)
     before, content = listing(tiny), (tiny / example).read_bytes()
-    result = run("convert", "tiny:build", "-o", output, "--example-input", tiny / example, *(["--force"] if force else []))
+    result = run(
+        "convert", "tiny:build", "-o", output, "--example-input", tiny / example, *(["--force"] if force else [])
+    )
     one_line_failure(result, 8, f"{what} ", f"{example} is the --example-input file", "never overwrites an input")
     assert "pass --force" not in result.output
     assert listing(tiny) == before and (tiny / example).read_bytes() == content
@@ -67,6 +76,7 @@ def test_the_example_input_reached_by_a_symlink_or_hard_link_is_still_an_input(t
 
 # ---- safetensors dtypes beyond the common ones --------------------------------------------------
 
+
 def raw_safetensors(path, state, odd_key, dtype, nbytes, shape):
     """A .safetensors file written byte by byte: ``state`` as F32/I64, and ``odd_key`` (replacing or beside
     a tensor of ``state``) of any dtype name, its bytes all 0x38."""
@@ -77,8 +87,11 @@ def raw_safetensors(path, state, odd_key, dtype, nbytes, shape):
     for key, value in [*entries.items(), (odd_key, None)]:
         data = b"\x38" * nbytes if value is None else value.contiguous().numpy().tobytes()
         name = dtype if value is None else {torch.float32: "F32", torch.int64: "I64"}[value.dtype]
-        header[key] = {"dtype": name, "shape": list(shape if value is None else value.shape),
-                       "data_offsets": [offset, offset + len(data)]}
+        header[key] = {
+            "dtype": name,
+            "shape": list(shape if value is None else value.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         blobs.append(data)
         offset += len(data)
     text = json.dumps(header).encode()
@@ -87,17 +100,20 @@ def raw_safetensors(path, state, odd_key, dtype, nbytes, shape):
     return path
 
 
-@pytest.mark.parametrize("dtype, nbytes, shape, code, message", [
-    ("C64", 32, (4,), 6, "1.weight (complex64 -> float32)"),  # read, then refused as a lossy cast, as for .pt
-    ("F8_E8M0", 4, (4,), 0, None),  # exact in float32: read and cast
-    ("F8_E4M3FNUZ", 4, (4,), 0, None),
-    ("F8_E5M2FNUZ", 4, (4,), 0, None),
-    ("F4", 2, (4,), 6, "1.weight (float4_e2m1fn_x2, two 4-bit floats per element)"),
-    ("F4", 3, (2, 3), 4, "dtype F4 and shape (2, 3)"),
-    ("F6_E2M3", 3, (4,), 4, "dtype F6_E2M3 (6-bit float), which is not supported by torch"),
-    ("F6_E3M2", 3, (4,), 4, "dtype F6_E3M2 (6-bit float), which is not supported by torch"),
-    ("Q9", 4, (4,), 4, "dtype 'Q9', which safetensors"),
-])
+@pytest.mark.parametrize(
+    "dtype, nbytes, shape, code, message",
+    [
+        ("C64", 32, (4,), 6, "1.weight (complex64 -> float32)"),  # read, then refused as a lossy cast, as for .pt
+        ("F8_E8M0", 4, (4,), 0, None),  # exact in float32: read and cast
+        ("F8_E4M3FNUZ", 4, (4,), 0, None),
+        ("F8_E5M2FNUZ", 4, (4,), 0, None),
+        ("F4", 2, (4,), 6, "1.weight (float4_e2m1fn_x2, two 4-bit floats per element)"),
+        ("F4", 3, (2, 3), 4, "dtype F4 and shape (2, 3)"),
+        ("F6_E2M3", 3, (4,), 4, "dtype F6_E2M3 (6-bit float), which is not supported by torch"),
+        ("F6_E3M2", 3, (4,), 4, "dtype F6_E3M2 (6-bit float), which is not supported by torch"),
+        ("Q9", 4, (4,), 4, "dtype 'Q9', which safetensors"),
+    ],
+)
 def test_safetensors_dtypes_are_read_or_named(tiny, dtype, nbytes, shape, code, message):
     import tiny as tiny_module
 
@@ -125,15 +141,24 @@ def test_an_unexpected_tensor_of_a_rare_dtype_is_listed_as_unexpected(tiny):
 
 # ---- sizes read from a file are sizes -------------------------------------------------------------
 
-NOT_SIZES = [("num_classes", True), ("num_classes", -3), ("num_classes", 2.5), ("num_classes", "10"),
-             ("num_classes", 10 ** 13), ("in_chans", 0), ("in_chans", False), ("img_size", [224, -1])]
+NOT_SIZES = [
+    ("num_classes", True),
+    ("num_classes", -3),
+    ("num_classes", 2.5),
+    ("num_classes", "10"),
+    ("num_classes", 10**13),
+    ("in_chans", 0),
+    ("in_chans", False),
+    ("img_size", [224, -1]),
+]
 
 
 @pytest.mark.parametrize("name, value", NOT_SIZES)
 @pytest.mark.parametrize("command", ["inspect", "convert"])
 def test_a_recorded_size_that_is_not_a_size_is_refused_naming_the_field(good, tiny, name, value, command):
-    bad = edited(good, tiny / "bad.safetensors", architecture={"kind": "factory", "name": "tiny:build",
-                                                               "kwargs": {name: value}})
+    bad = edited(
+        good, tiny / "bad.safetensors", architecture={"kind": "factory", "name": "tiny:build", "kwargs": {name: value}}
+    )
     before = listing(tiny)
     args = ["-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8"] if command == "convert" else []
     result = run(command, bad, "--model", "tiny:build", "--accept-recorded-args", *args)
@@ -145,8 +170,14 @@ def test_a_recorded_size_that_is_not_a_size_is_refused_naming_the_field(good, ti
 def test_a_training_checkpoint_size_that_is_not_a_size_is_refused_naming_the_field(tiny, name, value):
     import argparse
 
-    torch.save({"arch": "resnet10t", "state_dict": {"fc.weight": torch.zeros(2, 2)},
-                "args": argparse.Namespace(**{name: value})}, tiny / "last.pth.tar")
+    torch.save(
+        {
+            "arch": "resnet10t",
+            "state_dict": {"fc.weight": torch.zeros(2, 2)},
+            "args": argparse.Namespace(**{name: value}),
+        },
+        tiny / "last.pth.tar",
+    )
     for command, args in (("inspect", []), ("convert", ["-o", tiny / "o.pt"])):
         result = run(command, tiny / "last.pth.tar", *args)
         one_line_failure(result, 4, f"args.{name} is {value!r}", "not a size", "--model resnet10t")
@@ -167,16 +198,25 @@ def test_a_training_checkpoint_naming_a_huge_architecture_is_refused_without_quo
 def test_sizes_that_are_sizes_still_build():
     from bnsurgeon.loading.trust import size_arg_problem
 
-    for name, value in [("num_classes", 0), ("num_classes", 21843), ("in_chans", 1), ("img_size", [224, 224]),
-                        ("img_size", 96), ("width", 1.5), ("global_pool", "avg")]:
+    for name, value in [
+        ("num_classes", 0),
+        ("num_classes", 21843),
+        ("in_chans", 1),
+        ("img_size", [224, 224]),
+        ("img_size", 96),
+        ("width", 1.5),
+        ("global_pool", "avg"),
+    ]:
         assert size_arg_problem(name, value) is None, (name, value)
 
 
 # ---- inspect lists only a model the file's weights fit ------------------------------------------
 
+
 def test_inspect_refuses_a_recorded_model_the_weights_do_not_fit(good, tiny):
-    wider = edited(good, tiny / "wide.safetensors", architecture={"kind": "factory", "name": "tiny:build",
-                                                                  "kwargs": {"width": 6}})
+    wider = edited(
+        good, tiny / "wide.safetensors", architecture={"kind": "factory", "name": "tiny:build", "kwargs": {"width": 6}}
+    )
     result = run("inspect", wider, "--model", "tiny:build", "--accept-recorded-args")
     one_line_failure(result, 6, "do not fit the architecture", "shape mismatch", "1.weight (4,) vs (6,)")
     assert "BN-family modules" not in result.output
@@ -187,8 +227,14 @@ def test_inspect_refuses_a_training_checkpoint_whose_weights_do_not_fit_its_arch
 
     import tiny as tiny_module
 
-    torch.save({"arch": "resnet10t", "state_dict": tiny_module.build().state_dict(),
-                "args": argparse.Namespace(num_classes=1_000_000)}, tiny / "last.pth.tar")
+    torch.save(
+        {
+            "arch": "resnet10t",
+            "state_dict": tiny_module.build().state_dict(),
+            "args": argparse.Namespace(num_classes=1_000_000),
+        },
+        tiny / "last.pth.tar",
+    )
     result = run("inspect", tiny / "last.pth.tar")
     one_line_failure(result, 6, "do not fit the architecture", "missing", "unexpected")
     assert "parameters" not in result.output  # a 10^6-class model was listed as if the file held it
@@ -198,18 +244,23 @@ def test_inspect_with_model_refuses_a_state_dict_that_does_not_fit(tiny):
     import tiny as tiny_module
 
     torch.save(tiny_module.build(width=6).state_dict(), tiny / "w.pth")
-    one_line_failure(run("inspect", tiny / "w.pth", "--model", "tiny:build"), 6, "shape mismatch", "(6, 3, 3, 3) vs (4, 3, 3, 3)")
+    one_line_failure(
+        run("inspect", tiny / "w.pth", "--model", "tiny:build"), 6, "shape mismatch", "(6, 3, 3, 3) vs (4, 3, 3, 3)"
+    )
     assert run("inspect", tiny / "w.pth", "--model", "tiny:wide").exit_code == 0
 
 
 # ---- entries keyed by something other than a name ---------------------------------------------
 
+
 @pytest.mark.parametrize("output", ["o.pt", "o.safetensors"])
 def test_training_checkpoint_entries_keyed_by_ints_or_tuples_are_carried_and_named(tiny, output):
     import tiny as tiny_module
 
-    torch.save({"state_dict": tiny_module.build().state_dict(), 7: "seven", "7": "the string", (1, 2): torch.ones(2)},
-               tiny / "last.pth")
+    torch.save(
+        {"state_dict": tiny_module.build().state_dict(), 7: "seven", "7": "the string", (1, 2): torch.ones(2)},
+        tiny / "last.pth",
+    )
     listed = run("inspect", tiny / "last.pth")
     assert listed.exit_code == 0 and "7 (int key)" in listed.output and "(1, 2) (tuple key)" in listed.output
     result = run("convert", tiny / "last.pth", "--model", "tiny:build", "-o", tiny / output, "--input-shape", "2,3,8,8")
@@ -291,8 +342,18 @@ def test_module_names_from_a_pickled_model_are_escaped_in_listings_reports_and_m
     listed = run("inspect", tiny / "whole.pt", "--trust-pickle", "-v")
     assert listed.exit_code == 0, listed.output
     assert_escaped(listed.output)
-    result = run("convert", tiny / "whole.pt", "--trust-pickle", "-o", tiny / "o.pt", "--input-shape", "2,3,8,8", "-v",
-                 "--to", "frozen")
+    result = run(
+        "convert",
+        tiny / "whole.pt",
+        "--trust-pickle",
+        "-o",
+        tiny / "o.pt",
+        "--input-shape",
+        "2,3,8,8",
+        "-v",
+        "--to",
+        "frozen",
+    )
     assert result.exit_code == 0, result.output
     assert_escaped(result.output)
     markdown = (tiny / "o.pt.report.md").read_text()
@@ -312,8 +373,10 @@ def test_printable_escapes_what_a_terminal_acts_on_and_keeps_the_rest():
     from bnsurgeon.cli.render import printable
 
     assert printable("blocks.0.bn1 ü 漢字 😀 a b") == "blocks.0.bn1 ü 漢字 😀 a b"
-    assert printable("a\x1b[2Jb\rc\nd\te\x7ff\x85g\u200bh\u2028i\u00a0j\udcff") == \
-        "a\\x1b[2Jb\\rc\\nd\\te\\x7ff\\x85g\\u200bh\\u2028i\\xa0j\\udcff"
+    assert (
+        printable("a\x1b[2Jb\rc\nd\te\x7ff\x85g\u200bh\u2028i\u00a0j\udcff")
+        == "a\\x1b[2Jb\\rc\\nd\\te\\x7ff\\x85g\\u200bh\\u2028i\\xa0j\\udcff"
+    )
     assert printable(printable(HOSTILE)) == printable(HOSTILE)
 
 
@@ -323,12 +386,15 @@ def test_weights_of_a_dtype_torch_cannot_cast_are_refused_not_a_traceback(tiny):
     state = tiny_module.build().state_dict()
     state["1.running_mean"] = torch.zeros(4, dtype=torch.uint8).view(torch.bits8)
     torch.save(state, tiny / "w.pth")
-    result = run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
+    result = run(
+        "convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8"
+    )
     one_line_failure(result, 6, "1.running_mean (bits8 -> float32: torch cannot cast it)")
     assert not (tiny / "o.safetensors").exists()
 
 
 # ---- containers nested without end, or holding themselves -----------------------------------------
+
 
 def save_deep(path, obj_of, depth=5000):
     """torch.save an object holding lists nested ``depth`` deep (pickling recurses: a thread with room for it)."""
@@ -360,8 +426,9 @@ def test_deeply_nested_entries_are_listed_and_refused_for_a_pt_output_without_a_
     result = run("convert", tiny / "deep.pt", "--model", "tiny:build", "-o", tiny / "o.pt", "--input-shape", "2,3,8,8")
     one_line_failure(result, 4, "entry 'deep' nests containers more than 100 levels deep", ".safetensors output")
     assert not (tiny / "o.pt").exists()
-    result = run("convert", tiny / "deep.pt", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape",
-                 "2,3,8,8")
+    result = run(
+        "convert", tiny / "deep.pt", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8"
+    )
     assert result.exit_code == 0 and "deep (list; not written" in " ".join(result.output.split()), result.output
 
 
@@ -380,20 +447,31 @@ def test_a_list_that_holds_itself_is_counted_and_carried(tiny):
     torch.save({"state_dict": tiny_module.build().state_dict(), "loop": loop}, tiny / "loop.pt")
     listed = run("inspect", tiny / "loop.pt", "--model", "tiny:build")
     assert listed.exit_code == 0, listed.output
-    assert run("convert", tiny / "loop.pt", "--model", "tiny:build", "-o", tiny / "o.pt",
-               "--input-shape", "2,3,8,8").exit_code == 0
+    assert (
+        run(
+            "convert", tiny / "loop.pt", "--model", "tiny:build", "-o", tiny / "o.pt", "--input-shape", "2,3,8,8"
+        ).exit_code
+        == 0
+    )
     written = torch.load(tiny / "o.pt", weights_only=True)["loop"]
     assert written[1] is written
 
 
-@pytest.mark.parametrize("make, held", [
-    ("namespace", "its top level is a Namespace holding 1 tensor"),
-    ("deeper", "its top level is a dict holding 1 tensor"),
-])
+@pytest.mark.parametrize(
+    "make, held",
+    [
+        ("namespace", "its top level is a Namespace holding 1 tensor"),
+        ("deeper", "its top level is a dict holding 1 tensor"),
+    ],
+)
 def test_tensors_that_are_not_a_state_dict_are_not_called_no_tensors(tiny, make, held):
     import argparse
 
-    obj = argparse.Namespace(epoch=1, w=torch.zeros(2)) if make == "namespace" else {"weights": {"a": {"b": torch.zeros(1)}}}
+    obj = (
+        argparse.Namespace(epoch=1, w=torch.zeros(2))
+        if make == "namespace"
+        else {"weights": {"a": {"b": torch.zeros(1)}}}
+    )
     torch.save(obj, tiny / "w.pt")
     result = run("convert", tiny / "w.pt", "--model", "tiny:build", "-o", tiny / "o.pt")
     one_line_failure(result, 4, "holds no state dict bnsurgeon can use", held)
@@ -402,11 +480,17 @@ def test_tensors_that_are_not_a_state_dict_are_not_called_no_tensors(tiny, make,
 
 # ---- a failed write says what failed -------------------------------------------------------------
 
-@pytest.mark.parametrize("error, disk", [
-    ("IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })", True),
-    ("unexpected: the writer broke", False),
-])
-def test_a_write_that_fails_inside_a_library_names_disk_space_only_when_it_is_disk_space(tiny, monkeypatch, error, disk):
+
+@pytest.mark.parametrize(
+    "error, disk",
+    [
+        ('IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })', True),
+        ("unexpected: the writer broke", False),
+    ],
+)
+def test_a_write_that_fails_inside_a_library_names_disk_space_only_when_it_is_disk_space(
+    tiny, monkeypatch, error, disk
+):
     import safetensors.torch
     from safetensors import SafetensorError
 
@@ -420,29 +504,46 @@ def test_a_write_that_fails_inside_a_library_names_disk_space_only_when_it_is_di
     assert not [p for p in tiny.iterdir() if p.name.startswith("o.safetensors") or ".bnsurgeon-tmp-" in p.name]
 
 
-@pytest.mark.parametrize("count", [-5, 2 ** 63 - 1])
+@pytest.mark.parametrize("count", [-5, 2**63 - 1])
 def test_an_impossible_batch_count_is_refused_naming_it(tiny, count):
     import tiny as tiny_module
 
     state = tiny_module.build().state_dict()
     state["1.num_batches_tracked"] = torch.tensor(count)
     torch.save(state, tiny / "w.pth")
-    result = run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
+    result = run(
+        "convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8"
+    )
     one_line_failure(result, 4, f"impossible batch count in 1 BatchNorm module: 1.num_batches_tracked={count}")
     assert not (tiny / "o.safetensors").exists()
     state["1.num_batches_tracked"] = torch.tensor(12345)  # an ordinary count: accepted
     torch.save(state, tiny / "w.pth")
-    assert run("convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors",
-               "--input-shape", "2,3,8,8").exit_code == 0
+    assert (
+        run(
+            "convert", tiny / "w.pth", "--model", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8"
+        ).exit_code
+        == 0
+    )
 
 
-@pytest.mark.parametrize("name, target, message", [
-    ("dangling.pt", "missing.pt", "dangling.pt is a symlink to missing.pt, which does not exist"),
-    ("loop", "loop", "loop is a symlink to loop, which leads back to itself"),  # no suffix: still a file, not a timm name
-])
+@pytest.mark.parametrize(
+    "name, target, message",
+    [
+        ("dangling.pt", "missing.pt", "dangling.pt is a symlink to missing.pt, which does not exist"),
+        (
+            "loop",
+            "loop",
+            "loop is a symlink to loop, which leads back to itself",
+        ),  # no suffix: still a file, not a timm name
+    ],
+)
 def test_a_source_that_is_a_broken_symlink_is_named_as_one(tiny, name, target, message):
     (tiny / name).symlink_to(target)
-    for args in (["inspect", name], ["convert", name, "--model", "tiny:build", "-o", "o.pt"], ["verify", "tiny:build", name]):
+    for args in (
+        ["inspect", name],
+        ["convert", name, "--model", "tiny:build", "-o", "o.pt"],
+        ["verify", "tiny:build", name],
+    ):
         result = run(*args)
         one_line_failure(result, 3, message)
         assert "no such file" not in result.output and "unknown timm model" not in result.output
@@ -460,6 +561,7 @@ def test_an_output_that_is_a_symlink_loop_is_named_and_force_replaces_the_link(t
 
 # ---- a file with thousands of entries does not flood the terminal ----------------------------------
 
+
 def test_a_checkpoint_with_many_entries_lists_a_bounded_number_unless_verbose(tiny):
     import tiny as tiny_module
 
@@ -469,10 +571,16 @@ def test_a_checkpoint_with_many_entries_lists_a_bounded_number_unless_verbose(ti
     short = run("inspect", tiny / "many.pt", "--model", "tiny:build")
     assert short.exit_code == 0, short.output
     rows = [line for line in short.output.splitlines() if line.startswith("  k")]
-    assert len(rows) == 39 and "state_dict" in short.output and "... and 461 more entries (-v lists them all)" in short.output
+    assert (
+        len(rows) == 39
+        and "state_dict" in short.output
+        and "... and 461 more entries (-v lists them all)" in short.output
+    )
     everything = run("inspect", tiny / "many.pt", "--model", "tiny:build", "-v", "--json")
     assert len([line for line in everything.output.splitlines() if line.startswith("  k")]) == 500
-    converted = run("convert", tiny / "many.pt", "--model", "tiny:build", "-o", tiny / "o.pt", "--input-shape", "2,3,8,8")
+    converted = run(
+        "convert", tiny / "many.pt", "--model", "tiny:build", "-o", tiny / "o.pt", "--input-shape", "2,3,8,8"
+    )
     assert converted.exit_code == 0 and "... and 460 more (-v lists them all)" in " ".join(converted.output.split())
     assert len(json.loads((tiny / "o.pt.report.json").read_text())["carried"]) == 500
 
@@ -483,10 +591,14 @@ def test_markdown_report_cells_hold_any_module_name():
     from bnsurgeon.surgery.report import ModuleChange, ModuleKept, Report
 
     name = "bn|x`y\n## Injected heading"
-    report = Report(target="sync", changed=[ModuleChange(name, [], "torch.nn.BatchNorm2d", "bnsurgeon.SyncBatchNorm",
-                                                         "torch-batchnorm", ["act|drop"])],
-                    kept=[ModuleKept("kept|one", [], "torch.nn.BatchNorm2d", "torch-batchnorm", "--exclude k|*")],
-                    carried={"we`ird": "carried (int)"})
+    report = Report(
+        target="sync",
+        changed=[
+            ModuleChange(name, [], "torch.nn.BatchNorm2d", "bnsurgeon.SyncBatchNorm", "torch-batchnorm", ["act|drop"])
+        ],
+        kept=[ModuleKept("kept|one", [], "torch.nn.BatchNorm2d", "torch-batchnorm", "--exclude k|*")],
+        carried={"we`ird": "carried (int)"},
+    )
     markdown = report.to_markdown()
     assert "\n## Injected" not in markdown
     rows = [line for line in markdown.splitlines() if line.startswith("| ") and "---" not in line]
@@ -501,8 +613,11 @@ def test_bnsurgeon_metadata_of_a_pt_keyed_by_an_int_is_refused_not_a_traceback(g
     obj["bnsurgeon"][5] = "x"
     torch.save(obj, tiny / "bad.pt")
     for command, args in (("inspect", []), ("convert", ["-o", tiny / "o.pt"])):
-        one_line_failure(run(command, tiny / "bad.pt", "--model", "tiny:build", *args), 4,
-                         "metadata 'bnsurgeon' has an entry keyed by an int, 5")
+        one_line_failure(
+            run(command, tiny / "bad.pt", "--model", "tiny:build", *args),
+            4,
+            "metadata 'bnsurgeon' has an entry keyed by an int, 5",
+        )
 
 
 def test_the_progress_line_on_a_terminal_shows_a_source_path_as_text_not_markup():
@@ -528,13 +643,12 @@ def test_an_output_directory_that_is_a_device_is_named_without_advice_to_move_it
 def test_counts_of_one_are_singular():
     """'1 tensors' in a carried entry's summary and '1 modules converted' in the Markdown report."""
     import torch
-
-    import bnsurgeon
     from torch import nn
 
+    import bnsurgeon
     from bnsurgeon.core.layout import counted
-    from bnsurgeon.surgery.report import render_markdown
     from bnsurgeon.files.training_checkpoint import _describe
+    from bnsurgeon.surgery.report import render_markdown
 
     assert [counted(n, "tensor") for n in (0, 1, 2)] == ["0 tensors", "1 tensor", "2 tensors"]
     assert _describe({"only": torch.zeros(1)}) == "dict, 1 tensor"

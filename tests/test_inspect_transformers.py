@@ -60,10 +60,15 @@ CASES = {
     "subclass keeping forward": (lambda: Renamed(4), TRANSFORMERS_OK),
     "eps 1e-3": (lambda: nn.BatchNorm2d(4, eps=1e-3), "eps 0.001 -> 1e-05"),
     "BatchNormAct2d SiLU": (lambda: _bn_act(act_layer=nn.SiLU), "drops act=SiLU"),
-    "BatchNormAct2d SiLU eps 1e-3": (lambda: _bn_act(act_layer=nn.SiLU, eps=1e-3), "drops act=SiLU; eps 0.001 -> 1e-05"),
+    "BatchNormAct2d SiLU eps 1e-3": (
+        lambda: _bn_act(act_layer=nn.SiLU, eps=1e-3),
+        "drops act=SiLU; eps 0.001 -> 1e-05",
+    ),
     "BatchNormAct2d identity act": (lambda: _bn_act(apply_act=False), TRANSFORMERS_OK),
-    "BatchNormAct2d dropout": (lambda: _bn_act(apply_act=False, drop_layer=nn.Dropout),
-                               "drops drop=Dropout (train only)"),
+    "BatchNormAct2d dropout": (
+        lambda: _bn_act(apply_act=False, drop_layer=nn.Dropout),
+        "drops drop=Dropout (train only)",
+    ),
     "own forward": (lambda: Doubled(4), "drops Doubled.forward"),
     "forward hook": (_hooked, "drops 1 hook"),
     "bfloat16": (lambda: nn.BatchNorm2d(4).to(torch.bfloat16), "float32 buffers (was bfloat16)"),
@@ -71,8 +76,10 @@ CASES = {
     "no running stats": (lambda: nn.BatchNorm2d(4, track_running_stats=False), "fails (no running stats to copy)"),
     "BatchNorm1d": (lambda: nn.BatchNorm1d(4), "not replaced (not a BatchNorm2d)"),
     "torch SyncBatchNorm": (lambda: nn.SyncBatchNorm(4), "not replaced (not a BatchNorm2d)"),
-    "torchvision FrozenBatchNorm2d": (lambda: __import__("torchvision").ops.FrozenBatchNorm2d(4),
-                                      "not replaced (not a BatchNorm2d)"),
+    "torchvision FrozenBatchNorm2d": (
+        lambda: __import__("torchvision").ops.FrozenBatchNorm2d(4),
+        "not replaced (not a BatchNorm2d)",
+    ),
 }
 
 
@@ -130,10 +137,12 @@ def test_column_text_and_what_replace_batch_norm_really_does(case):
 
 
 def test_a_class_whose_members_differ_counts_each_defect():
-    model = nn.Sequential(nn.BatchNorm2d(4), nn.BatchNorm2d(4, eps=1e-3), nn.BatchNorm2d(4, eps=1e-3),
-                          nn.BatchNorm2d(4, affine=False))
-    assert _column(model) == (f"eps 0.001 -> 1e-05 (2/4); fails (affine=False: it reads weight.device) (1/4); "
-                              f"{TRANSFORMERS_OK} (1/4)")
+    model = nn.Sequential(
+        nn.BatchNorm2d(4), nn.BatchNorm2d(4, eps=1e-3), nn.BatchNorm2d(4, eps=1e-3), nn.BatchNorm2d(4, affine=False)
+    )
+    assert _column(model) == (
+        f"eps 0.001 -> 1e-05 (2/4); fails (affine=False: it reads weight.device) (1/4); {TRANSFORMERS_OK} (1/4)"
+    )
 
 
 def test_the_root_is_not_replaced():

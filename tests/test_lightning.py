@@ -31,8 +31,9 @@ def test_revert_after_unfreeze_restores_frozen_classes_with_what_they_learned():
     from torchvision.ops.misc import FrozenBatchNorm2d
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 1), FrozenBatchNorm2d(4), FrozenBatchNormAct2d(4, act_layer=nn.SiLU),
-                          nn.BatchNorm2d(4))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 1), FrozenBatchNorm2d(4), FrozenBatchNormAct2d(4, act_layer=nn.SiLU), nn.BatchNorm2d(4)
+    )
     for module in model[1:3]:
         module.running_mean.uniform_(-1, 1)
         module.running_var.uniform_(0.5, 2)
@@ -53,15 +54,23 @@ def test_revert_after_unfreeze_restores_frozen_classes_with_what_they_learned():
 
 def test_trainer_two_cpu_processes_match_full_batch_training(tmp_path):
     import lightning.pytorch as pl
-
     from _lightning_cases import STEPS, Module, reference_state
 
     record = tmp_path / "kinds"
     module = Module(str(record))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", sync_batchnorm=True, plugins=[BNSurgeonLayerSync()],
-        max_steps=STEPS, precision="64-true", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        sync_batchnorm=True,
+        plugins=[BNSurgeonLayerSync()],
+        max_steps=STEPS,
+        precision="64-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     trainer.fit(module)
     for rank in (0, 1):
@@ -98,8 +107,13 @@ def test_trainer_trains_synced_in_every_low_precision_cpu_allows(low_precision_s
     for rank, states in enumerate(low_precision_states):
         state = states[precision]
         for name in ("1.running_mean", "1.running_var", "3.running_mean", "3.running_var"):
-            torch.testing.assert_close(state[name], expected[name], rtol=tolerance, atol=tolerance,
-                                       msg=lambda m: f"{precision} {name} on rank {rank}: {m}")
+            torch.testing.assert_close(
+                state[name],
+                expected[name],
+                rtol=tolerance,
+                atol=tolerance,
+                msg=lambda m: f"{precision} {name} on rank {rank}: {m}",
+            )
         assert int(state["1.num_batches_tracked"]) == STEPS
         compiled_calls = state["compiled sync layer calls"]
         assert compiled_calls == (2 * STEPS if precision.endswith("compiled") else 0), compiled_calls

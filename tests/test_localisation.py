@@ -20,8 +20,9 @@ SHORTCUT = "resnet.encoder.stages.1.layers.0.shortcut.normalization"
 def _hf_resnet(layer_type: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3,
-                                       layer_type=layer_type)
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3, layer_type=layer_type
+    )
     return transformers.ResNetForImageClassification(config).eval()
 
 

@@ -10,7 +10,6 @@ import re
 import time
 
 import pytest
-
 from _dist import run_world
 from _missync_cases import SCENARIOS, scenarios_rank, skipped_layer_timeout_rank
 

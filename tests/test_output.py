@@ -17,20 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from _modules import install_module
 from typer.testing import CliRunner
 
 import bnsurgeon
 from bnsurgeon.cli.commands import app
 from bnsurgeon.core import errors
 
-from _modules import install_module
-
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
 BOX_DRAWING = re.compile("[\u2500-\u257f]")  # ─ │ ┌ ╭ ... : the whole Unicode box-drawing block
 SMALL = "2,3,16,16"
 
-MODELS = '''
+MODELS = """
 import torch
 from torch import nn
 from timm.layers import BatchNormAct2d
@@ -59,7 +58,7 @@ class OddNorm(nn.BatchNorm2d):
 
 def unhandled():
     return nn.Sequential(nn.Conv2d(3, 4, 1), OddNorm(4))
-'''
+"""
 
 
 @pytest.fixture
@@ -94,9 +93,14 @@ def test_every_command_reads_well_without_a_terminal(models, columns):
     width = columns or PIPED_WIDTH
     sync = models / "s.sync.safetensors"
     checkpoint = models / "train.pth.tar"
-    torch.save({"state_dict": {f"module.{k}": v for k, v in __import__("omodels").small().state_dict().items()},
-                "epoch": 1, "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(2)}}, "param_groups": []}},
-               checkpoint)
+    torch.save(
+        {
+            "state_dict": {f"module.{k}": v for k, v in __import__("omodels").small().state_dict().items()},
+            "epoch": 1,
+            "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(2)}}, "param_groups": []},
+        },
+        checkpoint,
+    )
     runs = [
         invoke("inspect", "tf_efficientnet_b3", columns=columns),
         invoke("inspect", "tf_efficientnet_b3", "-v", columns=columns),
@@ -104,10 +108,23 @@ def test_every_command_reads_well_without_a_terminal(models, columns):
         invoke("convert", "omodels:small", "-o", sync, "--input-shape", SMALL, columns=columns),
         invoke("rules", columns=columns),
         invoke("rules", "-v", columns=columns),
-        invoke("verify", "omodels:small", sync, "--converted-model", "omodels:small", "--input-shape", SMALL, "-w", "2",
-               "--no-perturb", columns=columns),
+        invoke(
+            "verify",
+            "omodels:small",
+            sync,
+            "--converted-model",
+            "omodels:small",
+            "--input-shape",
+            SMALL,
+            "-w",
+            "2",
+            "--no-perturb",
+            columns=columns,
+        ),
     ]
-    helps = [invoke(*command, "--help", columns=columns) for command in ([], ["inspect"], ["convert"], ["verify"], ["rules"])]
+    helps = [
+        invoke(*command, "--help", columns=columns) for command in ([], ["inspect"], ["convert"], ["verify"], ["rules"])
+    ]
     for result in runs:
         assert result.exit_code == 0, result.output
         assert_readable(result.output, width)
@@ -124,8 +141,12 @@ def test_every_command_reads_well_without_a_terminal(models, columns):
 def test_a_terminal_is_fitted_by_dropping_columns_not_wrapping():
     from bnsurgeon.core.layout import Column, table_lines
 
-    columns = [Column("name"), Column("count", "right"), Column("extra", priority=1),
-               Column("path", priority=2, shrink=True, min_width=8)]
+    columns = [
+        Column("name"),
+        Column("count", "right"),
+        Column("extra", priority=1),
+        Column("path", priority=2, shrink=True, min_width=8),
+    ]
     rows = [["BatchNormAct2d", "78", "SyncBatchNormAct", "blocks.0.0.bn1, blocks.0.0.bn2, blocks.1.0.bn1"]]
     wide = table_lines(columns, rows, 200)
     assert len(wide) == 2 and "blocks.1.0.bn1" in wide[1]
@@ -148,14 +169,31 @@ def test_verify_reports_each_check_as_it_finishes_with_its_time(models):
     seen = []
     from bnsurgeon import api
 
-    result = api.verify("omodels:small", str(sync), world_sizes=(2,), input_shape=(2, 3, 16, 16),
-                        converted_model="omodels:small", on_check=seen.append)
-    assert [c.name for c in seen] == [c.name for c in result.checks] == [
-        "eval", "train, one process", "eval (perturbed)", "train, one process (perturbed)", "2 ranks",
-        "2 ranks (perturbed)"]
+    result = api.verify(
+        "omodels:small",
+        str(sync),
+        world_sizes=(2,),
+        input_shape=(2, 3, 16, 16),
+        converted_model="omodels:small",
+        on_check=seen.append,
+    )
+    assert (
+        [c.name for c in seen]
+        == [c.name for c in result.checks]
+        == [
+            "eval",
+            "train, one process",
+            "eval (perturbed)",
+            "train, one process (perturbed)",
+            "2 ranks",
+            "2 ranks (perturbed)",
+        ]
+    )
     assert all(c.seconds > 0 for c in seen) and result.passed
 
-    cli = invoke("verify", "omodels:small", sync, "--converted-model", "omodels:small", "--input-shape", SMALL, "-w", "2")
+    cli = invoke(
+        "verify", "omodels:small", sync, "--converted-model", "omodels:small", "--input-shape", SMALL, "-w", "2"
+    )
     lines = cli.output.splitlines()
     for check in result.checks:
         line = next(line for line in lines if line.strip().startswith(check.name + "  "))
@@ -179,8 +217,9 @@ def test_a_model_without_bn_is_a_distinct_exit_and_writes_nothing(models):
         bnsurgeon.convert_source("omodels:no_bn", None, input_shape=(2, 3, 16, 16))
     assert "allow_no_bn=True" in str(raised.value)
 
-    allowed = runner.invoke(app, ["convert", "omodels:no_bn", "-o", str(out), "--input-shape", SMALL,
-                                  "--allow-no-bn", "--json"])
+    allowed = runner.invoke(
+        app, ["convert", "omodels:no_bn", "-o", str(out), "--input-shape", SMALL, "--allow-no-bn", "--json"]
+    )
     assert allowed.exit_code == 0 and out.exists()
     assert json.loads(allowed.stdout)["totals"]["changed"] == 0
 
@@ -195,8 +234,14 @@ def training_checkpoint(path: Path, model: torch.nn.Module) -> dict:
     model(torch.randn(4, 3, 16, 16)).sum().backward()
     optimizer.step()
     ema = {k: v.clone() + 0.25 if v.is_floating_point() else v.clone() for k, v in model.state_dict().items()}
-    entries = {"epoch": 7, "state_dict": model.state_dict(), "state_dict_ema": ema,
-               "optimizer": optimizer.state_dict(), "args": argparse.Namespace(lr=0.1), "metric": 0.5}
+    entries = {
+        "epoch": 7,
+        "state_dict": model.state_dict(),
+        "state_dict_ema": ema,
+        "optimizer": optimizer.state_dict(),
+        "args": argparse.Namespace(lr=0.1),
+        "metric": 0.5,
+    }
     torch.save(entries, path)
     return entries
 
@@ -230,8 +275,9 @@ def test_training_checkpoint_carries_every_entry_and_a_valid_optimizer(models):
     resumed = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     resumed.load_state_dict(written["optimizer"])
     for index, param in enumerate(model.parameters()):
-        assert torch.equal(resumed.state[param]["momentum_buffer"],
-                           entries["optimizer"]["state"][index]["momentum_buffer"])
+        assert torch.equal(
+            resumed.state[param]["momentum_buffer"], entries["optimizer"]["state"][index]["momentum_buffer"]
+        )
 
     report = json.loads((models / "last.sync.pth.tar.report.json").read_text())
     assert set(report["carried"]) == {"epoch", "state_dict_ema", "optimizer", "args", "metric"}
@@ -247,8 +293,19 @@ def test_verify_picks_the_ema_weights_of_both_training_checkpoints(models):
     training_checkpoint(source, small())
     out = models / "last.sync.pth.tar"
     assert invoke("convert", source, "-m", "omodels:small", "-o", out, "--input-shape", SMALL).exit_code == 0
-    both = ("verify", source, out, "-m", "omodels:small", "--converted-model", "omodels:small",
-            "--input-shape", SMALL, "--no-perturb", "--json")
+    both = (
+        "verify",
+        source,
+        out,
+        "-m",
+        "omodels:small",
+        "--converted-model",
+        "omodels:small",
+        "--input-shape",
+        SMALL,
+        "--no-perturb",
+        "--json",
+    )
     ema = invoke(*both, "--weights", "state_dict_ema", "--converted-weights", "state_dict_ema")
     assert ema.exit_code == 0, ema.output
     mixed = invoke(*both, "--weights", "state_dict_ema")  # the EMA against the converted model's own weights
@@ -263,8 +320,9 @@ def test_frozen_target_with_optimizer_state_is_refused_with_the_reason(models):
     source = models / "last.pth.tar"
     training_checkpoint(source, small())
     before = files(models)
-    result = invoke("convert", source, "-m", "omodels:small", "--to", "frozen", "-o", models / "f.pth.tar",
-                    "--input-shape", SMALL)
+    result = invoke(
+        "convert", source, "-m", "omodels:small", "--to", "frozen", "-o", models / "f.pth.tar", "--input-shape", SMALL
+    )
     assert result.exit_code == 2, result.output
     assert "optimizer state" in result.output and "parameters become buffers" in result.output
     assert files(models) == before
@@ -285,8 +343,18 @@ def test_frozen_model_to_frozen_keeps_the_optimizer_proven_valid(models):
     model(torch.randn(2, 3, 16, 16)).sum().backward()
     optimizer.step()
     torch.save({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict()}, source)
-    result = invoke("convert", source, "-m", "omodels:frozen_small", "--to", "frozen", "-o", models / "f.pth",
-                    "--input-shape", SMALL)
+    result = invoke(
+        "convert",
+        source,
+        "-m",
+        "omodels:frozen_small",
+        "--to",
+        "frozen",
+        "-o",
+        models / "f.pth",
+        "--input-shape",
+        SMALL,
+    )
     assert result.exit_code == 0, result.output
     assert "still valid" in json.loads((models / "f.pth.report.json").read_text())["carried"]["optimizer"]
 
@@ -369,8 +437,12 @@ def test_model_names_match_case_insensitively_and_through_confusables():
 
     assert resolve_timm_name("Resnet50") == "resnet50"
     assert resolve_timm_name("EfficientNet_B0") == "efficientnet_b0"
-    for typo, meant in [("efficientnet_bO", "efficientnet_b0"), ("resnet5O", "resnet50"),
-                        ("efficientnet-b0", "efficientnet_b0"), ("resnetl8", "resnet18")]:
+    for typo, meant in [
+        ("efficientnet_bO", "efficientnet_b0"),
+        ("resnet5O", "resnet50"),
+        ("efficientnet-b0", "efficientnet_b0"),
+        ("resnetl8", "resnet18"),
+    ]:
         with pytest.raises(errors.SourceNotFoundError) as raised:
             resolve_timm_name(typo)
         assert raised.value.hint.startswith(f"did you mean {meant}"), (typo, raised.value.hint)
@@ -382,9 +454,11 @@ def test_model_names_match_case_insensitively_and_through_confusables():
 
 
 def test_rules_imports_neither_torch_nor_timm():
-    code = ("import sys; from typer.testing import CliRunner; from bnsurgeon.cli.commands import app; "
-            "r = CliRunner().invoke(app, ['rules']); assert r.exit_code == 0, r.output; "
-            "print(sorted(m for m in ('torch', 'timm', 'torchvision') if m in sys.modules))")
+    code = (
+        "import sys; from typer.testing import CliRunner; from bnsurgeon.cli.commands import app; "
+        "r = CliRunner().invoke(app, ['rules']); assert r.exit_code == 0, r.output; "
+        "print(sorted(m for m in ('torch', 'timm', 'torchvision') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -6,7 +6,6 @@ each rank from its recipe and given the parent's tensors; one with no recipe is 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
@@ -51,8 +50,9 @@ def test_a_model_that_does_not_pickle_is_built_in_each_rank_from_its_recipe():
     assert len(ranks) == 2 and all(check.passed for check in ranks), result.checks
     # the parent's tensors, not the recipe's seeded ones, reached the ranks: a rank check of a wrong model fails
     converted.bn.bias = nn.Parameter(converted.bn.bias.detach() + 0.5)  # its own tensor: convert shares them
-    wrong = verify_models(source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False,
-                          rebuild_converted=build_converted)
+    wrong = verify_models(
+        source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False, rebuild_converted=build_converted
+    )
     assert [c.passed for c in wrong.checks if "ranks" in c.name] == [False]
 
 
@@ -115,8 +115,9 @@ def test_a_parametrized_model_goes_by_recipe_and_without_one_is_refused_in_one_l
     converted = convert(source, "sync").model.eval()
     with pytest.raises(UnshippableModelError, match="RuntimeError"):
         verify_models(source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False)
-    result = verify_models(source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False,
-                           rebuild_converted=build_parametrized)
+    result = verify_models(
+        source, converted, (2, 3, 8, 8), world_sizes=(2,), perturb=False, rebuild_converted=build_parametrized
+    )
     assert [c.passed for c in result.checks if "ranks" in c.name] == [True], result.checks
 
 

@@ -31,14 +31,22 @@ def test_inspect_builds_for_real_where_the_meta_build_fails():
 
 def test_inspect_ultralytics_yaml_model():
     pytest.importorskip("ultralytics", reason="ultralytics not installed (optional: pip install ultralytics)")
-    result = run("inspect", "ultralytics.nn.tasks:DetectionModel", "--model-arg", "cfg=yolov8n.yaml",
-                 "--model-arg", "verbose=False", "--json")
+    result = run(
+        "inspect",
+        "ultralytics.nn.tasks:DetectionModel",
+        "--model-arg",
+        "cfg=yolov8n.yaml",
+        "--model-arg",
+        "verbose=False",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["totals"]["bn_modules"] == 57 and data["totals"]["unhandled"] == 0
 
 
 # -- the check input ------------------------------------------------------------------------
+
 
 def test_check_input_is_sized_for_the_first_conv_the_forward_reaches():
     """Module order lies: the head is declared first; the stem (a Conv2d subclass) runs first."""
@@ -85,14 +93,18 @@ def test_dict_example_input_is_recorded_and_reused(in_tmp):
 
     factory = "_real_models:dict_input"
     refused = run("convert", factory, "-o", in_tmp / "x.safetensors")
-    assert refused.exit_code == 9 and "cannot run on the input" in refused.output and "--example-input" in refused.output
+    assert (
+        refused.exit_code == 9 and "cannot run on the input" in refused.output and "--example-input" in refused.output
+    )
     torch.save({"image": torch.zeros(2, 3, 16, 16), "scale": torch.ones(2, 8)}, in_tmp / "batch.pt")
     sync = in_tmp / "sync.safetensors"
     result = run("convert", factory, "--example-input", in_tmp / "batch.pt", "-o", sync, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["check"]["input"] == "dict {image: (2, 3, 16, 16), scale: (2, 8)}"
     assert read_recorded(read_checkpoint(sync)).check_input.to_record() == {
-        "kind": "dict", "shapes": [["image", [2, 3, 16, 16]], ["scale", [2, 8]]]}
+        "kind": "dict",
+        "shapes": [["image", [2, 3, 16, 16]], ["scale", [2, 8]]],
+    }
     plain = in_tmp / "plain.safetensors"
     again = run("convert", sync, "--to", "plain", "--model", factory, "-o", plain, "--json")
     assert again.exit_code == 0, again.output  # no --example-input: the recorded one is used
@@ -100,23 +112,31 @@ def test_dict_example_input_is_recorded_and_reused(in_tmp):
     assert _classes(plain, factory) == {"torch.nn.modules.batchnorm.BatchNorm2d"}
 
 
-@pytest.mark.parametrize("payload, message", [
-    ("code", "not a plain tensor file"),
-    ("ints", "has dtype torch.int64"),
-    ("str", "holds a str"),
-    ("ragged", "share the batch size"),
-    ("empty_side", "holds no values"),
-    ("scalar_samples", "at least one dimension"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ("code", "not a plain tensor file"),
+        ("ints", "has dtype torch.int64"),
+        ("str", "holds a str"),
+        ("ragged", "share the batch size"),
+        ("empty_side", "holds no values"),
+        ("scalar_samples", "at least one dimension"),
+    ],
+)
 def test_example_input_is_data_only_and_validated(in_tmp, payload, message):
     import os
 
     import torch
 
     path = in_tmp / "x.pt"
-    value = {"code": os.getcwd.__class__, "ints": torch.arange(4), "str": "hello",
-             "ragged": {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)},
-             "empty_side": torch.zeros(2, 3, 0, 8), "scalar_samples": [torch.tensor(1.0), torch.tensor(2.0)]}[payload]
+    value = {
+        "code": os.getcwd.__class__,
+        "ints": torch.arange(4),
+        "str": "hello",
+        "ragged": {"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)},
+        "empty_side": torch.zeros(2, 3, 0, 8),
+        "scalar_samples": [torch.tensor(1.0), torch.tensor(2.0)],
+    }[payload]
     if payload == "code":  # a pickle that names a global: must not be imported, let alone run
         import pickle
 
@@ -134,7 +154,7 @@ def test_recorded_check_input_is_validated(in_tmp):
     from bnsurgeon.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="recorded check input is invalid"):
-        CheckInput.from_record({"kind": "tensor", "shapes": [[2, 3, 10 ** 9]]})
+        CheckInput.from_record({"kind": "tensor", "shapes": [[2, 3, 10**9]]})
     with pytest.raises(CheckpointError, match="recorded check input is invalid"):
         CheckInput.from_record({"kind": "dict", "shapes": [["__class__.x", [2]]]})
     assert CheckInput.from_record({"kind": "list", "shapes": [[3, 8, 8]]}).describe() == "list of 1 sample (3, 8, 8)"
@@ -142,7 +162,7 @@ def test_recorded_check_input_is_validated(in_tmp):
 
 # -- verify on outputs that are not plain tensors -------------------------------------------
 
-VACUOUS = '''
+VACUOUS = """
 import torch
 from torch import nn
 
@@ -175,7 +195,7 @@ def nan():
 def pooled():
     torch.manual_seed(0)
     return Net("pooled")
-'''
+"""
 
 
 @pytest.fixture
@@ -193,8 +213,19 @@ def test_vacuous_comparisons_are_not_a_pass(vacuous_models, factory, reason):
     converted = run("convert", f"vacuous_models:{factory}", "--input-shape", "2,3,8,8", "-o", out, "--json")
     assert converted.exit_code == 0, converted.output
     assert "inconclusive" in json.loads(converted.stdout)["check"]["note"]
-    verify = ("verify", f"vacuous_models:{factory}", out, "--converted-model", f"vacuous_models:{factory}",
-              "--input-shape", "2,3,8,8", "--no-perturb", "-w", "2", "--json")
+    verify = (
+        "verify",
+        f"vacuous_models:{factory}",
+        out,
+        "--converted-model",
+        f"vacuous_models:{factory}",
+        "--input-shape",
+        "2,3,8,8",
+        "--no-perturb",
+        "-w",
+        "2",
+        "--json",
+    )
     result = run(*verify)
     if factory == "empty":
         assert result.exit_code == 0, result.output
@@ -205,24 +236,55 @@ def test_vacuous_comparisons_are_not_a_pass(vacuous_models, factory, reason):
     assert result.exit_code == 1, result.output
     checks = json.loads(result.stdout)["checks"]
     assert checks[0]["name"] == "eval" and checks[0]["passed"] is False
-    assert all("vacuous, not a pass" in c["detail"] and reason in c["detail"] for c in checks if c["passed"] is not None)
+    assert all(
+        "vacuous, not a pass" in c["detail"] and reason in c["detail"] for c in checks if c["passed"] is not None
+    )
 
 
 @pytest.mark.distributed
 def test_compare_at_a_submodule_where_the_output_is_not_per_sample(vacuous_models):
     out = vacuous_models / "sync.safetensors"
     assert run("convert", "vacuous_models:pooled", "--input-shape", "2,3,8,8", "-o", out).exit_code == 0
-    whole = run("verify", "vacuous_models:pooled", out, "--converted-model", "vacuous_models:pooled",
-                "--input-shape", "2,3,8,8", "--no-perturb", "--json")
+    whole = run(
+        "verify",
+        "vacuous_models:pooled",
+        out,
+        "--converted-model",
+        "vacuous_models:pooled",
+        "--input-shape",
+        "2,3,8,8",
+        "--no-perturb",
+        "--json",
+    )
     assert whole.exit_code == 1
     ranks = json.loads(whole.stdout)["checks"][-1]
     assert ranks["name"] == "2 ranks" and "not per sample" in ranks["detail"]
-    at = run("verify", "vacuous_models:pooled", out, "--converted-model", "vacuous_models:pooled",
-             "--input-shape", "2,3,8,8", "--no-perturb", "--json", "--compare-at", "body")
+    at = run(
+        "verify",
+        "vacuous_models:pooled",
+        out,
+        "--converted-model",
+        "vacuous_models:pooled",
+        "--input-shape",
+        "2,3,8,8",
+        "--no-perturb",
+        "--json",
+        "--compare-at",
+        "body",
+    )
     assert at.exit_code == 0, at.output
     assert json.loads(at.stdout)["compare_at"] == "body"
-    bad = run("verify", "vacuous_models:pooled", out, "--converted-model", "vacuous_models:pooled",
-              "--input-shape", "2,3,8,8", "--compare-at", "nope")
+    bad = run(
+        "verify",
+        "vacuous_models:pooled",
+        out,
+        "--converted-model",
+        "vacuous_models:pooled",
+        "--input-shape",
+        "2,3,8,8",
+        "--compare-at",
+        "nope",
+    )
     assert bad.exit_code == 2 and "not a submodule" in bad.output and "body" in bad.output
 
 
@@ -244,8 +306,10 @@ END_TO_END = [
 def test_real_model_end_to_end(in_tmp, name, inputs, convert_flags):
     import torch
 
-    pytest.importorskip("segmentation_models_pytorch", reason="segmentation_models_pytorch not installed "
-                        "(pip install 'bnsurgeon[test]')") if name.startswith(("unet", "deeplabv3plus")) else None
+    pytest.importorskip(
+        "segmentation_models_pytorch",
+        reason="segmentation_models_pytorch not installed (pip install 'bnsurgeon[test]')",
+    ) if name.startswith(("unet", "deeplabv3plus")) else None
     factory = f"_real_models:{name}"
     flags = ["--input-shape", "2,3,32,32"]  # the smallest size the encoders take: float64 ranks stay cheap
     if "images" in inputs:  # a detector takes a list of images
@@ -283,11 +347,11 @@ def test_real_model_end_to_end(in_tmp, name, inputs, convert_flags):
 def test_frozen_round_trip_unfreeze_train_on_two_ranks_refreeze_load(in_tmp):
     """unfreeze -> 2-rank training -> --to frozen (and --to plain) -> load gives back torchvision's class."""
     import torch
+    from torchvision.ops.misc import FrozenBatchNorm2d
 
     import bnsurgeon
     from bnsurgeon.checks.multiproc import run_world
     from bnsurgeon.surgery.walk import class_map
-    from torchvision.ops.misc import FrozenBatchNorm2d
 
     factory = "_real_models:fasterrcnn_frozen"
     sync, trained = in_tmp / "sync.safetensors", in_tmp / "trained.safetensors"
@@ -334,8 +398,10 @@ def test_include_exclude_keep_torchvisions_frozen_stem_frozen_through_save_and_l
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["options"]["exclude"] == ["backbone.body.bn1", "backbone.body.layer1.*"]
-    assert {k["reason"] for k in report["kept"]} == {"excluded by --exclude backbone.body.bn1",
-                                                    "excluded by --exclude backbone.body.layer1.*"}
+    assert {k["reason"] for k in report["kept"]} == {
+        "excluded by --exclude backbone.body.bn1",
+        "excluded by --exclude backbone.body.layer1.*",
+    }
     classes = class_map(bnsurgeon.load(out, model=factory))  # the filters are replayed on load
     frozen = {p for p, c in classes.items() if c == "torchvision.ops.misc.FrozenBatchNorm2d"}
     assert frozen == {"backbone.body.bn1"} | {p for p in classes if p.startswith("backbone.body.layer1.")}
@@ -344,14 +410,20 @@ def test_include_exclude_keep_torchvisions_frozen_stem_frozen_through_save_and_l
 
 # -- OpenMMLab and Lightning classes -----------------------------------------------------------
 
-@pytest.mark.parametrize("factory, cls, rule", [
-    ("mmengine_syncbn", "mmengine.utils.dl_utils.parrots_wrapper.SyncBatchNorm", "mmengine-syncbn"),
-    ("mmengine_reverted", "mmengine.model.utils._BatchNormXd", "mmengine-batchnorm-xd"),
-    ("lightning_reverted", "lightning.pytorch.plugins.layer_sync._BatchNormXd", "lightning-batchnorm-xd"),
-])
+
+@pytest.mark.parametrize(
+    "factory, cls, rule",
+    [
+        ("mmengine_syncbn", "mmengine.utils.dl_utils.parrots_wrapper.SyncBatchNorm", "mmengine-syncbn"),
+        ("mmengine_reverted", "mmengine.model.utils._BatchNormXd", "mmengine-batchnorm-xd"),
+        ("lightning_reverted", "lightning.pytorch.plugins.layer_sync._BatchNormXd", "lightning-batchnorm-xd"),
+    ],
+)
 def test_openmmlab_and_lightning_classes_convert_and_plain_restores_dimensionality(in_tmp, factory, cls, rule):
-    pytest.importorskip("mmengine" if factory.startswith("mm") else "lightning",
-                        reason="optional: pip install 'bnsurgeon[openmmlab]' / 'bnsurgeon[lightning]'")
+    pytest.importorskip(
+        "mmengine" if factory.startswith("mm") else "lightning",
+        reason="optional: pip install 'bnsurgeon[openmmlab]' / 'bnsurgeon[lightning]'",
+    )
     source = f"_real_models:{factory}"
     listing = run("inspect", source, "--json")
     assert listing.exit_code == 0, listing.output
@@ -367,14 +439,17 @@ def test_openmmlab_and_lightning_classes_convert_and_plain_restores_dimensionali
     reverted = run("convert", sync, "--to", "plain", "--model", source, "-o", plain, "--json")
     assert reverted.exit_code == 0, reverted.output
     to_classes = {c["path"]: c["to_class"] for c in json.loads(reverted.stdout)["changed"]}
-    assert to_classes == {"bn": "torch.nn.modules.batchnorm.BatchNorm2d", "bn1d": "torch.nn.modules.batchnorm.BatchNorm1d"}
+    assert to_classes == {
+        "bn": "torch.nn.modules.batchnorm.BatchNorm2d",
+        "bn1d": "torch.nn.modules.batchnorm.BatchNorm1d",
+    }
     import bnsurgeon
     from bnsurgeon.surgery.walk import class_map
 
     assert class_map(bnsurgeon.load(plain, model=source)) == to_classes  # replayed with the recorded classes
 
 
-USER_RULES = '''
+USER_RULES = """
 import torch
 from torch import nn
 
@@ -391,7 +466,7 @@ RULES = [Rule("my-bn", (MyBN,), {"sync": to_sync, "plain": keep_if("plain"), "fr
 def model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), MyBN(4))
-'''
+"""
 
 
 def test_rules_named_on_the_command_line_and_confirmed_again_on_load(in_tmp, monkeypatch):
@@ -414,8 +489,9 @@ def test_rules_named_on_the_command_line_and_confirmed_again_on_load(in_tmp, mon
     unconfirmed = run("convert", sync, "--to", "plain", "--model", "my_rules:model", "-o", plain)
     assert unconfirmed.exit_code == 10 and "confirm with --rules my_rules:RULES" in unconfirmed.output
     assert not plain.exists()
-    confirmed = run("convert", sync, "--to", "plain", "--model", "my_rules:model", "--rules", "my_rules:RULES",
-                    "-o", plain)
+    confirmed = run(
+        "convert", sync, "--to", "plain", "--model", "my_rules:model", "--rules", "my_rules:RULES", "-o", plain
+    )
     assert confirmed.exit_code == 0, confirmed.output
     bad = run("convert", "my_rules:model", "--rules", "my_rules", "-o", in_tmp / "x.safetensors")
     assert bad.exit_code == 2 and "package.module:object" in bad.output

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import bnsurgeon
-from tests import _recalibrate_cases as cases
 from bnsurgeon.checks.multiproc import RankPool
+from tests import _recalibrate_cases as cases
 
 
 @contextlib.contextmanager
@@ -41,7 +41,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 #: float32's unit roundoff
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 
 
 def float32_bound(mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,12 +65,21 @@ def assert_population(statistics, seen, rtol=None):
             assert relative(got_var, var) < rtol, (path, relative(got_var, var))
             continue
         mean_bound, var_bound = float32_bound(mean, var)
-        assert bool(((got_mean - mean).abs() <= mean_bound).all()), (path, float(((got_mean - mean).abs() / mean_bound).max()))
-        assert bool(((got_var - var).abs() <= var_bound).all()), (path, float(((got_var - var).abs() / var_bound).max()))
+        assert bool(((got_mean - mean).abs() <= mean_bound).all()), (
+            path,
+            float(((got_mean - mean).abs() / mean_bound).max()),
+        )
+        assert bool(((got_var - var).abs() <= var_bound).all()), (
+            path,
+            float(((got_var - var).abs() / var_bound).max()),
+        )
 
 
-@pytest.mark.parametrize("fast", [False, True, "eval-everywhere"],
-                         ids=["training-mode", "fast-normalization", "fast-normalization-eval-everywhere"])
+@pytest.mark.parametrize(
+    "fast",
+    [False, True, "eval-everywhere"],
+    ids=["training-mode", "fast-normalization", "fast-normalization-eval-everywhere"],
+)
 def test_one_process_closed_form_and_state(fast, monkeypatch):
     if fast == "eval-everywhere":  # these inputs are small: without this they would run the training kernel
         import bnsurgeon.calibration.recalibrate as recalibration
@@ -111,7 +120,9 @@ def test_one_process_closed_form_and_state(fast, monkeypatch):
         if module_path in cases.BN_PATHS and name in ("running_mean", "running_var"):
             n, mean, var = closed_form(seen[module_path])
             mean_bound, var_bound = float32_bound(mean, var)
-            expected, bound = (mean, mean_bound) if name == "running_mean" else (var * n / (n - 1), var_bound * n / (n - 1))
+            expected, bound = (
+                (mean, mean_bound) if name == "running_mean" else (var * n / (n - 1), var_bound * n / (n - 1))
+            )
             # within the bound, then rounded once to the buffer's float32
             assert bool(((after[key].double() - expected).abs() <= bound + U32 * expected.abs()).all()), key
             assert not torch.equal(after[key], value), key
@@ -122,8 +133,12 @@ def test_one_process_closed_form_and_state(fast, monkeypatch):
     assert [m.path for m in report.modules] == list(cases.BN_PATHS)
     assert all(m.calls == 8 and m.mean_change_max > 0 for m in report.modules)
     for m in report.modules:  # the report's changes are those of the buffers
-        mean_change = float((after[f"{m.path}.running_mean"].double() - before[f"{m.path}.running_mean"].double()).abs().max())
-        var_change = float((after[f"{m.path}.running_var"].double() - before[f"{m.path}.running_var"].double()).abs().max())
+        mean_change = float(
+            (after[f"{m.path}.running_mean"].double() - before[f"{m.path}.running_mean"].double()).abs().max()
+        )
+        var_change = float(
+            (after[f"{m.path}.running_var"].double() - before[f"{m.path}.running_var"].double()).abs().max()
+        )
         assert abs(m.mean_change_max - mean_change) <= 1e-6 * mean_change, m.path
         assert abs(m.var_change_max - var_change) <= 1e-6 * var_change, m.path
 
@@ -143,8 +158,11 @@ def offset_batches(layout: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", ["nchw", "channels-last", "nc"])
-@pytest.mark.parametrize("fast", [False, True, "eval-everywhere"],
-                         ids=["training-mode", "fast-normalization", "fast-normalization-eval-everywhere"])
+@pytest.mark.parametrize(
+    "fast",
+    [False, True, "eval-everywhere"],
+    ids=["training-mode", "fast-normalization", "fast-normalization-eval-everywhere"],
+)
 def test_float32_within_its_bound_when_mean_dwarfs_std(layout, fast, monkeypatch):
     """A float32 model's statistics against the float64 truth when |mean| >> std: within ``float32_bound``,
     for every path a batch's statistics take (the training kernel's, bnsurgeon's own in float32), while
@@ -168,8 +186,11 @@ def test_float32_within_its_bound_when_mean_dwarfs_std(layout, fast, monkeypatch
     assert bool(((cancelled.double() - var).abs() > var_bound).any())
 
 
-@pytest.mark.parametrize("fast", [False, True, "eval-everywhere"],
-                         ids=["training-mode", "fast-normalization", "fast-normalization-eval-everywhere"])
+@pytest.mark.parametrize(
+    "fast",
+    [False, True, "eval-everywhere"],
+    ids=["training-mode", "fast-normalization", "fast-normalization-eval-everywhere"],
+)
 def test_float64_model_equals_the_closed_form(fast, monkeypatch):
     """A float64 model and data: the statistics and the buffers equal the closed-form float64 population
     statistics of the pass's own BN inputs to 1e-9, for every kind of BN input (conv, BatchNormAct2d, linear)."""
@@ -197,8 +218,12 @@ def test_batch_moments_float32_bound_every_layout():
     exact = torch.randn(16, 6, 20, 20, generator=generator, dtype=torch.float64) * 0.3 + 2e4
     exact[:, 1] = exact[:, 1] - 2e4 + 1.5  # an ordinary channel next to the offset ones
     x = exact.float()
-    for tensor in (x, x.contiguous(memory_format=torch.channels_last), x[:, :, :3, :2].contiguous(),
-                   x.transpose(1, 3).reshape(-1, 6)):
+    for tensor in (
+        x,
+        x.contiguous(memory_format=torch.channels_last),
+        x[:, :, :3, :2].contiguous(),
+        x.transpose(1, 3).reshape(-1, 6),
+    ):
         count, mean, m2 = batch_moments(tensor)
         truth = tensor.double()
         dims = [0, *range(2, tensor.dim())]
@@ -272,16 +297,19 @@ def check_world(pool: RankPool, world: int, counts: tuple[int, ...]):
             assert torch.equal(plain["buffers"][key], results[0]["plain"]["buffers"][key]), (rank, key)  # every rank
         assert_population(plain["statistics"], seen)
         # what the ranks themselves saw, concatenated: the closed form
-        assert_population(plain["statistics"], {p: [a for r in results for a in r["plain"]["seen"][p]]
-                                                for p in cases.BN_PATHS})
+        assert_population(
+            plain["statistics"], {p: [a for r in results for a in r["plain"]["seen"][p]] for p in cases.BN_PATHS}
+        )
     # sync-converted: each step normalises the global batch (the union of the ranks' step batches)
     union = cases.global_batch_reference(counts)
     for rank, result in enumerate(results):
         sync = result["sync"]
         assert sync["rank_batches"] == list(counts)
         assert sync["collectives"] == max(counts) + 1 + 1  # a step header per step (+ the last, empty), one merge
-        assert_population(sync["statistics"], {p: [a for r in results for a in r["sync"]["seen"][p] if a.numel()]
-                                               for p in cases.BN_PATHS})
+        assert_population(
+            sync["statistics"],
+            {p: [a for r in results for a in r["sync"]["seen"][p] if a.numel()] for p in cases.BN_PATHS},
+        )
         for key, value in sync["buffers"].items():
             assert torch.equal(value, results[0]["sync"]["buffers"][key]), (rank, key)
         # against one process normalising the same global batches (its normalisation is float32: 1e-5)
@@ -296,7 +324,7 @@ def test_ranks_equal_one_process(ranks, world, counts):
     check_world(ranks, world, counts)
 
 
-CLI_MODEL = '''
+CLI_MODEL = """
 import torch
 from torch import nn
 
@@ -304,7 +332,7 @@ from torch import nn
 def small():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1), nn.BatchNorm2d(2))
-'''
+"""
 
 
 def test_cli_under_torchrun_shards_and_rank_zero_writes(ranks, tmp_path):
@@ -314,8 +342,15 @@ def test_cli_under_torchrun_shards_and_rank_zero_writes(ranks, tmp_path):
 
     (tmp_path / "rcli.py").write_text(CLI_MODEL)
     torch.save(torch.randn(20, 3, 7, 7, generator=torch.Generator().manual_seed(9)) + 4, tmp_path / "d.pt")
-    results = ranks.run(3, cases.rank_cli, "rcli:small", str(tmp_path / "d.pt"), str(tmp_path / "n.safetensors"),
-                        str(tmp_path), timeout=120)
+    results = ranks.run(
+        3,
+        cases.rank_cli,
+        "rcli:small",
+        str(tmp_path / "d.pt"),
+        str(tmp_path / "n.safetensors"),
+        str(tmp_path),
+        timeout=120,
+    )
     assert [r["output"] for r in results] == [str(tmp_path / "n.safetensors"), None, None]
     assert all(r["rank_batches"] == [3, 2, 2] and r["samples"] == 20 for r in results)
     assert len({r["sha256"] for r in results}) == 1
@@ -372,9 +407,15 @@ def timm_training_checkpoint(path):
     model(torch.randn(4, 3, SIDE, SIDE)).sum().backward()
     optimizer.step()
     ema = {k: (v.clone() * 0.9 + 0.01 if v.is_floating_point() else v.clone()) for k, v in model.state_dict().items()}
-    entries = {"epoch": 3, "arch": "test_efficientnet", "args": argparse.Namespace(num_classes=10, lr=0.1),
-               "state_dict": model.state_dict(), "state_dict_ema": ema, "optimizer": optimizer.state_dict(),
-               "metric": 0.5}
+    entries = {
+        "epoch": 3,
+        "arch": "test_efficientnet",
+        "args": argparse.Namespace(num_classes=10, lr=0.1),
+        "state_dict": model.state_dict(),
+        "state_dict_ema": ema,
+        "optimizer": optimizer.state_dict(),
+        "metric": 0.5,
+    }
     torch.save(entries, path)
     return entries
 
@@ -400,8 +441,20 @@ def test_cli_ema_training_checkpoint_only_ema_bn_buffers_change(tmp_path):
     data = torch.randn(20, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(5)) * 1.5 + 0.2
     torch.save(data, tmp_path / "calib.pt")
     out = tmp_path / "last.recal.pth.tar"
-    result = run("recalibrate", source, "--weights", "state_dict_ema", "--data", tmp_path / "calib.pt",
-                 "--batch-size", 8, "-o", out, "--json", "-q")
+    result = run(
+        "recalibrate",
+        source,
+        "--weights",
+        "state_dict_ema",
+        "--data",
+        tmp_path / "calib.pt",
+        "--batch-size",
+        8,
+        "-o",
+        out,
+        "--json",
+        "-q",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["samples"] == 20 and report["batches"] == 3 and report["ranks"] == 1
@@ -415,7 +468,7 @@ def test_cli_ema_training_checkpoint_only_ema_bn_buffers_change(tmp_path):
 
     with torch.serialization.safe_globals([argparse.Namespace]):
         written = torch.load(out, weights_only=True)
-    assert list(written)[:len(entries)] == list(entries)
+    assert list(written)[: len(entries)] == list(entries)
     for name, value in entries.items():  # every entry but the EMA: identical, all the way down
         if name != "state_dict_ema":
             assert same(written[name], value), name
@@ -430,7 +483,10 @@ def test_cli_ema_training_checkpoint_only_ema_bn_buffers_change(tmp_path):
     record = written["bnsurgeon_recalibrations"][-1]
     assert record["weights"] == "state_dict_ema" and record["samples"] == 20 and record["batches"] == 3
     assert record["ranks"] == 1 and len(record["data"]["sha256"]) == 64
-    assert json.loads((tmp_path / "last.recal.pth.tar.report.json").read_text())["data"]["sha256"] == record["data"]["sha256"]
+    assert (
+        json.loads((tmp_path / "last.recal.pth.tar.report.json").read_text())["data"]["sha256"]
+        == record["data"]["sha256"]
+    )
 
 
 DATA_MODELS = '''
@@ -490,8 +546,9 @@ def test_cli_function_data_and_reports(data_models):
         assert torch.equal(written[key], value), key
 
 
-@pytest.mark.parametrize("case", ["empty", "short", "shape", "nan", "unreached", "integers", "pickle", "missing",
-                                  "too-large"])
+@pytest.mark.parametrize(
+    "case", ["empty", "short", "shape", "nan", "unreached", "integers", "pickle", "missing", "too-large"]
+)
 def test_cli_bad_data_one_line_own_code_nothing_written(data_models, case, monkeypatch):
     tmp = data_models
     data = tmp / "data.pt"
@@ -524,6 +581,7 @@ def test_cli_bad_data_one_line_own_code_nothing_written(data_models, case, monke
     elif case == "integers":
         torch.save(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), data)
     elif case == "pickle":
+
         class Evil:
             def __reduce__(self):
                 import os
@@ -568,7 +626,7 @@ def test_recalibrate_averaged_unwraps_torch_and_timm_averages():
             assert torch.equal(averaged.module.state_dict()[key], value), key
 
 
-LIGHTNING_MODULE = '''
+LIGHTNING_MODULE = """
 import torch
 import lightning.pytorch as pl
 from timm.utils import ModelEmaV3
@@ -600,7 +658,7 @@ class WithEma(pl.LightningModule):
 
     def val_dataloader(self):
         return DataLoader(TensorDataset(torch.randn(4, 3, 8, 8)), batch_size=4)
-'''
+"""
 
 
 def test_lightning_callback_recalibrates_the_ema_before_validation_and_at_fit_end(tmp_path, monkeypatch):
@@ -619,9 +677,17 @@ def test_lightning_callback_recalibrates_the_ema_before_validation_and_at_fit_en
     callback = RecalibrateBN(data, model="ema")
     original = callback.recalibrate
     callback.recalibrate = lambda trainer, pl_module: calls.append(trainer.state.stage) or original(trainer, pl_module)
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=[callback])
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+    )
     trainer.fit(module)
     assert len(calls) == 2  # before the validation, and at the end of fit
     expected = copy.deepcopy(module.ema.module)

@@ -22,7 +22,9 @@ def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
             for name in ("weight", "bias", "running_mean"):
                 tensor = getattr(module, name, None)
                 if isinstance(tensor, torch.Tensor) and "Norm" in type(module).__name__:
-                    tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.5 + (1.0 if name == "weight" else 0.0))
+                    tensor.copy_(
+                        torch.randn(tensor.shape, generator=generator) * 0.5 + (1.0 if name == "weight" else 0.0)
+                    )
             running_var = getattr(module, "running_var", None)
             if isinstance(running_var, torch.Tensor):
                 running_var.copy_(torch.rand(running_var.shape, generator=generator) + 0.5)
@@ -283,12 +285,15 @@ def test_user_rule_from_entry_point(monkeypatch):
         name = "mine"
 
         def load(self):
-            return lambda: [Rule("entry-bn", (MyBN,), {"sync": to_sync, "plain": keep_if("plain"), "frozen": keep_if("frozen")})]
+            return lambda: [
+                Rule("entry-bn", (MyBN,), {"sync": to_sync, "plain": keep_if("plain"), "frozen": keep_if("frozen")})
+            ]
 
     import importlib.metadata
 
-    monkeypatch.setattr(importlib.metadata, "entry_points",
-                        lambda group=None: [FakeEntryPoint()] if group == "bnsurgeon.rules" else [])
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points", lambda group=None: [FakeEntryPoint()] if group == "bnsurgeon.rules" else []
+    )
     monkeypatch.setattr(rules_module, "_default", None)
     try:
         assert rules_module.default_registry().lookup(MyBN).name == "entry-bn"

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _dist import run_world
 from _sync_cases import STEPS, pair_variant, reference, subgroup_rank, sync_rank
 
 pytestmark = pytest.mark.distributed
 
-SPLITS = {2: {"even": [4, 4], "uneven": [1, 7], "empty": [0, 8]},
-          3: {"even": [3, 3, 2], "uneven": [6, 1, 1], "empty": [5, 0, 3]}}
+SPLITS = {
+    2: {"even": [4, 4], "uneven": [1, 7], "empty": [0, 8]},
+    3: {"even": [3, 3, 2], "uneven": [6, 1, 1], "empty": [5, 0, 3]},
+}
 
 
 def _cases() -> list[dict]:
@@ -66,7 +67,9 @@ def _compare(case: dict, ranks: list[dict], expected: dict) -> None:
     for step in range(STEPS):
         y = torch.cat([r["y"][step] for r in ranks])
         dx = torch.cat([r["dx"][step] for r in ranks])
-        torch.testing.assert_close(y, expected["y"][step], **tol, msg=lambda m: f"{case['name']} output step {step}: {m}")
+        torch.testing.assert_close(
+            y, expected["y"][step], **tol, msg=lambda m: f"{case['name']} output step {step}: {m}"
+        )
         torch.testing.assert_close(dx, expected["dx"][step], **tol, msg=lambda m: f"{case['name']} input grad: {m}")
     for name in ("weight_grad", "bias_grad"):
         if expected[name] is None:
@@ -74,15 +77,21 @@ def _compare(case: dict, ranks: list[dict], expected: dict) -> None:
             continue
         summed = sum(r[name] for r in ranks)
         scale = max(1.0, expected[name].abs().max().item())
-        torch.testing.assert_close(summed, expected[name], rtol=tol["rtol"], atol=tol["atol"] * scale,
-                                   msg=lambda m: f"{case['name']} {name}: {m}")
+        torch.testing.assert_close(
+            summed,
+            expected[name],
+            rtol=tol["rtol"],
+            atol=tol["atol"] * scale,
+            msg=lambda m: f"{case['name']} {name}: {m}",
+        )
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         for rank, result in enumerate(ranks):
             if expected[name] is None:
                 assert result[name] is None
                 continue
-            torch.testing.assert_close(result[name], expected[name], **tol,
-                                       msg=lambda m: f"{case['name']} {name} on rank {rank}: {m}")
+            torch.testing.assert_close(
+                result[name], expected[name], **tol, msg=lambda m: f"{case['name']} {name} on rank {rank}: {m}"
+            )
     assert all(r["layout_kept"] for r in ranks), f"{case['name']}: channels_last layout not kept"
 
 
@@ -108,7 +117,7 @@ def test_process_group_subgroups_sync_only_within_their_pair():
     case = {"name": "pairs", "shape": (8, 5, 4, 3), "splits": {2: [3, 5]}}
     results = run_world(4, subgroup_rank, case, timeout=240)
     for pair in (0, 1):
-        _compare(dict(case, name=f"pair {pair}"), results[2 * pair: 2 * pair + 2], reference(pair_variant(case, pair)))
+        _compare(dict(case, name=f"pair {pair}"), results[2 * pair : 2 * pair + 2], reference(pair_variant(case, pair)))
 
 
 def test_variance_is_exact_when_mean_dwarfs_std():
@@ -119,13 +128,21 @@ def test_variance_is_exact_when_mean_dwarfs_std():
     x = torch.randn(4, 1000, generator=generator, dtype=torch.float64) + 1e4
     rows = []
     for part in x:
-        rows.append(torch.cat([torch.tensor([part.numel()], dtype=torch.float64), part.mean().view(1), part.var(unbiased=False).view(1)]))
+        rows.append(
+            torch.cat(
+                [
+                    torch.tensor([part.numel()], dtype=torch.float64),
+                    part.mean().view(1),
+                    part.var(unbiased=False).view(1),
+                ]
+            )
+        )
     gathered = torch.stack(rows).float()
     total, mean, var = merge_stats(gathered, 1)
     true_var = x.flatten().var(unbiased=False).item()
     assert total.item() == 4000
     assert abs(var.item() - true_var) / true_var < 1e-5
-    naive = (gathered[:, 0] * (gathered[:, 2] + gathered[:, 1] ** 2)).sum() / 4000 - mean ** 2
+    naive = (gathered[:, 0] * (gathered[:, 2] + gathered[:, 1] ** 2)).sum() / 4000 - mean**2
     assert abs(naive.item() - true_var) / true_var > 1e-2, "the naive formula should fail this case"
 
 

@@ -92,9 +92,20 @@ def _fires(kind: str):
     return model, calls, exercise, handle
 
 
-HOOK_KINDS = ["forward", "forward_with_kwargs", "forward_always_call", "forward_pre", "forward_pre_with_kwargs",
-              "full_backward", "full_backward_pre", "legacy_backward", "state_dict_post", "state_dict_pre",
-              "load_state_dict_pre", "load_state_dict_post"]
+HOOK_KINDS = [
+    "forward",
+    "forward_with_kwargs",
+    "forward_always_call",
+    "forward_pre",
+    "forward_pre_with_kwargs",
+    "full_backward",
+    "full_backward_pre",
+    "legacy_backward",
+    "state_dict_post",
+    "state_dict_pre",
+    "load_state_dict_pre",
+    "load_state_dict_post",
+]
 
 
 @pytest.mark.parametrize("kind", HOOK_KINDS)
@@ -111,7 +122,9 @@ def test_every_hook_kind_is_carried_by_conversion(kind, target):
     assert type(converted[1]) is not nn.BatchNorm2d or target == "plain-roundtrip"
     calls.clear()
     exercise(converted)
-    assert len(calls) == fired_before, f"{kind} hook fired {len(calls)} times after --to {target}, {fired_before} before"
+    assert len(calls) == fired_before, (
+        f"{kind} hook fired {len(calls)} times after --to {target}, {fired_before} before"
+    )
     handle.remove()  # the handle still reaches the converted module's hook
     calls.clear()
     exercise(converted)
@@ -123,8 +136,9 @@ def test_torchscript_of_a_converted_model_matches_it():
 
     from timm.layers import BatchNormAct2d
 
-    model = bnsurgeon.convert(nn.Sequential(nn.Conv2d(3, 4, 1), BatchNormAct2d(4, act_layer=nn.ReLU),
-                                            nn.BatchNorm2d(4)), "sync").model
+    model = bnsurgeon.convert(
+        nn.Sequential(nn.Conv2d(3, 4, 1), BatchNormAct2d(4, act_layer=nn.ReLU), nn.BatchNorm2d(4)), "sync"
+    ).model
     x = torch.randn(2, 3, 5, 5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.jit.script is deprecated in recent torch
@@ -166,7 +180,7 @@ def test_header_names_the_layer_and_counts_calls_exactly_in_float32():
 
     identity = LayerIdentity("blocks.3.2.bn1")
     x = torch.randn(2, 7, 3)
-    for call in (1, 2, 3):
+    for _ in range(3):
         header = identity.next_header(x, torch.float32)
     assert header.shape == (HEADER,) and header.dtype == torch.float32
     assert describe_header(header) == "'blocks.3.2.bn1' forward call 3 (7 channels, float32)"
@@ -201,9 +215,15 @@ def test_every_error_is_public_at_the_top_with_its_exit_code():
 
     from bnsurgeon.core import errors
 
-    public = {name for name, value in vars(errors).items()
-              if pyinspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == errors.__name__
-              and not name.startswith("_") and name != "Interrupted"}
+    public = {
+        name
+        for name, value in vars(errors).items()
+        if pyinspect.isclass(value)
+        and issubclass(value, BaseException)
+        and value.__module__ == errors.__name__
+        and not name.startswith("_")
+        and name != "Interrupted"
+    }
     assert "BnSurgeonError" in public and len(public) > 20
     for name in sorted(public):
         assert name in bnsurgeon.__all__, name

@@ -12,11 +12,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-transformers = pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e '.[test]')")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is in the test extra (pip install -e '.[test]')"
+)
+
+from test_untrusted import one_line_failure  # noqa: E402
 
 import bnsurgeon  # noqa: E402
 from bnsurgeon.cli.commands import app  # noqa: E402
-from test_untrusted import one_line_failure  # noqa: E402
 
 runner = CliRunner()
 
@@ -37,12 +40,23 @@ def resnet_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def detr_dir(tmp_path_factory):
     torch.manual_seed(0)
-    backbone = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1],
-                                         out_features=["stage4"])
-    config = transformers.DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
-                                     d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                                     decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, num_queries=5,
-                                     num_labels=3)
+    backbone = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1], out_features=["stage4"]
+    )
+    config = transformers.DetrConfig(
+        use_timm_backbone=False,
+        use_pretrained_backbone=False,
+        backbone_config=backbone,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
+        num_queries=5,
+        num_labels=3,
+    )
     directory = tmp_path_factory.mktemp("hf") / "detr"
     transformers.DetrForObjectDetection(config).save_pretrained(directory)
     return directory
@@ -51,20 +65,46 @@ def detr_dir(tmp_path_factory):
 def hooked_family(name: str):
     """transformers 5 models whose forward needs its output-capturing hooks (local closures: they do not pickle)."""
     if name == "segformer":
-        config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
-                                              num_attention_heads=[1, 2], decoder_hidden_size=16, num_labels=3,
-                                              mlp_ratios=[2, 2], strides=[4, 2], patch_sizes=[7, 3])
+        config = transformers.SegformerConfig(
+            num_encoder_blocks=2,
+            depths=[1, 1],
+            sr_ratios=[2, 1],
+            hidden_sizes=[8, 16],
+            num_attention_heads=[1, 2],
+            decoder_hidden_size=16,
+            num_labels=3,
+            mlp_ratios=[2, 2],
+            strides=[4, 2],
+            patch_sizes=[7, 3],
+        )
         return transformers.SegformerForSemanticSegmentation(config)
     if name == "dpt":  # image_size is the input: bnsurgeon reads it from the config
-        config = transformers.DPTConfig(hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=16,
-                                        image_size=32, patch_size=8, neck_hidden_sizes=[8, 8, 8, 8],
-                                        fusion_hidden_size=8, backbone_out_indices=[0, 1, 2, 3], num_labels=3,
-                                        head_hidden_size=8, use_batch_norm_in_fusion_residual=True)
+        config = transformers.DPTConfig(
+            hidden_size=16,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            intermediate_size=16,
+            image_size=32,
+            patch_size=8,
+            neck_hidden_sizes=[8, 8, 8, 8],
+            fusion_hidden_size=8,
+            backbone_out_indices=[0, 1, 2, 3],
+            num_labels=3,
+            head_hidden_size=8,
+            use_batch_norm_in_fusion_residual=True,
+        )
         return transformers.DPTForSemanticSegmentation(config)
-    backbone = transformers.ConvNextConfig(hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1],
-                                           out_features=["stage1", "stage2", "stage3", "stage4"])
-    config = transformers.UperNetConfig(backbone_config=backbone, hidden_size=16, auxiliary_in_channels=16,
-                                        auxiliary_channels=8, num_labels=3, use_pretrained_backbone=False)
+    backbone = transformers.ConvNextConfig(
+        hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1], out_features=["stage1", "stage2", "stage3", "stage4"]
+    )
+    config = transformers.UperNetConfig(
+        backbone_config=backbone,
+        hidden_size=16,
+        auxiliary_in_channels=16,
+        auxiliary_channels=8,
+        num_labels=3,
+        use_pretrained_backbone=False,
+    )
     return transformers.UperNetForSemanticSegmentation(config)
 
 
@@ -144,13 +184,18 @@ def test_detr_as_a_model_directory_trains_synced_and_refreezes_for_from_pretrain
     """unfreeze -> -o DIR -> 2 gloo ranks of DDP training -> save_pretrained -> --to frozen -o DIR ->
     from_pretrained with nothing missing or unexpected, holding what the ranks learned."""
     from _transformers_cases import train_detr_rank
+
     from bnsurgeon.checks.multiproc import run_world
 
     sync = tmp_path / "detr-sync"
     result = run("convert", detr_dir, "--frozen", "unfreeze", "-o", sync)
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in sync.iterdir()) == ["config.json", "model.safetensors", "model.safetensors.report.json",
-                                                       "model.safetensors.report.md"]
+    assert sorted(p.name for p in sync.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.report.json",
+        "model.safetensors.report.md",
+    ]
     plain, info = transformers.DetrForObjectDetection.from_pretrained(sync, output_loading_info=True)
     assert not any(info.values()), info  # 16 num_batches_tracked were unexpected when written as they are
     converted = bnsurgeon.load(sync)
@@ -189,8 +234,16 @@ def test_recorded_batch_counters_are_validated_like_every_metadata_field(detr_di
     counts = json.loads(metadata["bnsurgeon.counts"])
     assert len(counts) == 16 and set(counts.values()) == {0}
     some = next(iter(counts))
-    bad = [{some: -1}, {some: "3"}, {some: True}, {some: 2 ** 63}, {"model.class_labels_classifier.weight": 1},
-           {"class_labels_classifier.num_batches_tracked": 1, **counts}, [1], {some: 1.5}]
+    bad = [
+        {some: -1},
+        {some: "3"},
+        {some: True},
+        {some: 2**63},
+        {"model.class_labels_classifier.weight": 1},
+        {"class_labels_classifier.num_batches_tracked": 1, **counts},
+        [1],
+        {some: 1.5},
+    ]
     stored = next(key for key in tensors if key.endswith("running_mean")).replace("running_mean", "num_batches_tracked")
     tensors_with_counter = dict(tensors, **{stored: torch.tensor(0)})
     for value in bad + ["stored"]:
@@ -198,13 +251,18 @@ def test_recorded_batch_counters_are_validated_like_every_metadata_field(detr_di
         hostile.mkdir(exist_ok=True)
         (hostile / "config.json").write_text((sync / "config.json").read_text())
         chosen = {stored: 0} if value == "stored" else value
-        save_file(tensors_with_counter if value == "stored" else tensors, hostile / "model.safetensors",
-                  metadata=dict(metadata, **{"bnsurgeon.counts": json.dumps(chosen)}))
+        save_file(
+            tensors_with_counter if value == "stored" else tensors,
+            hostile / "model.safetensors",
+            metadata=dict(metadata, **{"bnsurgeon.counts": json.dumps(chosen)}),
+        )
         result = run("inspect", hostile)  # metadata is read before anything is built
         assert result.exit_code in (4, 6) and "Traceback" not in result.output, (value, result.output)
         assert ("bnsurgeon.counts" if result.exit_code == 4 else "do not fit") in result.output, (value, result.output)
     counted = dict(counts, **{some: 7})  # a valid counter comes back as the buffer's value
-    save_file(tensors, hostile / "model.safetensors", metadata=dict(metadata, **{"bnsurgeon.counts": json.dumps(counted)}))
+    save_file(
+        tensors, hostile / "model.safetensors", metadata=dict(metadata, **{"bnsurgeon.counts": json.dumps(counted)})
+    )
     assert int(bnsurgeon.load(hostile).state_dict()[some]) == 7
 
 
@@ -217,8 +275,10 @@ def test_directory_outputs_refuse_what_from_pretrained_could_not_load(resnet_dir
     with torch.no_grad():
         assert torch.equal(model(x).logits, source(x).logits)
     assert type(bnsurgeon.load(out).resnet.embedder.embedder.normalization).__name__ == "SyncBatchNorm"
-    assert type(bnsurgeon.load(out / "model.safetensors").resnet.embedder.embedder.normalization).__name__ == \
-        "SyncBatchNorm"
+    assert (
+        type(bnsurgeon.load(out / "model.safetensors").resnet.embedder.embedder.normalization).__name__
+        == "SyncBatchNorm"
+    )
     from bnsurgeon.core.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="bnsurgeon did not convert"):  # not "is a directory"
@@ -274,8 +334,9 @@ def test_a_frozen_bn_lookalike_that_computes_something_else_is_not_claimed(monke
         bnsurgeon.convert(model, "sync")
 
 
-def test_a_config_describing_a_bigger_model_than_its_weights_is_refused_before_allocation(resnet_dir, tmp_path,
-                                                                                          monkeypatch):
+def test_a_config_describing_a_bigger_model_than_its_weights_is_refused_before_allocation(
+    resnet_dir, tmp_path, monkeypatch
+):
     """config.json shapes the model: hidden sizes edited up 1000x would have from_pretrained allocate 1.7 GB
     (or far more) before any weight is read. Measured on the meta device and refused first."""
     hostile = tmp_path / "hostile"
@@ -326,14 +387,24 @@ def test_the_trainer_callback_keeps_bn_statistics_identical_on_two_gloo_ranks(tm
 
     for run_ in (synced, control):
         assert len(run_[0]["seen"]) == len(run_[1]["seen"]) == STEPS
-    steps = [(torch.cat([synced[0]["seen"][i][0], synced[1]["seen"][i][0]]),
-              torch.cat([synced[0]["seen"][i][1], synced[1]["seen"][i][1]])) for i in range(STEPS)]
+    steps = [
+        (
+            torch.cat([synced[0]["seen"][i][0], synced[1]["seen"][i][0]]),
+            torch.cat([synced[0]["seen"][i][1], synced[1]["seen"][i][1]]),
+        )
+        for i in range(STEPS)
+    ]
     reference = one_process_reference(steps, str(tmp_path / "reference"))
     for key, value in reference.items():  # float32 sums in another order: within rounding
         assert torch.allclose(synced[0]["state"][key], value, rtol=1e-5, atol=1e-6), key
     assert torch.equal(synced[0]["state"]["body.1.num_batches_tracked"], reference["body.1.num_batches_tracked"])
-    control_steps = [(torch.cat([control[0]["seen"][i][0], control[1]["seen"][i][0]]),
-                      torch.cat([control[0]["seen"][i][1], control[1]["seen"][i][1]])) for i in range(STEPS)]
+    control_steps = [
+        (
+            torch.cat([control[0]["seen"][i][0], control[1]["seen"][i][0]]),
+            torch.cat([control[0]["seen"][i][1], control[1]["seen"][i][1]]),
+        )
+        for i in range(STEPS)
+    ]
     control_reference = one_process_reference(control_steps, str(tmp_path / "control-reference"))
     drift = (control[0]["state"]["body.1.running_var"] - control_reference["body.1.running_var"]).abs().max().item()
     assert drift > 1e-2, drift  # plain BN under DDP is not the whole-batch model: the check can tell
@@ -375,8 +446,11 @@ def test_hostile_model_directories_get_one_line_and_their_own_exit_code(resnet_d
         (hostile("nested", lambda c: "[" * 200_000 + "]" * 200_000), 4, "nested too deeply"),
         (hostile("labels", many_labels), 4, "3000000 labels"),
         (hostile("channels", lambda c: c.update(num_channels=5)), 6, "another shape for"),
-        (hostile("pickle", weights=lambda d: torch.save({"x": _RunsCode(marker)}, d / "pytorch_model.bin")),
-         5, "would run code"),
+        (
+            hostile("pickle", weights=lambda d: torch.save({"x": _RunsCode(marker)}, d / "pytorch_model.bin")),
+            5,
+            "would run code",
+        ),
     ]
     for directory, code, text in cases:
         one_line_failure(run("convert", directory, "-o", tmp_path / f"{directory.name}.safetensors"), code, text)
@@ -406,8 +480,9 @@ def test_a_directory_source_owns_aligned_memory_so_eval_stays_bit_identical_on_o
     from bnsurgeon.api import verify
 
     torch.manual_seed(0)
-    config = transformers.RegNetConfig(embedding_size=4, hidden_sizes=[16, 24, 64, 136], depths=[1, 1, 1, 1],
-                                       groups_width=64)
+    config = transformers.RegNetConfig(
+        embedding_size=4, hidden_sizes=[16, 24, 64, 136], depths=[1, 1, 1, 1], groups_width=64
+    )
     transformers.RegNetForImageClassification(config).save_pretrained(tmp_path / "regnet")
     out = tmp_path / "regnet.sync.safetensors"
     assert run("convert", tmp_path / "regnet", "-o", out).exit_code == 0
@@ -433,8 +508,10 @@ def test_a_sharded_directory_converts_and_an_index_pointing_outside_it_is_refuse
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / first).write_bytes((tmp_path / "sharded" / first).read_bytes())
     for target in (f"../elsewhere/{first}", "/etc/passwd", "missing.safetensors"):
-        edited = dict(index, weight_map={key: (target if value == first else value)
-                                         for key, value in index["weight_map"].items()})
+        edited = dict(
+            index, weight_map={key: (target if value == first else value) for key, value in index["weight_map"].items()}
+        )
         (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(edited))
-        one_line_failure(run("convert", tmp_path / "sharded", "-o", tmp_path / "x.safetensors"), 4,
-                         "not a file of the directory")
+        one_line_failure(
+            run("convert", tmp_path / "sharded", "-o", tmp_path / "x.safetensors"), 4, "not a file of the directory"
+        )

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_untrusted import one_line_failure
 from typer.testing import CliRunner
 
 from bnsurgeon.cli.commands import app
-from test_untrusted import one_line_failure
 
 runner = CliRunner()
 
@@ -49,6 +49,7 @@ def small(tmp_path, monkeypatch):
 
 # 1. bad input is a specific error, never "report it" (exit 70)
 
+
 def odd_tensors():
     x = torch.randn(4, 3, 8, 8)
     return {
@@ -79,16 +80,19 @@ def test_a_data_function_yielding_sparse_or_nested_tensors_is_refused(small, fun
 LONG = "a" * 300
 
 
-@pytest.mark.parametrize("args, code, named", [
-    (["inspect", LONG], 3, "SOURCE"),
-    (["inspect", LONG + ".pt"], 3, "SOURCE"),
-    (["convert", LONG, "-o", "out.safetensors"], 3, "SOURCE"),
-    (["convert", "small:build", "-o", "out.safetensors", "--example-input", LONG + ".pt"], 2, "--example-input"),
-    (["verify", "small:build", LONG + ".safetensors"], 3, "CONVERTED"),
-    (["verify", "small:build", "small:build", "--example-input", LONG + ".pt"], 2, "--example-input"),
-    (["recalibrate", "small:build", "--data", LONG, "-o", "out.safetensors"], 12, "--data"),
-    (["recalibrate", LONG + ".safetensors", "--data", "x.pt", "-o", "out.safetensors"], 3, "SOURCE"),
-])
+@pytest.mark.parametrize(
+    "args, code, named",
+    [
+        (["inspect", LONG], 3, "SOURCE"),
+        (["inspect", LONG + ".pt"], 3, "SOURCE"),
+        (["convert", LONG, "-o", "out.safetensors"], 3, "SOURCE"),
+        (["convert", "small:build", "-o", "out.safetensors", "--example-input", LONG + ".pt"], 2, "--example-input"),
+        (["verify", "small:build", LONG + ".safetensors"], 3, "CONVERTED"),
+        (["verify", "small:build", "small:build", "--example-input", LONG + ".pt"], 2, "--example-input"),
+        (["recalibrate", "small:build", "--data", LONG, "-o", "out.safetensors"], 12, "--data"),
+        (["recalibrate", LONG + ".safetensors", "--data", "x.pt", "-o", "out.safetensors"], 3, "SOURCE"),
+    ],
+)
 def test_a_name_longer_than_the_filesystem_takes_is_named_not_a_crash(small, args, code, named):
     result = run(*args)
     one_line_failure(result, code, named, "cannot be used: File name too long")
@@ -132,8 +136,11 @@ def test_a_config_json_with_a_repeated_key_is_refused_naming_the_key(resnet_dir,
     repeat_key(resnet_dir / "config.json", key, value, inside)
     data = tmp_path / "data.pt"
     torch.save(torch.randn(4, 3, 32, 32), data)
-    extra = {"inspect": [], "convert": ["-o", tmp_path / "out.safetensors"],
-             "recalibrate": ["--data", data, "-o", tmp_path / "out.safetensors"]}[command]
+    extra = {
+        "inspect": [],
+        "convert": ["-o", tmp_path / "out.safetensors"],
+        "recalibrate": ["--data", data, "-o", tmp_path / "out.safetensors"],
+    }[command]
     result = run(command, resnet_dir, *extra)
     one_line_failure(result, 4, "config.json repeats the key", repr(key), "keep one entry")
     assert not (tmp_path / "out.safetensors").exists()
@@ -214,25 +221,39 @@ def test_verify_json_counts_the_values_each_check_compared(small):
 
 
 def test_a_named_compare_at_is_kept_and_not_explained(detector):
-    result = run("verify", "detector:build", detector, "--converted-model", "detector:build", "--json", "-q",
-                 "--no-perturb", "--compare-at", "backbone")
+    result = run(
+        "verify",
+        "detector:build",
+        detector,
+        "--converted-model",
+        "detector:build",
+        "--json",
+        "-q",
+        "--no-perturb",
+        "--compare-at",
+        "backbone",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["compare_at"] == "backbone" and data["compare_at_why"] is None
 
 
-@pytest.mark.parametrize("build, expected", [
-    ("fasterrcnn_mobilenet_v3_large_320_fpn", "rpn.head"),
-    ("retinanet_resnet50_fpn", "head"),
-])
+@pytest.mark.parametrize(
+    "build, expected",
+    [
+        ("fasterrcnn_mobilenet_v3_large_320_fpn", "rpn.head"),
+        ("retinanet_resnet50_fpn", "head"),
+    ],
+)
 def test_torchvision_detectors_without_weights_are_compared_where_values_exist(build, expected):
     torchvision = pytest.importorskip("torchvision")
     from bnsurgeon.checks.check_input import CheckInput
     from bnsurgeon.checks.verify import only_bn_trains, where_outputs_exist
 
     torch.manual_seed(0)
-    model = getattr(torchvision.models.detection, build)(weights=None, weights_backbone=None, min_size=64,
-                                                         max_size=64).eval()
+    model = getattr(torchvision.models.detection, build)(
+        weights=None, weights_backbone=None, min_size=64, max_size=64
+    ).eval()
     images = CheckInput("list", ((3, 64, 64), (3, 64, 64)))
     with torch.no_grad():
         assert not any(len(image["boxes"]) for image in model([torch.rand(3, 64, 64)] * 2))  # 0 boxes: vacuous
@@ -242,6 +263,7 @@ def test_torchvision_detectors_without_weights_are_compared_where_values_exist(b
 
 
 # 4. recalibrate of a model directory writes a model directory; image folders use the model's own preprocessing
+
 
 @pytest.fixture
 def pixels(tmp_path):
@@ -311,14 +333,21 @@ def test_an_image_folder_is_read_with_the_model_directorys_own_preprocessor(resn
     result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "from_images", "--json")
     assert result.exit_code == 0, result.output
     assert "images read with ViTImageProcessor" in result.output
-    assert (tmp_path / "from_images" / "preprocessor_config.json").read_text() == \
-        (resnet_dir / "preprocessor_config.json").read_text()
+    assert (tmp_path / "from_images" / "preprocessor_config.json").read_text() == (
+        resnet_dir / "preprocessor_config.json"
+    ).read_text()
     processor = transformers.AutoImageProcessor.from_pretrained(resnet_dir, local_files_only=True)
-    pixels = processor(images=[Image.open(p).convert("RGB") for p in sorted(images.iterdir())],
-                       return_tensors="pt")["pixel_values"]
+    pixels = processor(images=[Image.open(p).convert("RGB") for p in sorted(images.iterdir())], return_tensors="pt")[
+        "pixel_values"
+    ]
     torch.save(pixels, tmp_path / "pixels.pt")
-    assert run("recalibrate", resnet_dir, "--data", tmp_path / "pixels.pt", "-o", tmp_path / "from_pixels").exit_code == 0
-    ours, theirs = load_file(tmp_path / "from_images" / "model.safetensors"), load_file(tmp_path / "from_pixels" / "model.safetensors")
+    assert (
+        run("recalibrate", resnet_dir, "--data", tmp_path / "pixels.pt", "-o", tmp_path / "from_pixels").exit_code == 0
+    )
+    ours, theirs = (
+        load_file(tmp_path / "from_images" / "model.safetensors"),
+        load_file(tmp_path / "from_pixels" / "model.safetensors"),
+    )
     assert all(torch.equal(ours[key], theirs[key]) for key in stats(ours))
 
 

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 
-from bnsurgeon.cli.commands import app  # noqa: E402
 from test_untrusted import one_line_failure  # noqa: E402
+
+from bnsurgeon.cli.commands import app  # noqa: E402
 
 runner = CliRunner()
 
@@ -30,8 +31,7 @@ def digests(directory: Path) -> dict[str, str]:
 
 def tiny_resnet(**overrides):
     torch.manual_seed(0)
-    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3,
-                                       **overrides)
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3, **overrides)
     return transformers.ResNetForImageClassification(config)
 
 
@@ -58,6 +58,7 @@ def pixels(tmp_path):
 
 
 # 1. no file a SOURCE reads is ever an output, --force or not
+
 
 @pytest.mark.parametrize("as_source", ["directory", "config"])
 @pytest.mark.parametrize("command", ["convert", "recalibrate"])
@@ -118,26 +119,29 @@ def test_an_output_over_a_data_folders_file_is_refused(small):
 
 # 3. statistics the file's dtype cannot hold are refused, naming the layer
 
+
 @pytest.mark.parametrize("dtype,scale", [(torch.float16, 1000.0), (torch.float32, 1e20)])
 def test_statistics_a_half_precision_file_cannot_hold_are_refused_naming_the_layer(small, dtype, scale):
+    import small as module
     from safetensors.torch import save_file
 
-    import small as module
-
     source = small / "half.safetensors"
-    save_file({k: v.to(dtype) if v.is_floating_point() else v for k, v in module.build().state_dict().items()},
-              str(source))
+    save_file(
+        {k: v.to(dtype) if v.is_floating_point() else v for k, v in module.build().state_dict().items()}, str(source)
+    )
     torch.save(torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * scale, small / "pixels.pt")
     before = digests(small)
-    result = run("recalibrate", source, "--model", "small:build", "--data", small / "pixels.pt",
-                 "-o", small / "out.safetensors")
+    result = run(
+        "recalibrate", source, "--model", "small:build", "--data", small / "pixels.pt", "-o", small / "out.safetensors"
+    )
     one_line_failure(result, 14, "running_var of 1", str(dtype)[6:])
     assert digests(small) == before
 
 
 def test_the_library_refuses_statistics_a_float16_model_cannot_hold_and_keeps_its_buffers(small):
-    import bnsurgeon
     import small as module
+
+    import bnsurgeon
 
     model = module.build().half()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -152,20 +156,34 @@ def test_the_library_refuses_statistics_a_float16_model_cannot_hold_and_keeps_it
 
 # 4. --weights state_dict_ema changes only the chosen entry, whatever tensors it shares
 
+
 @pytest.mark.parametrize("sharing", ["same-dict", "aliased-buffers"])
 def test_recalibrating_one_entry_leaves_an_entry_sharing_its_tensors_as_it_was(small, sharing):
     import small as module
 
     state = module.build().state_dict()
-    ema = state if sharing == "same-dict" else {k: (v if k.endswith(("running_mean", "running_var")) else v.clone())
-                                               for k, v in state.items()}
+    ema = (
+        state
+        if sharing == "same-dict"
+        else {k: (v if k.endswith(("running_mean", "running_var")) else v.clone()) for k, v in state.items()}
+    )
     source = small / "train.pth.tar"
     torch.save({"state_dict": state, "state_dict_ema": ema, "epoch": 1}, source)
     raw = {k: v.clone() for k, v in state.items()}
     torch.save(torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 + 1, small / "pixels.pt")
     out = small / "out.pth.tar"
-    result = run("recalibrate", source, "--model", "small:build", "--weights", "state_dict_ema",
-                 "--data", small / "pixels.pt", "-o", out)
+    result = run(
+        "recalibrate",
+        source,
+        "--model",
+        "small:build",
+        "--weights",
+        "state_dict_ema",
+        "--data",
+        small / "pixels.pt",
+        "-o",
+        out,
+    )
     assert result.exit_code == 0, result.output
     written = torch.load(out, weights_only=True)
     for key, value in raw.items():
@@ -175,16 +193,20 @@ def test_recalibrating_one_entry_leaves_an_entry_sharing_its_tensors_as_it_was(s
 
 # 10. every environment variable bnsurgeon reads: a bad value is exit 2 naming it
 
-@pytest.mark.parametrize("env,name", [
-    ({"BNSURGEON_MAX_BATCH_BYTES": "abc"}, "BNSURGEON_MAX_BATCH_BYTES"),
-    ({"BNSURGEON_MAX_BATCH_BYTES": "-1"}, "BNSURGEON_MAX_BATCH_BYTES"),
-    ({"BNSURGEON_MAX_BATCH_BYTES": "1.5e9"}, "BNSURGEON_MAX_BATCH_BYTES"),
-    ({"WORLD_SIZE": "two"}, "WORLD_SIZE"),
-    ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
-    ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK"),
-    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
-    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "-3"}, "LOCAL_RANK"),
-])
+
+@pytest.mark.parametrize(
+    "env,name",
+    [
+        ({"BNSURGEON_MAX_BATCH_BYTES": "abc"}, "BNSURGEON_MAX_BATCH_BYTES"),
+        ({"BNSURGEON_MAX_BATCH_BYTES": "-1"}, "BNSURGEON_MAX_BATCH_BYTES"),
+        ({"BNSURGEON_MAX_BATCH_BYTES": "1.5e9"}, "BNSURGEON_MAX_BATCH_BYTES"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "-3"}, "LOCAL_RANK"),
+    ],
+)
 def test_a_bad_environment_variable_is_exit_2_naming_it_and_nothing_is_written(small, env, name):
     torch.save(torch.randn(4, 3, 8, 8), small / "pixels.pt")
     before = digests(small)
@@ -195,12 +217,20 @@ def test_a_bad_environment_variable_is_exit_2_naming_it_and_nothing_is_written(s
 
 def test_a_valid_batch_bytes_variable_still_bounds_each_batch(small):
     torch.save(torch.randn(4, 3, 8, 8), small / "pixels.pt")
-    result = run("recalibrate", "small:build", "--data", small / "pixels.pt", "-o", small / "out.safetensors",
-                 env={"BNSURGEON_MAX_BATCH_BYTES": "1000"})
+    result = run(
+        "recalibrate",
+        "small:build",
+        "--data",
+        small / "pixels.pt",
+        "-o",
+        small / "out.safetensors",
+        env={"BNSURGEON_MAX_BATCH_BYTES": "1000"},
+    )
     one_line_failure(result, 12, "more than 1,000 bytes (BNSURGEON_MAX_BATCH_BYTES)")
 
 
 # 8. a named pipe in DATA is refused, never read (it would block forever)
+
 
 @pytest.mark.parametrize("where", ["file", "tensor-folder", "image-folder"])
 def test_a_named_pipe_in_data_is_refused_without_blocking(small, where):
@@ -225,6 +255,7 @@ def test_a_named_pipe_in_data_is_refused_without_blocking(small, where):
 
 # 11. messages that say what happened
 
+
 @pytest.mark.parametrize("named", ["config.json", "model.safetensors.index.json"])
 def test_a_shard_index_naming_a_file_that_is_not_weights_says_so_not_pickle(sharded_dir, named):
     index_path = sharded_dir / "model.safetensors.index.json"
@@ -240,8 +271,12 @@ def test_a_shard_index_naming_a_file_that_is_not_weights_says_so_not_pickle(shar
 def test_counts_are_in_the_right_number():
     from bnsurgeon.core.layout import counted
 
-    assert [counted(1, "batch"), counted(10, "batch"), counted(2, "tensor"), counted(3, "box")] == \
-        ["1 batch", "10 batches", "2 tensors", "3 boxes"]
+    assert [counted(1, "batch"), counted(10, "batch"), counted(2, "tensor"), counted(3, "box")] == [
+        "1 batch",
+        "10 batches",
+        "2 tensors",
+        "3 boxes",
+    ]
 
 
 def test_recalibrates_summary_says_one_batch_not_one_batches(small):
@@ -253,6 +288,7 @@ def test_recalibrates_summary_says_one_batch_not_one_batches(small):
 
 
 # 2. a model directory's weights load as stored, whatever config.json's dtype says, or are refused
+
 
 def stored_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
@@ -311,6 +347,7 @@ def test_a_tensor_that_the_other_weights_dtype_would_round_is_refused(tmp_path):
 
 # 9. inspect DIR checks that the weights fit, as convert does
 
+
 @pytest.mark.parametrize("edit", ["missing", "shape", "unexpected"])
 def test_inspect_refuses_a_directory_whose_weights_do_not_fit_as_convert_does(resnet_dir, edit):
     from safetensors.torch import load_file, save_file
@@ -338,6 +375,7 @@ def test_inspect_of_a_directory_whose_weights_fit_lists_its_bn(resnet_dir, shard
 
 # round two, still open: an --example-input goes through the same bounds as every file bnsurgeon reads
 
+
 def test_an_example_input_whose_pickle_record_inflates_is_refused_before_it_is_read(small, monkeypatch):
     import zipfile
 
@@ -355,6 +393,7 @@ def test_an_example_input_whose_pickle_record_inflates_is_refused_before_it_is_r
 
 
 # 6. what a config.json can make bnsurgeon build is bounded before it is built
+
 
 def edit_config(directory: Path, **fields) -> None:
     config = json.loads((directory / "config.json").read_text())
@@ -374,33 +413,46 @@ def test_labels_are_bounded_in_every_nested_config(tmp_path):
         one_line_failure(run(*command), 4, "2000000 labels in backbone_config", "at most 100,000")
 
 
-@pytest.mark.parametrize("depths,phrase", [([3000, 1], "3,001 layers in all (at most 2,000)"),
-                                           ([200, 1], "more than its weights files hold tensors")])
+@pytest.mark.parametrize(
+    "depths,phrase",
+    [([3000, 1], "3,001 layers in all (at most 2,000)"), ([200, 1], "more than its weights files hold tensors")],
+)
 def test_layers_are_bounded_before_the_model_is_built(resnet_dir, monkeypatch, depths, phrase):
     edit_config(resnet_dir, depths=depths)
-    monkeypatch.setattr(transformers.ResNetForImageClassification, "__init__",
-                        lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(
+        transformers.ResNetForImageClassification, "__init__", lambda *a, **k: pytest.fail("the model was built")
+    )
     one_line_failure(run("inspect", resnet_dir), 4, phrase)
 
 
 # 7. a directory SOURCE is local files only: no network, whatever its config says
+
 
 @pytest.mark.parametrize("edit", ["hub-backbone", "pretrained-timm-backbone"])
 def test_a_config_cannot_make_bnsurgeon_contact_the_hub(tmp_path, monkeypatch, edit):
     import socket
 
     import huggingface_hub.constants
-
     from test_transformers import detr_dir
 
     directory = detr_dir.__wrapped__(tmp_path_factory=type("F", (), {"mktemp": lambda self, name: tmp_path})())
     config = json.loads((directory / "config.json").read_text())
     if edit == "hub-backbone":
-        config.update(backbone_config=None, use_timm_backbone=False, backbone="someone/some-backbone",
-                      use_pretrained_backbone=True)
+        config.update(
+            backbone_config=None,
+            use_timm_backbone=False,
+            backbone="someone/some-backbone",
+            use_pretrained_backbone=True,
+        )
     else:
-        config["backbone_config"] = {"model_type": "timm_backbone", "backbone": "test_resnet", "features_only": True,
-                                     "use_pretrained_backbone": True, "out_indices": [4], "num_channels": 3}
+        config["backbone_config"] = {
+            "model_type": "timm_backbone",
+            "backbone": "test_resnet",
+            "features_only": True,
+            "use_pretrained_backbone": True,
+            "out_indices": [4],
+            "num_channels": 3,
+        }
     (directory / "config.json").write_text(json.dumps(config))
     attempts = []
 
@@ -428,17 +480,27 @@ def test_a_recorded_config_with_integer_keys_is_bounded_without_error():
 
 # 5. the Trainer callback syncs the model that trains, however it was added
 
+
 @pytest.mark.parametrize("how", ["add_callback", "model_init"])
 def test_the_trainer_callback_syncs_the_model_that_trains(tmp_path, how):
+    from _transformers_cases import Net, dataset
     from transformers import Trainer, TrainingArguments
 
-    from _transformers_cases import Net, dataset
     from bnsurgeon.integrations.transformers import BNSurgeonCallback
     from bnsurgeon.runtime import SyncBatchNorm
 
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, use_cpu=True,
-                             report_to=[], save_strategy="no", logging_strategy="no", seed=0,
-                             dataloader_num_workers=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     callback = BNSurgeonCallback()
     if how == "add_callback":
         trainer = Trainer(model=Net(), args=args, train_dataset=dataset())

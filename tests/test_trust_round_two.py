@@ -8,11 +8,9 @@ import sys
 
 import pytest
 import torch
-
-import bnsurgeon
 from test_untrusted import one_line_failure, run, tiny  # noqa: F401 (tiny: the fixture, shared)
 
-
+import bnsurgeon
 
 
 def converted(tiny, name, *args):
@@ -23,6 +21,7 @@ def converted(tiny, name, *args):
 
 
 # ---- 1. the user is not asked to confirm what the user typed ------------------------------
+
 
 def test_verify_uses_the_factory_typed_as_source_for_the_file_made_from_it(tiny):
     out = converted(tiny, "out.safetensors", "tiny:build")
@@ -76,7 +75,7 @@ def tiny_checkpoint(tiny, name, **entries):
 
 # ---- 4. one line, its own code, everywhere ------------------------------------------------
 
-RAISING_RULE = '''
+RAISING_RULE = """
 from torch import nn
 from bnsurgeon.rules import Rule, keep_if, to_frozen, to_plain
 
@@ -94,7 +93,7 @@ RULE = Rule("odd-bn", (OddBN,), {"sync": broken_sync, "plain": to_plain, "frozen
 
 def build():
     return nn.Sequential(nn.Conv2d(3, 4, 3), OddBN(4))
-'''
+"""
 
 
 def test_a_user_rule_whose_builder_raises_is_one_line_naming_the_rule(tiny, monkeypatch):
@@ -105,10 +104,23 @@ def test_a_user_rule_whose_builder_raises_is_one_line_naming_the_rule(tiny, monk
     monkeypatch.setattr(rules_module, "_default", None)  # the rule registers into a registry this test discards
     monkeypatch.delitem(sys.modules, "odd_rules", raising=False)
     before = listing(tiny)
-    result = run("convert", "odd_rules:build", "--rules", "odd_rules:RULE", "--input-shape", "2,3,8,8",
-                 "-o", tiny / "o.safetensors")
-    one_line_failure(result, 2, "rule 'odd-bn' raised ValueError building --to sync for '1'", "the rule author's bug",
-                     "fix the rule's builder")
+    result = run(
+        "convert",
+        "odd_rules:build",
+        "--rules",
+        "odd_rules:RULE",
+        "--input-shape",
+        "2,3,8,8",
+        "-o",
+        tiny / "o.safetensors",
+    )
+    one_line_failure(
+        result,
+        2,
+        "rule 'odd-bn' raised ValueError building --to sync for '1'",
+        "the rule author's bug",
+        "fix the rule's builder",
+    )
     assert listing(tiny) == before
 
 
@@ -168,13 +180,15 @@ def test_with_an_optimizer_state_fused_says_bn_parameters_are_removed_not_buffer
     model(torch.randn(2, 3, 8, 8)).sum().backward()
     optimizer.step()
     torch.save({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
-    result = run("convert", path, "--model", "tiny:build", "--to", "fused", "--input-shape", "2,3,8,8",
-                 "-o", tiny / "o.pth")
+    result = run(
+        "convert", path, "--model", "tiny:build", "--to", "fused", "--input-shape", "2,3,8,8", "-o", tiny / "o.pth"
+    )
     one_line_failure(result, 2, "optimizer state", "are removed (folded into the layer before)")
     assert "buffer" not in result.output
 
 
 # ---- 5. writes and signals ----------------------------------------------------------------
+
 
 def test_load_leaves_the_callers_safe_globals_as_they_were(tiny):
     import argparse
@@ -192,6 +206,7 @@ def test_load_leaves_the_callers_safe_globals_as_they_were(tiny):
 
 
 # ---- 2. training checkpoints: nothing lost, nothing mislabelled ---------------------------
+
 
 def training_checkpoint(tiny, name="train.pth.tar", ema_value=None, optimizer=True):
     """A timm-style training checkpoint of tiny:build: raw weights, an EMA that differs, optimizer, epoch."""
@@ -222,8 +237,9 @@ def training_checkpoint(tiny, name="train.pth.tar", ema_value=None, optimizer=Tr
 def test_weights_ema_keeps_every_state_dict_under_its_own_name_and_load_returns_the_ema(tiny, suffix):
     path, raw, ema = training_checkpoint(tiny)
     out = tiny / f"o{suffix}"
-    result = run("convert", path, "--model", "tiny:build", "--weights", "state_dict_ema", "--input-shape", "2,3,8,8",
-                 "-o", out)
+    result = run(
+        "convert", path, "--model", "tiny:build", "--weights", "state_dict_ema", "--input-shape", "2,3,8,8", "-o", out
+    )
     assert result.exit_code == 0, result.output
     written = torch.load(out, weights_only=True)
     for key, value in raw.items():  # sync keeps every key: each entry holds its own source's values
@@ -235,7 +251,9 @@ def test_weights_ema_keeps_every_state_dict_under_its_own_name_and_load_returns_
     assert torch.equal(loaded.state_dict()["0.weight"], ema["0.weight"])
     # converting the output back takes the recorded weights, and still keeps both
     back = tiny / f"back{suffix}"
-    converted_back = run("convert", out, "--model", "tiny:build", "--to", "plain", "--input-shape", "2,3,8,8", "-o", back)
+    converted_back = run(
+        "convert", out, "--model", "tiny:build", "--to", "plain", "--input-shape", "2,3,8,8", "-o", back
+    )
     assert converted_back.exit_code == 0, converted_back.output
     again = torch.load(back, weights_only=True)
     assert torch.equal(again["state_dict"]["0.weight"], raw["0.weight"])
@@ -245,14 +263,37 @@ def test_weights_ema_keeps_every_state_dict_under_its_own_name_and_load_returns_
 def test_carried_state_dicts_take_the_same_filters_and_folds(tiny):
     path, raw, ema = training_checkpoint(tiny, optimizer=False)
     out = tiny / "o.pth.tar"
-    result = run("convert", path, "--model", "tiny:build", "--to", "fused", "--exclude", "4",
-                 "--input-shape", "2,3,8,8", "-o", out)
+    result = run(
+        "convert",
+        path,
+        "--model",
+        "tiny:build",
+        "--to",
+        "fused",
+        "--exclude",
+        "4",
+        "--input-shape",
+        "2,3,8,8",
+        "-o",
+        out,
+    )
     assert result.exit_code == 0, result.output
     written = torch.load(out, weights_only=True)
     assert set(written["state_dict_ema"]) == set(written["state_dict"])  # the same BN left, the same folded
     assert "4.running_mean" in written["state_dict_ema"] and "1.running_mean" not in written["state_dict_ema"]
-    verified = run("verify", path, out, "--model", "tiny:build", "--weights", "state_dict_ema",
-                   "--converted-weights", "state_dict_ema", "--input-shape", "2,3,8,8")
+    verified = run(
+        "verify",
+        path,
+        out,
+        "--model",
+        "tiny:build",
+        "--weights",
+        "state_dict_ema",
+        "--converted-weights",
+        "state_dict_ema",
+        "--input-shape",
+        "2,3,8,8",
+    )
     assert verified.exit_code == 0, verified.output
 
 
@@ -288,6 +329,7 @@ def test_a_state_dict_entry_that_holds_no_weights_is_carried_and_the_output_load
 
 # ---- 3. memory: a small file cannot make bnsurgeon allocate a lot -------------------------
 
+
 def test_a_compressed_checkpoint_that_would_expand_in_memory_is_refused_before_it_is_read(tiny, monkeypatch):
     import zipfile
 
@@ -320,8 +362,10 @@ def test_running_out_of_memory_is_exit_9_with_the_size_not_a_traceback(tiny, mon
     import bnsurgeon.api
 
     def out_of_memory(*args, **kwargs):
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
-                           "you tried to allocate 123480309760 bytes. Error code 12 (Cannot allocate memory)")
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 123480309760 bytes. Error code 12 (Cannot allocate memory)"
+        )
 
     monkeypatch.setattr(bnsurgeon.api, "convert_source", out_of_memory)
     result = run("convert", "tiny:build", "--to", "fused", "-o", tiny / "o.safetensors")
@@ -331,6 +375,7 @@ def test_running_out_of_memory_is_exit_9_with_the_size_not_a_traceback(tiny, mon
 
 
 # ---- 5. writes and signals (continued) ----------------------------------------------------
+
 
 def test_two_force_writers_to_one_output_never_mix_their_files(tmp_path, monkeypatch):
     """A commits slowly, B quickly and after A started: unlocked, the checkpoint came from B and the
@@ -356,6 +401,7 @@ def test_two_force_writers_to_one_output_never_mix_their_files(tmp_path, monkeyp
     def writer(tag):
         def write(temp):
             temp.write_text(tag)
+
         return write
 
     def run_writer(tag, wait=None):

@@ -23,7 +23,7 @@ from bnsurgeon.cli.commands import app
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY = '''
+TINY = """
 import os
 import torch
 from torch import nn
@@ -56,7 +56,7 @@ class Broken(nn.Module):
 
 def broken():
     return Broken()
-'''
+"""
 
 
 def run(*args, env=None):
@@ -120,10 +120,14 @@ def overwrite_tensor_bytes(path: Path, value: int) -> None:
 
 # ---- 1. verify never runs a factory a file names -----------------------------------------
 
+
 def test_verify_never_imports_a_factory_named_by_the_converted_file(good, tiny):
     marker = tiny / "pwned"
-    evil = edited(good, tiny / "evil.safetensors",
-                  architecture={"kind": "factory", "name": "os:system", "kwargs": {"command": f"touch {marker}"}})
+    evil = edited(
+        good,
+        tiny / "evil.safetensors",
+        architecture={"kind": "factory", "name": "os:system", "kwargs": {"command": f"touch {marker}"}},
+    )
     first = run("verify", "tiny:build", evil, "--input-shape", "2,3,8,8")
     second = run("verify", good, evil, "--model", "tiny:build", "--input-shape", "2,3,8,8")
     assert not marker.exists()
@@ -156,15 +160,31 @@ def test_verify_confirmation_for_source_extends_only_to_the_same_factory(good, t
 
 # ---- 2. kwargs recorded in a file are data that needs confirmation -----------------------
 
+
 def test_recorded_kwargs_do_not_flow_into_a_confirmed_factory(good, tiny):
-    evil = edited(good, tiny / "evil.safetensors",
-                  architecture={"kind": "factory", "name": "tiny:build", "kwargs": {"note": "from the file"}})
+    evil = edited(
+        good,
+        tiny / "evil.safetensors",
+        architecture={"kind": "factory", "name": "tiny:build", "kwargs": {"note": "from the file"}},
+    )
     result = run("convert", evil, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors")
     one_line_failure(result, 10, "note='from the file'", "--model-arg \"note='from the file'\"")
     assert not (tiny / "called.txt").exists() and not (tiny / "o.safetensors").exists()
 
-    confirmed = run("convert", evil, "--model", "tiny:build", "--model-arg", "note='from the file'", "--to", "plain",
-                    "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
+    confirmed = run(
+        "convert",
+        evil,
+        "--model",
+        "tiny:build",
+        "--model-arg",
+        "note='from the file'",
+        "--to",
+        "plain",
+        "-o",
+        tiny / "o.safetensors",
+        "--input-shape",
+        "2,3,8,8",
+    )
     assert confirmed.exit_code == 0, confirmed.output
     report = json.loads((tiny / "o.safetensors.report.json").read_text())
     assert "note='from the file'" in report["source"]
@@ -174,8 +194,11 @@ def test_recorded_timm_kwargs_the_weights_cannot_check_need_confirmation(tmp_pat
     out = tmp_path / "r.safetensors"
     assert run("convert", "resnet18", "-o", out, "--model-arg", "num_classes=10").exit_code == 0
     assert isinstance(bnsurgeon.load(out), torch.nn.Module)  # num_classes is checked by the fc weights
-    pooled = edited(out, tmp_path / "pooled.safetensors",
-                    architecture={"kind": "timm", "name": "resnet18", "kwargs": {"num_classes": 10, "global_pool": "max"}})
+    pooled = edited(
+        out,
+        tmp_path / "pooled.safetensors",
+        architecture={"kind": "timm", "name": "resnet18", "kwargs": {"num_classes": 10, "global_pool": "max"}},
+    )
     result = run("convert", pooled, "--to", "plain", "-o", tmp_path / "p.safetensors")
     one_line_failure(result, 10, "global_pool='max'", "--accept-recorded-args")
     model = bnsurgeon.load(pooled, model_args={"global_pool": "max"})
@@ -183,6 +206,7 @@ def test_recorded_timm_kwargs_the_weights_cannot_check_need_confirmation(tmp_pat
 
 
 # ---- 3. a loaded model owns its memory; convert's input may change under it ------------------
+
 
 @pytest.fixture
 def timm_file(tmp_path):
@@ -211,8 +235,13 @@ def test_load_then_truncate_then_forward_does_not_crash(timm_file):
         with torch.no_grad():
             print(float(model(torch.ones(1, 3, 32, 32)).sum()))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, (done.returncode, done.stderr[-500:])
 
 
@@ -263,18 +292,31 @@ def test_input_rewritten_while_it_is_read_is_refused(good, tiny, monkeypatch):
 
 # ---- 4. every metadata field is validated ---------------------------------------------------
 
-@pytest.mark.parametrize("fields, message", [
-    ({"aliases": {"1.weight": "1.bias"}}, "which the file stores itself"),
-    ({"target": "plain", "classes": {}, "history": [{"target": "plain", "frozen": "keep", "allow_unhandled": False}]},
-     "modules differ"),
-    ({"target": "plain", "classes": {}}, "ends with target 'sync', but the file records 'plain'"),
-    ({"schema": 2}, "written by a newer bnsurgeon (metadata schema 2"),
-    ({"raw_architecture": "{not json"}, "is not valid JSON"),
-    ({"architecture": ["tiny:build"]}, "must be an object"),
-    ({"raw_classes": "{\"1\": 5}"}, "must map names to names"),
-    ({"classes": {"1": "evil.module.Class", "4": "torch.nn.modules.batchnorm.BatchNorm2d"}}, "no rule claims or produces"),
-    ({"target": "sideways"}, "not one of sync, plain, frozen"),
-])
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"aliases": {"1.weight": "1.bias"}}, "which the file stores itself"),
+        (
+            {
+                "target": "plain",
+                "classes": {},
+                "history": [{"target": "plain", "frozen": "keep", "allow_unhandled": False}],
+            },
+            "modules differ",
+        ),
+        ({"target": "plain", "classes": {}}, "ends with target 'sync', but the file records 'plain'"),
+        ({"schema": 2}, "written by a newer bnsurgeon (metadata schema 2"),
+        ({"raw_architecture": "{not json"}, "is not valid JSON"),
+        ({"architecture": ["tiny:build"]}, "must be an object"),
+        ({"raw_classes": '{"1": 5}'}, "must map names to names"),
+        (
+            {"classes": {"1": "evil.module.Class", "4": "torch.nn.modules.batchnorm.BatchNorm2d"}},
+            "no rule claims or produces",
+        ),
+        ({"target": "sideways"}, "not one of sync, plain, frozen"),
+    ],
+)
 def test_metadata_is_validated_against_the_tensors_and_the_registry(good, tiny, fields, message):
     bad = edited(good, tiny / "bad.safetensors", **fields)
     before = listing(tiny)
@@ -298,7 +340,9 @@ def test_alias_to_a_tensor_the_model_does_not_share_is_refused(good, tiny):
 
 
 def test_weights_tied_in_the_model_stay_one_tensor_after_load(tiny):
-    (tiny / "tied.py").write_text(TINY + """
+    (tiny / "tied.py").write_text(
+        TINY
+        + """
 
 def tied():
     model = build()
@@ -306,7 +350,8 @@ def tied():
     model.add_module("5", nn.Conv2d(4, 4, 1, bias=False))
     model[5].weight = model[3].weight
     return model
-""")
+"""
+    )
     out = tiny / "t.safetensors"
     assert run("convert", "tied:tied", "-o", out, "--input-shape", "2,3,8,8").exit_code == 0
     model = bnsurgeon.load(out, model="tied:tied")
@@ -315,6 +360,7 @@ def tied():
 
 
 # ---- 5. exactly one concurrent writer wins ---------------------------------------------------
+
 
 def test_an_output_that_appears_during_the_write_is_never_clobbered(tiny, monkeypatch):
     import safetensors.torch
@@ -335,6 +381,7 @@ def test_an_output_that_appears_during_the_write_is_never_clobbered(tiny, monkey
 
 # ---- 6. SIGTERM/SIGHUP during the write leave nothing; stale temps are removed ------------------
 
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_termination_during_the_write_leaves_no_debris(tiny, signum):
     script = textwrap.dedent(f"""
@@ -351,8 +398,14 @@ def test_termination_during_the_write_leaves_no_debris(tiny, signum):
         app()
     """)
     before = listing(tiny)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tiny,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tiny,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+    )
     assert done.returncode == 128 + signum, done.stderr[-800:]
     assert "interrupted" in done.stderr and "nothing was written" in done.stderr
     assert listing(tiny) == before
@@ -370,8 +423,14 @@ def test_termination_after_the_write_says_the_files_are_there(tiny):
         sys.argv = ["bnsurgeon", "convert", "tiny:build", "-o", {str(tiny / "o.safetensors")!r}, "--input-shape", "2,3,8,8"]
         app()
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tiny,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tiny,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+    )
     assert done.returncode == 143, done.stderr[-800:]
     flat = " ".join(done.stderr.split())
     assert "o.safetensors and its reports were written completely" in flat and "nothing was written" not in flat
@@ -390,6 +449,7 @@ def test_stale_temp_files_of_dead_runs_are_removed(tiny):
 
 # ---- 7. checkpoint and reports are one unit; reports need --force ---------------------------
 
+
 def test_existing_report_needs_force(tiny):
     (tiny / "o.safetensors.report.md").write_text("my notes")
     result = run("convert", "tiny:build", "-o", tiny / "o.safetensors", "--input-shape", "2,3,8,8")
@@ -397,10 +457,13 @@ def test_existing_report_needs_force(tiny):
     assert (tiny / "o.safetensors.report.md").read_text() == "my notes" and not (tiny / "o.safetensors").exists()
 
 
-@pytest.mark.parametrize("failure, code, message", [
-    (KeyboardInterrupt(), 130, "interrupted"),
-    (OSError(errno.ENOSPC, "No space left on device"), 8, "No space left on device"),
-])
+@pytest.mark.parametrize(
+    "failure, code, message",
+    [
+        (KeyboardInterrupt(), 130, "interrupted"),
+        (OSError(errno.ENOSPC, "No space left on device"), 8, "No space left on device"),
+    ],
+)
 def test_failure_while_writing_reports_leaves_the_previous_checkpoint(tiny, monkeypatch, failure, code, message):
     from bnsurgeon.surgery.report import Report
 
@@ -420,6 +483,7 @@ def test_failure_while_writing_reports_leaves_the_previous_checkpoint(tiny, monk
 
 # ---- 8. the umask decides the mode of new files; --force keeps the old mode -------------------
 
+
 def test_new_files_honour_the_umask_and_replaced_files_keep_their_mode(tiny):
     old = os.umask(0o022)
     try:
@@ -436,23 +500,39 @@ def test_new_files_honour_the_umask_and_replaced_files_keep_their_mode(tiny):
 
 # ---- 9. one line, a fix and a specific exit code -----------------------------------------------
 
-@pytest.mark.parametrize("args, code, message", [
-    (["convert", "resnet18", "--model-arg", "output_stride=7", "-o", "o.safetensors"], 2, "cannot be built with output_stride=7"),
-    (["convert", "resnet18", "--model-arg", "global_pool=bogus", "-o", "o.safetensors"], 2, "Invalid pool type"),
-    (["convert", "tiny:build", "-o", "/proc/x.safetensors"], 8, "could not write /proc/x.safetensors"),
-    (["convert", "tiny:build", "-o", "x" * 300 + ".safetensors"], 8, "byte limit"),
-    (["convert", "tiny:build", "-o", "x" * 300], 8, "byte limit"),  # no suffix: a directory name, as long
-    (["convert", "tiny:build", "-o", "\udcff.safetensors"], 8, "not valid UTF-8"),
-    (["convert", "tiny:needs_args", "-o", "o.safetensors"], 2, "cannot be called with no arguments"),
-    (["convert", "builtins:eval", "-o", "o.safetensors"], 2, "cannot be called with no arguments"),
-    (["convert", "..mod:fn", "-o", "o.safetensors"], 2, "not a factory of the form package.module:function"),
-    (["convert", ":fn", "-o", "o.safetensors"], 2, "not a factory of the form package.module:function"),
-    (["convert", "tiny:build", "--input-shape", "2,5,8,8", "-o", "o.safetensors"], 9, "cannot run on the input (2, 5, 8, 8)"),
-    (["convert", "tiny:build", "--input-shape", "99999,3,9999,9999", "-o", "o.safetensors"], 9, "more than this machine's"),
-    (["convert", "tiny:broken", "-o", "o.safetensors"], 9, "this model always fails"),
-    (["verify", "tiny:build", "tiny:wide", "--input-shape", "2,3,8,8"], 6, "is not a conversion of"),
-    (["verify", "tiny:broken", "tiny:broken", "--input-shape", "2,3,8,8"], 9, "this model always fails"),
-])
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (
+            ["convert", "resnet18", "--model-arg", "output_stride=7", "-o", "o.safetensors"],
+            2,
+            "cannot be built with output_stride=7",
+        ),
+        (["convert", "resnet18", "--model-arg", "global_pool=bogus", "-o", "o.safetensors"], 2, "Invalid pool type"),
+        (["convert", "tiny:build", "-o", "/proc/x.safetensors"], 8, "could not write /proc/x.safetensors"),
+        (["convert", "tiny:build", "-o", "x" * 300 + ".safetensors"], 8, "byte limit"),
+        (["convert", "tiny:build", "-o", "x" * 300], 8, "byte limit"),  # no suffix: a directory name, as long
+        (["convert", "tiny:build", "-o", "\udcff.safetensors"], 8, "not valid UTF-8"),
+        (["convert", "tiny:needs_args", "-o", "o.safetensors"], 2, "cannot be called with no arguments"),
+        (["convert", "builtins:eval", "-o", "o.safetensors"], 2, "cannot be called with no arguments"),
+        (["convert", "..mod:fn", "-o", "o.safetensors"], 2, "not a factory of the form package.module:function"),
+        (["convert", ":fn", "-o", "o.safetensors"], 2, "not a factory of the form package.module:function"),
+        (
+            ["convert", "tiny:build", "--input-shape", "2,5,8,8", "-o", "o.safetensors"],
+            9,
+            "cannot run on the input (2, 5, 8, 8)",
+        ),
+        (
+            ["convert", "tiny:build", "--input-shape", "99999,3,9999,9999", "-o", "o.safetensors"],
+            9,
+            "more than this machine's",
+        ),
+        (["convert", "tiny:broken", "-o", "o.safetensors"], 9, "this model always fails"),
+        (["verify", "tiny:build", "tiny:wide", "--input-shape", "2,3,8,8"], 6, "is not a conversion of"),
+        (["verify", "tiny:broken", "tiny:broken", "--input-shape", "2,3,8,8"], 9, "this model always fails"),
+    ],
+)
 def test_each_bad_input_is_one_line_with_its_own_code(tiny, args, code, message):
     before = listing(tiny)
     result = run(*args)
@@ -470,6 +550,7 @@ def test_bad_dist_timeout_is_a_usage_error(tiny, value):
 
 
 # ---- 10. non-finite weights are named; random bytes are unreadable, not unsafe ------------------
+
 
 def test_non_finite_weights_are_named(good, tiny):
     def poison(stored):
@@ -491,6 +572,7 @@ def test_random_bytes_in_a_pt_are_not_a_checkpoint(tiny):
 
 # ---- the loading code: api.py is a facade, imports flow one way ----------------------------------
 
+
 def test_api_is_a_facade_that_nothing_imports_back():
     package = ROOT / "bnsurgeon"
     for path in package.rglob("*.py"):
@@ -498,8 +580,9 @@ def test_api_is_a_facade_that_nothing_imports_back():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                relative_api = node.level > 0 and (node.module == "api" or (
-                    node.module is None and any(alias.name == "api" for alias in node.names)))
+                relative_api = node.level > 0 and (
+                    node.module == "api" or (node.module is None and any(alias.name == "api" for alias in node.names))
+                )
                 assert not relative_api and node.module != "bnsurgeon.api", f"{path} imports from api.py"
     facade = ast.parse((package / "api.py").read_text())
     assert not [n for n in facade.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]

@@ -7,20 +7,18 @@ import json
 
 import pytest
 import torch
+from _modules import install_module
 from torch import nn
 from typer.testing import CliRunner
 
 import bnsurgeon
-
 from bnsurgeon.cli.commands import app
-
-from _modules import install_module
 
 pytestmark = pytest.mark.distributed
 runner = CliRunner()
 SMALL = "2,3,64,64"
 
-MODELS = '''
+MODELS = """
 import torch
 import timm
 from torch import nn
@@ -39,7 +37,7 @@ def bn1d3d():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv1d(4, 8, 3), nn.BatchNorm1d(8), nn.ReLU(), nn.Unflatten(2, (1, 1, -1)),
                          nn.Conv3d(8, 6, 1), nn.BatchNorm3d(6))
-'''
+"""
 
 
 @pytest.fixture
@@ -61,20 +59,45 @@ def test_torch_converter_fails_and_names_first_divergent_module(models):
 def test_bnsurgeon_conversion_passes_at_2_and_3_ranks_and_json_parses(models):
     out = models / "b0.sync.safetensors"
     assert run("convert", "vmodels:source", "-o", out).exit_code == 0
-    result = runner.invoke(app, ["verify", "vmodels:source", str(out), "--converted-model", "vmodels:source",
-                                 "--input-shape", SMALL, "-w", "2", "-w", "3", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "verify",
+            "vmodels:source",
+            str(out),
+            "--converted-model",
+            "vmodels:source",
+            "--input-shape",
+            SMALL,
+            "-w",
+            "2",
+            "-w",
+            "3",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     names = [c["name"] for c in data["checks"]]
-    assert {"eval", "train, one process", "2 ranks", "3 ranks", "2 ranks (perturbed)", "3 ranks (perturbed)"} <= set(names)
+    assert {"eval", "train, one process", "2 ranks", "3 ranks", "2 ranks (perturbed)", "3 ranks (perturbed)"} <= set(
+        names
+    )
     assert data["passed"] and all(c["passed"] for c in data["checks"])
 
 
 def test_1d_3d_model_with_explicit_input_shape(models):
     out = models / "m.sync.safetensors"
     assert run("convert", "vmodels:bn1d3d", "-o", out, "--input-shape", "4,4,10").exit_code == 0
-    result = run("verify", "vmodels:bn1d3d", out, "--converted-model", "vmodels:bn1d3d", "--input-shape", "4,4,10",
-                 "--no-perturb")
+    result = run(
+        "verify",
+        "vmodels:bn1d3d",
+        out,
+        "--converted-model",
+        "vmodels:bn1d3d",
+        "--input-shape",
+        "4,4,10",
+        "--no-perturb",
+    )
     assert result.exit_code == 0, result.output
     assert "all checks passed" in result.output
 
@@ -82,8 +105,10 @@ def test_1d_3d_model_with_explicit_input_shape(models):
 def test_frozen_target_checks_frozen_train_against_source_eval(models):
     out = models / "b0.frozen.safetensors"
     assert run("convert", "vmodels:source", "--to", "frozen", "-o", out).exit_code == 0
-    result = runner.invoke(app, ["verify", "vmodels:source", str(out), "--converted-model", "vmodels:source",
-                                 "--input-shape", SMALL, "--json"])
+    result = runner.invoke(
+        app,
+        ["verify", "vmodels:source", str(out), "--converted-model", "vmodels:source", "--input-shape", SMALL, "--json"],
+    )
     data = json.loads(result.stdout)
     assert result.exit_code == 0 and "frozen (train) == source (eval)" in [c["name"] for c in data["checks"]]
 
