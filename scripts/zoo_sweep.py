@@ -285,9 +285,12 @@ def write_docs(rows: list[dict], docs: Path) -> None:
         "| model | BN classes | bnsurgeon | torch converter | timm converter | 2 ranks | note |",
         "|---|---|---|---|---|---|---|",
     ]
-    mark = lambda r, key: (
-        "-" if key not in r else ("yes" if r[key] else f"no ({r.get(key.replace('exact', 'max_diff'), 'error')})")
-    )  # noqa: E731
+
+    def mark(r, key):
+        return (
+            "-" if key not in r else ("yes" if r[key] else f"no ({r.get(key.replace('exact', 'max_diff'), 'error')})")
+        )
+
     for r in rows:
         if r.get("status") == "no BN":
             continue
