@@ -8,7 +8,7 @@ ruff format --check .
 # types (mypy, configured in pyproject.toml)
 mypy
 # the package's layering (stages import downward only; contracts in .importlinter)
-lint-imports --config "$ROOT/.importlinter" --no-cache
+lint-imports --no-cache "$ROOT/.importlinter"
 # the documentation site (docs/, mkdocs.yml): no broken link, anchor or page; offline; into the ignored site/
 NO_MKDOCS_2_WARNING=1 PYTHONPATH="$ROOT" mkdocs build --strict --quiet --config-file "$ROOT/mkdocs.yml"
 # two workers on the 2 cores; each test file stays on one worker (module fixtures, the doc examples' shared folder)

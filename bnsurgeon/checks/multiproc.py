@@ -175,8 +175,9 @@ def _run_task(task_id, rank, world_size, port, collective_timeout, fn, args, res
 class RankPool:
     """``size`` spawned processes that run ``fn(rank, world_size, *args)`` on the first W of them.
 
-    Use as a context manager; the processes start at once (their imports overlap with
-    whatever the parent does next) and are stopped, or killed, on exit. After a failure
+    Use as a context manager; the processes start at once (the fork server's first start, which
+    imports torch and timm, is waited for: overlapping it with the parent's checks was slower on
+    2 cores) and are stopped, or killed, on exit. After a failure
     the pool is broken and every later ``run`` raises.
     """
 

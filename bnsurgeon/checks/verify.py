@@ -894,8 +894,8 @@ def verify_models(
     ``atol`` relaxes bit-identity explicitly; ``compare_at`` compares the output of that
     submodule instead of the model's (a detector head's output is not comparable after
     perturbation: 0 boxes). ``on_check`` is told each check as it finishes. The N-rank
-    checks share one pool of max(N) processes, started first so that their imports
-    overlap with the one-process checks, and one float64 reference per variant (one batch
+    checks share one pool of max(N) processes (forked from a server that imported torch
+    and timm once) and one float64 reference per variant (one batch
     for every N). ``share_work=False`` starts fresh processes and recomputes the reference
     for every N-rank check, as verify did before: the benchmark's yardstick
     (``scripts/bench_verify.py``). ``rebuild_converted`` (a picklable callable) builds the converted

@@ -14,7 +14,7 @@ from typing import Any
 try:
     from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 except ImportError:  # the older package name
-    from pytorch_lightning.plugins.layer_sync import TorchSyncBatchNorm  # type: ignore[assignment]
+    from pytorch_lightning.plugins.layer_sync import TorchSyncBatchNorm
 
 from torch.nn import Module
 
@@ -65,7 +65,7 @@ class BNSurgeonLayerSync(TorchSyncBatchNorm):
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
-    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
+    from pytorch_lightning.callbacks import Callback
 
 
 class RecalibrateBN(Callback):
