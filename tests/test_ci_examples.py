@@ -70,10 +70,11 @@ def test_pre_commit_try_repo_runs_the_hook_on_changed_checkpoints(tmp_path):
             text=True,
         )
 
-    good = try_repo("r18.fused.safetensors", "raw.safetensors")
-    assert good.returncode == 0, good.stdout + good.stderr
-    assert "bnsurgeon verify resnet18 r18.fused.safetensors" in good.stdout and "Passed" in good.stdout
-    assert "raw.safetensors: no raw.safetensors.report.json and no --source" in good.stdout
-    bad = try_repo("broken.safetensors")
-    assert bad.returncode == 1 and "Failed" in bad.stdout, bad.stdout + bad.stderr
-    assert "broken.safetensors: verify exited 4" in bad.stdout  # not a readable checkpoint
+    # one pre-commit run over all three (each run clones this repository and starts verify afresh)
+    done = try_repo("r18.fused.safetensors", "raw.safetensors", "broken.safetensors")
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and "Failed" in done.stdout, output
+    assert "bnsurgeon verify resnet18 r18.fused.safetensors" in done.stdout, output
+    assert "all checks passed" in done.stdout and "r18.fused.safetensors: verify exited" not in done.stdout, output
+    assert "raw.safetensors: no raw.safetensors.report.json and no --source" in done.stdout, output
+    assert "broken.safetensors: verify exited 4" in done.stdout, output  # not a readable checkpoint

@@ -26,7 +26,7 @@ from torch import nn
 
 def source():
     torch.manual_seed(0)
-    return timm.create_model("efficientnet_b0", pretrained=False, num_classes=4)
+    return timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=4)  # BatchNormAct2d, small
 
 
 def torch_converted():
@@ -57,7 +57,7 @@ def test_torch_converter_fails_and_names_first_divergent_module(models):
 
 
 def test_bnsurgeon_conversion_passes_at_2_and_3_ranks_and_json_parses(models):
-    out = models / "b0.sync.safetensors"
+    out = models / "mnv3.sync.safetensors"
     assert run("convert", "vmodels:source", "-o", out).exit_code == 0
     result = runner.invoke(
         app,
@@ -103,7 +103,7 @@ def test_1d_3d_model_with_explicit_input_shape(models):
 
 
 def test_frozen_target_checks_frozen_train_against_source_eval(models):
-    out = models / "b0.frozen.safetensors"
+    out = models / "mnv3.frozen.safetensors"
     assert run("convert", "vmodels:source", "--to", "frozen", "-o", out).exit_code == 0
     result = runner.invoke(
         app,
