@@ -7,12 +7,11 @@ code, and nothing on disk is lost or misstated."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from _forked import run_python
 from test_untrusted import ROOT, edited, good, listing, one_line_failure, run, tiny  # noqa: F401 (fixtures)
 
 
@@ -111,10 +110,8 @@ def test_a_pt_write_that_hits_a_size_limit_says_why(tiny):
         app()
     """)
     before = listing(tiny)
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
+    done = run_python(
+        script,
         timeout=120,
         cwd=tiny,
         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},

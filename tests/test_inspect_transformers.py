@@ -8,12 +8,11 @@ from __future__ import annotations
 import copy
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _forked import run_python
 from torch import nn
 from typer.testing import CliRunner
 
@@ -195,7 +194,7 @@ def test_the_column_needs_no_transformers():
         "print(inspect_model(model).groups[0].transformers_replace)\n"
         "assert not any(m == 'transformers' or m.startswith('transformers.') for m in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    done = run_python(code, timeout=240)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "drops act=SiLU; eps 0.001 -> 1e-05"
 

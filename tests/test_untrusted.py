@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _forked import run_python
 from typer.testing import CliRunner
 
 import bnsurgeon
@@ -235,10 +236,8 @@ def test_load_then_truncate_then_forward_does_not_crash(timm_file):
         with torch.no_grad():
             print(float(model(torch.ones(1, 3, 32, 32)).sum()))
     """)
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
+    done = run_python(
+        script,
         timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -398,10 +397,8 @@ def test_termination_during_the_write_leaves_no_debris(tiny, signum):
         app()
     """)
     before = listing(tiny)
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
+    done = run_python(
+        script,
         timeout=120,
         cwd=tiny,
         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
@@ -423,10 +420,8 @@ def test_termination_after_the_write_says_the_files_are_there(tiny):
         sys.argv = ["bnsurgeon", "convert", "tiny:build", "-o", {str(tiny / "o.safetensors")!r}, "--input-shape", "2,3,8,8"]
         app()
     """)
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
+    done = run_python(
+        script,
         timeout=120,
         cwd=tiny,
         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},

@@ -71,7 +71,7 @@ def _run_in_group(rank, world_size, port, collective_timeout, fn, args) -> tuple
 PRELOAD = ("torch", "torch.distributed", "timm", "bnsurgeon.checks.multiproc")
 
 
-def _rank_context():
+def forked_context():
     """Processes forked from one fork server per parent process (started on first use, with ``PRELOAD``
     imported and nothing else run): as safe as spawn for CUDA and gloo, since the server never touches
     either, without each rank paying the imports."""
@@ -80,7 +80,7 @@ def _rank_context():
     return context
 
 
-def _adopt(environment: dict[str, str]) -> None:
+def adopt_environment(environment: dict[str, str]) -> None:
     """The parent's environment as it is now: a forked rank inherits the fork server's, from when the
     server started."""
     os.environ.clear()
@@ -90,7 +90,7 @@ def _adopt(environment: dict[str, str]) -> None:
 def _entry(rank, world_size, port, collective_timeout, fn, args, results, environment):
     import torch
 
-    _adopt(environment)
+    adopt_environment(environment)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results.put((rank, *_run_in_group(rank, world_size, port, collective_timeout, fn, args)))
@@ -100,7 +100,7 @@ def run_world(
     world_size: int, fn, *args, timeout: float = 180.0, collective_timeout: float = 60.0, allow_errors: bool = False
 ) -> list:
     """Results of ``fn(rank, world_size, *args)`` by rank; raises on error, hang or timeout."""
-    context = _rank_context()
+    context = forked_context()
     results = context.Queue()
     port = free_port()
     environment = dict(os.environ)
@@ -155,7 +155,7 @@ def _pool_entry(rank, inbox, results, environment):
     """A pool process: run each task it is sent, in a process group made for that task."""
     import torch
 
-    _adopt(environment)
+    adopt_environment(environment)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     while True:
@@ -182,7 +182,7 @@ class RankPool:
     """
 
     def __init__(self, size: int, *, collective_timeout: float = 60.0) -> None:
-        context = _rank_context()
+        context = forked_context()
         self.size = size
         self.collective_timeout = collective_timeout
         self._results = context.Queue()
