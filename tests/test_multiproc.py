@@ -38,3 +38,15 @@ def test_a_pool_sees_the_environment_it_was_started_with(monkeypatch):
         results = pool.run(2, environment_and_modules, name, timeout=120)
     assert [r[0] for r in results] == ["pool", "pool"]
     assert all(r[1] for r in results)
+
+
+def test_without_a_fork_server_ranks_are_spawned(monkeypatch):
+    """Windows has no fork server: the harness falls back to spawn instead of failing to start ranks."""
+    import torch.multiprocessing as mp
+
+    from bnsurgeon.checks import multiproc
+
+    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])
+    assert multiproc.forked_context().get_start_method() == "spawn"
+    monkeypatch.undo()
+    assert multiproc.forked_context().get_start_method() == "forkserver"

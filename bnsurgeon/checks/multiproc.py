@@ -74,7 +74,9 @@ PRELOAD = ("torch", "torch.distributed", "timm", "bnsurgeon.checks.multiproc")
 def forked_context():
     """Processes forked from one fork server per parent process (started on first use, with ``PRELOAD``
     imported and nothing else run): as safe as spawn for CUDA and gloo, since the server never touches
-    either, without each rank paying the imports."""
+    either, without each rank paying the imports. Where there is no fork server (Windows), spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     return context
