@@ -155,6 +155,48 @@ def test_a_shard_index_with_a_repeated_key_is_refused_naming_it(tmp_path):
     one_line_failure(run("inspect", directory), 4, "repeats the key", name)
 
 
+def repeat_safetensors_entry(path: Path, dtype: str | None = None) -> str:
+    """Rewrite a safetensors file's header with its first float32 tensor's entry given twice: the second with the
+    same offsets and ``dtype`` (the same bytes read as another 4-byte dtype), or identical. Returns its name."""
+    import struct
+
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    name = next(key for key, entry in header.items() if key != "__metadata__" and entry["dtype"] == "F32")
+    entry = dict(header[name], **({"dtype": dtype} if dtype else {}))
+    text = json.dumps(header)
+    text = text[:-1] + f", {json.dumps(name)}: {json.dumps(entry)}}}"
+    raw = text.encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+    return name
+
+
+@pytest.mark.parametrize("dtype", [None, "I32"], ids=["identical", "another-dtype"])
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_a_safetensors_header_naming_a_tensor_twice_is_refused(small, tmp_path, command, dtype):
+    """safetensors (and Python's json) keep the last of two entries for one name; other readers may keep the
+    first. The file means different tensors to different tools, so it is refused, naming the tensor."""
+    from safetensors.torch import save_file
+    from small import build
+
+    weights = tmp_path / "w.safetensors"
+    save_file(build().state_dict(), str(weights))
+    name = repeat_safetensors_entry(weights, dtype)
+    out = tmp_path / "out.safetensors"
+    extra = {"inspect": ["--model", "small:build"], "convert": ["--model", "small:build", "-o", out]}[command]
+    one_line_failure(run(command, weights, *extra), 4, "names", repr(name), "twice", "re-export")
+    assert not out.exists()
+
+
+def test_a_model_directory_whose_weights_name_a_tensor_twice_is_refused(resnet_dir, tmp_path):
+    name = repeat_safetensors_entry(resnet_dir / "model.safetensors")
+    out = tmp_path / "out"
+    one_line_failure(run("convert", resnet_dir, "-o", out), 4, repr(name), "twice")
+    assert not out.exists()
+
+
 # 3. verify of a detector whose outputs are empty compares where values exist, and says where
 
 DETECTOR = """

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from bnsurgeon.core.errors import CheckpointError, SourceNotFoundError, UnsafeCheckpointError, UsageError, first_line
+from bnsurgeon.core.json_text import RepeatedKeyError, unique_keys
 from bnsurgeon.core.layout import counted, shown
 
 if TYPE_CHECKING:
@@ -257,12 +258,21 @@ def _torch_layout(path: Path, key: str, info: dict[str, Any]) -> "tuple[torch.dt
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
-    """The tensors' entries of a safetensors header (already validated by ``safe_open``)."""
+    """The tensors' entries of a safetensors header (already validated by ``safe_open``). A name that
+    appears twice is refused: safetensors and Python keep the last entry, other readers may keep the first,
+    so the file means different tensors to different tools."""
     import struct
 
     with open(path, "rb") as stream:
         (length,) = struct.unpack("<Q", stream.read(8))
-        header = json.loads(stream.read(length))
+        try:
+            header = json.loads(stream.read(length), object_pairs_hook=unique_keys)
+        except RepeatedKeyError as error:
+            raise CheckpointError(
+                f"{path}: its header names {shown(error.key, 200)} twice, and readers disagree on which entry "
+                "counts (safetensors keeps the last)",
+                "re-export the file from the model's state_dict (its names are unique)",
+            ) from None
     header.pop("__metadata__", None)
     return header
 
