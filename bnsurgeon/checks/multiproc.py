@@ -7,7 +7,8 @@ once instead of once per check.
 
 Ranks are forked from a fork server that imported torch and timm once (seconds of CPU per
 process when each rank imports them itself, as spawned ranks do); each rank takes the
-parent's environment as it is at the call.
+parent's environment as it is when the rank starts (a pool's, when the pool starts), not
+the server's.
 
 A hang becomes an error: the parent waits at most ``timeout`` seconds, then kills every
 rank and raises. Results travel as ``torch.save`` bytes, not shared-memory handles that
