@@ -26,8 +26,8 @@ def test_ranks_start_with_the_heavy_imports_done_and_see_the_environment_of_the_
     assert [r[0] for r in second] == ["second"] * 2
     assert third[0][0] is None
     assert all(r[1] for r in first + second + third), "timm was imported again in a rank instead of preloaded"
-    pids = {r[2] for r in first + second + third}
-    assert len(pids) == 5 and os.getpid() not in pids  # a fresh process per rank per call
+    for call in (first, second):  # a process per rank, none of them this one
+        assert len({r[2] for r in call}) == 2 and os.getpid() not in {r[2] for r in call}
 
 
 def test_a_pool_sees_the_environment_it_was_started_with(monkeypatch):
