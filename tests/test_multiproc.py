@@ -50,3 +50,43 @@ def test_without_a_fork_server_ranks_are_spawned(monkeypatch):
     assert multiproc.forked_context().get_start_method() == "spawn"
     monkeypatch.undo()
     assert multiproc.forked_context().get_start_method() == "forkserver"
+
+
+INTERRUPTED_POOL = """
+import os, signal, sys, threading, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from _rank_probe import sleeping
+from bnsurgeon.checks.multiproc import RankPool
+
+def interrupt_the_group():  # what Ctrl-C in a terminal does: SIGINT to every process of the group
+    while not Path({marker!r}).exists():
+        time.sleep(0.05)
+    os.killpg(os.getpgid(0), signal.SIGINT)
+
+if __name__ == "__main__":
+    threading.Thread(target=interrupt_the_group, daemon=True).start()
+    try:
+        with RankPool(3) as pool:  # two ranks busy, one waiting for work
+            pool.run(2, sleeping, 60.0, {marker!r}, timeout=120)
+    except KeyboardInterrupt:
+        print(f"interrupted; stopped {{time.time() - os.path.getmtime({marker!r}):.1f}} s after the task began")
+"""
+
+
+def test_ctrl_c_stops_a_busy_pool_at_once_and_no_rank_prints_a_traceback(tmp_path):
+    """Ctrl-C reaches the ranks too: they leave the stopping to the parent, which kills them at once, so the
+    user sees the command's one line, not a KeyboardInterrupt traceback from every rank."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker = tmp_path / "began"
+    script = INTERRUPTED_POOL.format(tests=str(Path(__file__).parent), marker=str(marker))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    assert done.returncode == 0 and "interrupted" in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+    seconds = float(done.stdout.split("stopped ")[1].split(" s")[0])
+    assert seconds < 8, done.stdout  # not the task's 60 s, nor 10 s of waiting per rank

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -90,9 +91,16 @@ def adopt_environment(environment: dict[str, str]) -> None:
     os.environ.update(environment)
 
 
+def _ignore_interrupts() -> None:
+    """Ctrl-C reaches every process of the terminal's group: the parent stops the ranks (at once when
+    interrupted), so a rank does not print its own KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _entry(rank, world_size, port, collective_timeout, fn, args, results, environment):
     import torch
 
+    _ignore_interrupts()
     adopt_environment(environment)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -116,6 +124,7 @@ def run_world(
     for process in processes:
         process.start()
     collected: dict[int, tuple[str, Any]] = {}
+    finished = False
     try:
         deadline = time.monotonic() + timeout
         while len(collected) < world_size:
@@ -142,9 +151,10 @@ def run_world(
 
                 value = torch.load(io.BytesIO(value), weights_only=False)
             collected[rank] = (status, value)
+        finished = True
     finally:
         for process in processes:
-            process.join(timeout=10)
+            process.join(timeout=10 if finished else 0)  # interrupted, failed or timed out: kill at once
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -158,6 +168,7 @@ def _pool_entry(rank, inbox, results, environment):
     """A pool process: run each task it is sent, in a process group made for that task."""
     import torch
 
+    _ignore_interrupts()
     adopt_environment(environment)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -262,5 +273,7 @@ class RankPool:
     def __enter__(self) -> "RankPool":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self._broken is None:  # interrupted or failed: stop the ranks at once
+            self._broken = exc_type.__name__
         self.close()
