@@ -11,7 +11,8 @@ Prints, for the README's example:
 3. in this process: loading both sides, the one-process checks, the float64 reference
    the N-rank checks compare against, and each N-rank check;
 4. the yardstick: the same checks with ``share_work=False`` (fresh processes and a fresh
-   float64 reference for every N-rank check, as verify ran before) and the ratio.
+   float64 reference for every N-rank check, as verify ran before the pool; its processes fork
+   from the same warm server, so the spawned ranks' imports are not in it) and the ratio.
 
 The machine is shared: run it alone (under the heavy-job lock) and read the ratios.
 """

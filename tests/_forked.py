@@ -2,7 +2,11 @@
 text=True)`` gives (exit code, stdout, stderr), run in a process forked from the rank harness's fork
 server instead of a fresh interpreter: torch and timm are already imported there, which saves the 6-8 s
 of CPU each fresh interpreter spends importing them. For scripts that test what a process does (signals,
-resource limits, files it leaves), not what a fresh interpreter imports: those keep ``subprocess``."""
+resource limits, files it leaves), not what a fresh interpreter imports: those keep ``subprocess``.
+
+Where it differs from a fresh interpreter: stdout and stderr are files (a file-size limit the script sets
+applies to them too), stdin is empty, atexit handlers do not run, ``sys.path`` is the caller's (plus
+PYTHONPATH), and names the script defines are not importable as ``__main__`` by another process."""
 
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from bnsurgeon.checks.multiproc import adopt_environment, forked_context
 
 
 def _child(script: str, cwd: str, environment: dict[str, str], out_path: str, err_path: str) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server's ranks ignore Ctrl-C; a script does not
     os.chdir(cwd)
     adopt_environment(environment)
     for entry in reversed(environment.get("PYTHONPATH", "").split(os.pathsep)):

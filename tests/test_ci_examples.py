@@ -70,6 +70,10 @@ def test_pre_commit_try_repo_runs_the_hook_on_changed_checkpoints(tmp_path):
             text=True,
         )
 
+    # a commit where nothing fails passes (no verify starts for a file that is not a converted checkpoint)
+    skipped = try_repo("raw.safetensors")
+    assert skipped.returncode == 0 and "Passed" in skipped.stdout, skipped.stdout + skipped.stderr
+    assert "raw.safetensors: no raw.safetensors.report.json and no --source" in skipped.stdout
     # one pre-commit run over all three (each run clones this repository and starts verify afresh)
     done = try_repo("r18.fused.safetensors", "raw.safetensors", "broken.safetensors")
     output = done.stdout + done.stderr

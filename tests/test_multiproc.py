@@ -49,14 +49,16 @@ def test_without_a_fork_server_ranks_are_spawned(monkeypatch):
     monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])
     assert multiproc.forked_context().get_start_method() == "spawn"
     monkeypatch.undo()
-    assert multiproc.forked_context().get_start_method() == "forkserver"
+    if "forkserver" in mp.get_all_start_methods():
+        assert multiproc.forked_context().get_start_method() == "forkserver"
 
 
 INTERRUPTED_POOL = """
 import os, signal, sys, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with Ctrl-C ignored
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-from _rank_probe import sleeping
+from _rank_probe import environment_and_modules, sleeping
 from bnsurgeon.checks.multiproc import RankPool
 
 def interrupt_the_group():  # what Ctrl-C in a terminal does: SIGINT to every process of the group
@@ -65,27 +67,38 @@ def interrupt_the_group():  # what Ctrl-C in a terminal does: SIGINT to every pr
     os.killpg(os.getpgid(0), signal.SIGINT)
 
 if __name__ == "__main__":
-    threading.Thread(target=interrupt_the_group, daemon=True).start()
     try:
-        with RankPool(3) as pool:  # two ranks busy, one waiting for work
-            pool.run(2, sleeping, 60.0, {marker!r}, timeout=120)
-    except KeyboardInterrupt:
+        with RankPool(3) as pool:
+            seen = pool.run(3, environment_and_modules, "X", timeout=120)  # every rank up and running
+            assert all(r[1] for r in seen), "timm not preloaded"
+            threading.Thread(target=interrupt_the_group, daemon=True).start()
+            pool.run(2, sleeping, 60.0, {marker!r}, timeout=120)  # two ranks busy, one waiting for work
+    except KeyboardInterrupt:  # the pool is closed by now: its ranks stopped
         print(f"interrupted; stopped {{time.time() - os.path.getmtime({marker!r}):.1f}} s after the task began")
 """
 
 
-def test_ctrl_c_stops_a_busy_pool_at_once_and_no_rank_prints_a_traceback(tmp_path):
-    """Ctrl-C reaches the ranks too: they leave the stopping to the parent, which kills them at once, so the
-    user sees the command's one line, not a KeyboardInterrupt traceback from every rank."""
+def test_a_pool_in_a_users_directory_never_imports_from_it_and_stops_at_once_on_ctrl_c(tmp_path):
+    """The fork server runs as ``python -c``: started naively, the working directory comes first on its path,
+    so a ``timm.py`` where the user runs verify would be every rank's timm. And Ctrl-C reaches the ranks too:
+    they leave the stopping to the parent, which kills them at once, so the user sees the command's one line,
+    not a KeyboardInterrupt traceback from every rank."""
     import subprocess
     import sys
     from pathlib import Path
 
-    marker = tmp_path / "began"
+    marker, shadowed = tmp_path / "began", tmp_path / "shadow-imported"
+    (tmp_path / "timm.py").write_text(f"open({str(shadowed)!r}, 'w').close()\n")
     script = INTERRUPTED_POOL.format(tests=str(Path(__file__).parent), marker=str(marker))
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, start_new_session=True
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        start_new_session=True,
     )
+    assert not shadowed.exists(), "a rank imported timm.py from the working directory"
     assert done.returncode == 0 and "interrupted" in done.stdout, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
     seconds = float(done.stdout.split("stopped ")[1].split(" s")[0])

@@ -22,6 +22,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -81,7 +82,49 @@ def forked_context():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
+    _start_fork_server()
     return context
+
+
+_server_started = False
+
+
+def _start_fork_server() -> None:
+    """Start the fork server once, on our terms. It runs as ``python -c``, so the working directory would
+    come first on its path, and it imports ``PRELOAD`` with its own path, not the parent's: a ``timm.py``
+    in the directory where the user runs verify would be the ranks' timm. It starts with no such entry
+    (``PYTHONSAFEPATH``, and in an installed directory for Pythons before 3.11) and ignoring Ctrl-C from
+    its first instant, which every rank forked from it inherits; the parent stops the ranks."""
+    global _server_started
+    if _server_started:
+        return
+    import multiprocessing.forkserver as forkserver
+
+    import torch
+
+    installed = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    try:
+        working = os.getcwd()
+    except OSError:  # the working directory was removed: nothing there to shadow a module
+        working = None
+    main_thread = threading.current_thread() is threading.main_thread()
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    safe_path = os.environ.get("PYTHONSAFEPATH")
+    try:
+        os.environ["PYTHONSAFEPATH"] = "1"
+        if working is not None:
+            os.chdir(installed)
+        forkserver.ensure_running()
+        _server_started = True
+    finally:
+        if safe_path is None:
+            os.environ.pop("PYTHONSAFEPATH", None)
+        else:
+            os.environ["PYTHONSAFEPATH"] = safe_path
+        if working is not None:
+            os.chdir(working)
+        if main_thread:
+            signal.signal(signal.SIGINT, interrupt)
 
 
 def adopt_environment(environment: dict[str, str]) -> None:
@@ -97,13 +140,23 @@ def _ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _entry(rank, world_size, port, collective_timeout, fn, args, results, environment):
+def _entry(rank, world_size, port, collective_timeout, task: bytes, results, environment):
+    """A rank of ``run_world``. The function and its arguments arrive pickled and are unpickled only after
+    the parent's environment is adopted (an import they trigger may read it), and as plain pickle bytes
+    (tensors among the arguments would otherwise each take a file descriptor of the fork server's few)."""
+    import pickle
+
     import torch
 
     _ignore_interrupts()
     adopt_environment(environment)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        fn, args = pickle.loads(task)
+    except BaseException as error:
+        results.put((rank, "error", f"the task could not be unpickled in the rank: {type(error).__name__}: {error}"))
+        return
     results.put((rank, *_run_in_group(rank, world_size, port, collective_timeout, fn, args)))
 
 
@@ -111,21 +164,22 @@ def run_world(
     world_size: int, fn, *args, timeout: float = 180.0, collective_timeout: float = 60.0, allow_errors: bool = False
 ) -> list:
     """Results of ``fn(rank, world_size, *args)`` by rank; raises on error, hang or timeout."""
+    import pickle
+
     context = forked_context()
     results = context.Queue()
     port = free_port()
     environment = dict(os.environ)
+    task = pickle.dumps((fn, args))
     processes = [
-        context.Process(
-            target=_entry, args=(rank, world_size, port, collective_timeout, fn, args, results, environment)
-        )
+        context.Process(target=_entry, args=(rank, world_size, port, collective_timeout, task, results, environment))
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
     collected: dict[int, tuple[str, Any]] = {}
     finished = False
     try:
+        for process in processes:
+            process.start()
         deadline = time.monotonic() + timeout
         while len(collected) < world_size:
             remaining = deadline - time.monotonic()
@@ -153,7 +207,7 @@ def run_world(
             collected[rank] = (status, value)
         finished = True
     finally:
-        for process in processes:
+        for process in (p for p in processes if p.pid is not None):  # the started ones
             process.join(timeout=10 if finished else 0)  # interrupted, failed or timed out: kill at once
             if process.is_alive():
                 process.kill()
@@ -187,7 +241,7 @@ def _run_task(task_id, rank, world_size, port, collective_timeout, fn, args, res
 
 
 class RankPool:
-    """``size`` spawned processes that run ``fn(rank, world_size, *args)`` on the first W of them.
+    """``size`` processes that run ``fn(rank, world_size, *args)`` on the first W of them.
 
     Use as a context manager; the processes start at once (the fork server's first start, which
     imports torch and timm, is waited for: overlapping it with the parent's checks was slower on
@@ -208,8 +262,14 @@ class RankPool:
         self._next_task = 0
         self._broken: str | None = None
         self.task_seconds: list[float] = []  # per run: the slowest rank's time inside the task
-        for process in self._processes:
-            process.start()
+        try:
+            for process in self._processes:
+                process.start()
+        except BaseException:  # interrupted or failed while starting: no rank may wait for work forever
+            for process in (p for p in self._processes if p.pid is not None):
+                process.kill()
+                process.join()
+            raise
 
     def run(self, world_size: int, fn, *args, timeout: float = 180.0) -> list:
         """Results of ``fn(rank, world_size, *args)`` on ranks 0..W-1, by rank; raises RankFailure."""
@@ -246,6 +306,9 @@ class RankPool:
                 collected[rank] = (status, value)
         except RankFailure as error:
             self._broken = str(error).splitlines()[0]
+            raise
+        except BaseException as error:  # interrupted while the ranks work: they cannot be waited for
+            self._broken = type(error).__name__
             raise
         errors = {rank: value for rank, (status, value) in collected.items() if status != "ok"}
         if errors:

@@ -897,7 +897,8 @@ def verify_models(
     checks share one pool of max(N) processes (forked from a server that imported torch
     and timm once) and one float64 reference per variant (one batch
     for every N). ``share_work=False`` starts fresh processes and recomputes the reference
-    for every N-rank check, as verify did before: the benchmark's yardstick
+    for every N-rank check (forked from the same server, so it does not show what spawned
+    ranks cost), as verify did before the pool: the benchmark's yardstick
     (``scripts/bench_verify.py``). ``rebuild_converted`` (a picklable callable) builds the converted
     model's structure in each rank when the model itself does not pickle.
     """
