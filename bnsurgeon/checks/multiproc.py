@@ -30,6 +30,8 @@ from typing import Any, cast
 
 import torch.multiprocessing as mp
 
+from bnsurgeon.core.interrupts import signals_deferred
+
 
 class RankFailure(RuntimeError):
     """A rank raised, died, or did not finish in time."""
@@ -178,8 +180,9 @@ def run_world(
     collected: dict[int, tuple[str, Any]] = {}
     finished = False
     try:
-        for process in processes:
-            process.start()
+        with signals_deferred():  # a start cut short leaves a half-made rank that prints a traceback
+            for process in processes:
+                process.start()
         deadline = time.monotonic() + timeout
         while len(collected) < world_size:
             remaining = deadline - time.monotonic()
@@ -263,8 +266,9 @@ class RankPool:
         self._broken: str | None = None
         self.task_seconds: list[float] = []  # per run: the slowest rank's time inside the task
         try:
-            for process in self._processes:
-                process.start()
+            with signals_deferred():  # a start cut short leaves a half-made rank that prints a traceback
+                for process in self._processes:
+                    process.start()
         except BaseException:  # interrupted or failed while starting: no rank may wait for work forever
             for process in (p for p in self._processes if p.pid is not None):
                 process.kill()
