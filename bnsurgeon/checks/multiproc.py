@@ -136,10 +136,31 @@ def adopt_environment(environment: dict[str, str]) -> None:
     os.environ.update(environment)
 
 
-def _ignore_interrupts() -> None:
-    """Ctrl-C reaches every process of the terminal's group: the parent stops the ranks (at once when
-    interrupted), so a rank does not print its own KeyboardInterrupt traceback."""
+def _become_rank(environment: dict[str, str]) -> None:
+    """What every rank does first. Ctrl-C reaches every process of the terminal's group: the parent stops
+    the ranks (at once when interrupted), so a rank ignores it rather than print its own traceback. Then
+    the parent's environment, and one thread (the ranks share the machine's cores)."""
+    import torch
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    adopt_environment(environment)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _start_all(processes: list) -> None:
+    """Start every process with Ctrl-C (and SIGTERM/SIGHUP) held until all have started: a start cut short
+    leaves a half-made rank that prints a traceback. If starting fails or is interrupted, the ones that
+    started are killed (no rank may wait for work forever) and the error is raised."""
+    try:
+        with signals_deferred():
+            for process in processes:
+                process.start()
+    except BaseException:
+        for process in (p for p in processes if p.pid is not None):
+            process.kill()
+            process.join()
+        raise
 
 
 def _entry(rank, world_size, port, collective_timeout, task: bytes, results, environment):
@@ -148,12 +169,7 @@ def _entry(rank, world_size, port, collective_timeout, task: bytes, results, env
     (tensors among the arguments would otherwise each take a file descriptor of the fork server's few)."""
     import pickle
 
-    import torch
-
-    _ignore_interrupts()
-    adopt_environment(environment)
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _become_rank(environment)
     try:
         fn, args = pickle.loads(task)
     except BaseException as error:
@@ -180,9 +196,7 @@ def run_world(
     collected: dict[int, tuple[str, Any]] = {}
     finished = False
     try:
-        with signals_deferred():  # a start cut short leaves a half-made rank that prints a traceback
-            for process in processes:
-                process.start()
+        _start_all(processes)
         deadline = time.monotonic() + timeout
         while len(collected) < world_size:
             remaining = deadline - time.monotonic()
@@ -223,12 +237,7 @@ def run_world(
 
 def _pool_entry(rank, inbox, results, environment):
     """A pool process: run each task it is sent, in a process group made for that task."""
-    import torch
-
-    _ignore_interrupts()
-    adopt_environment(environment)
-    torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _become_rank(environment)
     while True:
         task = inbox.get()
         if task is None:
@@ -265,15 +274,7 @@ class RankPool:
         self._next_task = 0
         self._broken: str | None = None
         self.task_seconds: list[float] = []  # per run: the slowest rank's time inside the task
-        try:
-            with signals_deferred():  # a start cut short leaves a half-made rank that prints a traceback
-                for process in self._processes:
-                    process.start()
-        except BaseException:  # interrupted or failed while starting: no rank may wait for work forever
-            for process in (p for p in self._processes if p.pid is not None):
-                process.kill()
-                process.join()
-            raise
+        _start_all(self._processes)
 
     def run(self, world_size: int, fn, *args, timeout: float = 180.0) -> list:
         """Results of ``fn(rank, world_size, *args)`` on ranks 0..W-1, by rank; raises RankFailure."""
