@@ -78,7 +78,7 @@ def test_pre_commit_try_repo_runs_the_hook_on_changed_checkpoints(tmp_path):
     done = try_repo("r18.fused.safetensors", "raw.safetensors", "broken.safetensors")
     output = done.stdout + done.stderr
     assert done.returncode == 1 and "Failed" in done.stdout, output
-    assert "bnsurgeon verify resnet18 r18.fused.safetensors" in done.stdout, output
+    assert "bnsurgeon verify -- resnet18 r18.fused.safetensors" in done.stdout, output
     assert "all checks passed" in done.stdout and "r18.fused.safetensors: verify exited" not in done.stdout, output
     assert "raw.safetensors: no raw.safetensors.report.json and no --source" in done.stdout, output
     assert "broken.safetensors: verify exited 4" in done.stdout, output  # not a readable checkpoint
