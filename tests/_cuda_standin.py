@@ -19,6 +19,21 @@ meta tensors (no host read). The rules enforced:
 
 ``OpCounter`` counts every aten op dispatched, with each stand-in counted as the one
 kernel launch it replaces, and flags host reads and host-to-device copies.
+
+``StrictDevice`` (entered by ``installed()``) is the device itself, as strict as CUDA where a
+CPU is lenient:
+
+* a device assert (``aten._assert_async.msg``) whose message is 255 bytes or longer raises on
+  every call, whether the condition holds or not (CUDA checks the length on the host at
+  launch); meta tensors included;
+* a failed device assert poisons the device: every later op raises, as a CUDA context after
+  "device-side assert triggered" does, so a test cannot catch it and go on;
+* ``capture()`` is a stand-in CUDA graph capture: ops are recorded, not run (their outputs are
+  garbage until a replay: NaN floats, a sentinel in integers), a host read or a value copied
+  from the host raises, and the layers' ``device_checks.capturing`` answers True. ``replay()``
+  runs what was recorded, in order, into the same output tensors. A graph keeps the tensors it
+  allocated; a tensor it only read (made before capture) is held weakly, and a replay after
+  the owner dropped it raises, as a CUDA graph reading freed memory would read garbage.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -180,15 +196,6 @@ KERNELS = (
 )
 
 
-def install(monkeypatch) -> None:
-    """Route the device path to CPU/meta tensors through the stand-ins (pytest's monkeypatch)."""
-    from bnsurgeon.runtime import sync_function
-
-    for name in KERNELS:
-        monkeypatch.setattr(torch, name, globals()[name])
-    monkeypatch.setattr(sync_function, "uses_device_path", lambda x: True)
-
-
 def identical_ranks(monkeypatch, world_size: int = 2) -> None:
     """The device path's two collectives as ``world_size`` ranks holding the same batch would
     return them, each counted as the one collective op it replaces."""
@@ -220,20 +227,214 @@ def _collective(name: str, run) -> None:
 
 @contextlib.contextmanager
 def installed():
-    """``install`` for code that has no monkeypatch (a spawned rank)."""
-    from bnsurgeon.runtime import sync_function
+    """The stand-in kernels, the device path forced and a ``StrictDevice`` entered (yielded);
+    for code that has no monkeypatch (a spawned rank) and for tests that need the strict device."""
+    from bnsurgeon.runtime import device_checks, sync_function
 
     saved = {name: getattr(torch, name) for name in KERNELS}
     saved_choice = sync_function.uses_device_path
+    saved_on_host = sync_function.counts_on_host
+    saved_capturing = device_checks.capturing
+    device = StrictDevice()
     try:
         for name in KERNELS:
             setattr(torch, name, globals()[name])
         sync_function.uses_device_path = lambda x: True
-        yield
+        sync_function.counts_on_host = lambda x: False  # nothing lives on the host of a device
+        device_checks.capturing = lambda on: device.graph is not None
+        with device:
+            yield device
     finally:
         for name, value in saved.items():
             setattr(torch, name, value)
         sync_function.uses_device_path = saved_choice
+        sync_function.counts_on_host = saved_on_host
+        device_checks.capturing = saved_capturing
+
+
+#: CUDA's host check on a device assert's message, at every launch
+ASSERT_MESSAGE_LIMIT = 255
+_ASSERTS = {"aten._assert_async.msg", "aten._assert_async.default"}
+#: ops that read a device value on the host, or make a device value from a host one
+_HOST_TRAFFIC = {
+    "aten._local_scalar_dense.default",
+    "aten.equal.default",
+    "aten.is_nonzero.default",
+    "aten.item.default",
+    "aten.lift_fresh.default",
+    "aten.nonzero.default",
+    "aten.masked_select.default",
+}
+
+
+class DevicePoisoned(RuntimeError):
+    """What every op raises after a failed device assert."""
+
+
+class StrictDevice(TorchDispatchMode):
+    """The CPU as strict as a CUDA device: assert messages, poisoning, capture (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.poisoned: "str | None" = None
+        self.graph: "StandinGraph | None" = None
+        self.asserts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.poisoned is not None:
+            raise DevicePoisoned(
+                f"CUDA error: device-side assert triggered (stand-in device unusable since: {self.poisoned})"
+            )
+        name = str(func)
+        if name in _ASSERTS:
+            return self._assert(func, args, kwargs)
+        if self.graph is not None:
+            return self.graph.capture(func, name, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _assert(self, func, args, kwargs):
+        message = args[1] if len(args) > 1 else kwargs.get("assert_msg", "")
+        if len(message.encode("utf-8")) >= ASSERT_MESSAGE_LIMIT:
+            raise RuntimeError(f"Message length must be smaller than {ASSERT_MESSAGE_LIMIT} (got {len(message)})")
+        self.asserts += 1
+        if self.graph is not None:
+            self.graph.record("assert", func, args, kwargs, None)
+            return None
+        condition = args[0]
+        if condition.device.type != "meta" and not bool(condition):
+            self.poisoned = message
+            raise RuntimeError(f"CUDA error: device-side assert triggered: {message}")
+        return None
+
+    @contextlib.contextmanager
+    def capture(self):
+        """A stand-in ``torch.cuda.graph`` capture; yields the graph to ``replay()``."""
+        assert self.graph is None, "captures do not nest"
+        graph = self.graph = StandinGraph(self)
+        try:
+            yield graph
+        finally:
+            self.graph = None
+
+
+def _garbage_like(meta: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype)
+    if out.is_floating_point() or out.is_complex():
+        return out.fill_(float("nan"))
+    return out.fill_(True if out.dtype == torch.bool else 77)
+
+
+def _map(value, function):
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, function) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(v, function) for k, v in value.items()}
+    return value
+
+
+def _to_meta(value):
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    if isinstance(value, (list, tuple, dict)) or isinstance(value, torch.Tensor):
+        return _map(value, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    return value
+
+
+class StandinGraph:
+    """What a stand-in capture recorded; ``replay()`` runs it (module docstring)."""
+
+    def __init__(self, device: StrictDevice) -> None:
+        self.device = device
+        self.records: list = []
+        self._owned: dict[int, torch.Tensor] = {}  # id -> tensor this graph allocated (kept alive, as its pool)
+
+    def _own(self, value):
+        _map(value, lambda t: self._owned.setdefault(id(t), t))
+        return value
+
+    def _hold(self, value):
+        """A tensor argument as the graph keeps it: owned strongly, anything else weakly."""
+
+        def hold(t):
+            if self._owned.get(id(t)) is t:
+                return ("owned", t)
+            return ("weak", weakref.ref(t), str(tuple(t.shape)))
+
+        return _map(value, lambda t: _Held(hold(t)))
+
+    def record(self, kind, func, args, kwargs, outputs) -> None:
+        self.records.append((kind, func, self._hold(list(args)), self._hold(dict(kwargs)), outputs))
+
+    def capture(self, func, name: str, args, kwargs):
+        if name in _HOST_TRAFFIC:
+            raise RuntimeError(f"operation not permitted when stream is capturing ({name}: host traffic)")
+        if func.is_view:
+            return self._own(func(*args, **kwargs))
+        if func._schema.is_mutable:
+            if func._schema.name.endswith("_"):
+                result = args[0]
+            elif "out" in kwargs:
+                result = kwargs["out"]
+            else:
+                raise RuntimeError(f"the stand-in capture does not model {name}")
+            self.record("mutate", func, args, kwargs, None)
+            return result
+        shapes = func(*_to_meta(list(args)), **_to_meta(dict(kwargs)))
+        outputs = _map(shapes, _garbage_like)
+        self._own(outputs)
+        self.record("compute", func, args, kwargs, outputs)
+        return outputs
+
+    def replay(self) -> None:
+        """Run the recorded ops, in order, into the tensors the capture handed out."""
+        with torch.no_grad(), self.device:
+            for kind, func, args, kwargs, outputs in self.records:
+                args, kwargs = _resolve(args, func), _resolve(kwargs, func)
+                if kind == "assert":
+                    torch._assert_async(*args, **kwargs)
+                    continue
+                result = func(*args, **kwargs)
+                if kind == "compute":
+                    pairs = zip(_flat(outputs), _flat(result), strict=True)
+                    for old, new in pairs:
+                        old.copy_(new)
+
+
+class _Held:
+    __slots__ = ("held",)
+
+    def __init__(self, held) -> None:
+        self.held = held
+
+
+def _resolve(value, func):
+    if isinstance(value, _Held):
+        held = value.held
+        if held[0] == "owned":
+            return held[1]
+        tensor = held[1]()
+        if tensor is None:
+            raise RuntimeError(
+                f"graph replay of {func} reads a tensor of shape {held[2]} that was freed after capture "
+                "(on a GPU: garbage or an illegal memory access)"
+            )
+        return tensor
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resolve(v, func) for v in value)
+    if isinstance(value, dict):
+        return {k: _resolve(v, func) for k, v in value.items()}
+    return value
+
+
+def _flat(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flat(v)]
+    return []
 
 
 HOST_READS = {"aten._local_scalar_dense.default", "aten.equal.default", "aten.is_nonzero.default"}

@@ -140,6 +140,14 @@ def test_device_branch_header_mismatch_is_a_device_assert_naming_the_layer(monke
 
 import _cuda_standin  # noqa: E402
 
+
+@pytest.fixture
+def strict_device():
+    """The stand-in kernels and the strict stand-in device (``_cuda_standin.StrictDevice``)."""
+    with _cuda_standin.installed() as device:
+        yield device
+
+
 #: ops one forward + backward of a layer may dispatch on the CUDA path (torch's own Function launches 30 kernels)
 OPS_BOUND = 25
 #: a model cast to half keeps half running statistics: the merge runs on float32 copies written back (4 ops),
@@ -197,12 +205,11 @@ def _step(x, dy, bn, name="layer"):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_path_matches_plain_bn_under_the_cuda_kernels_dtype_rules(monkeypatch, case):
+def test_cuda_path_matches_plain_bn_under_the_cuda_kernels_dtype_rules(strict_device, monkeypatch, case):
     """The CUDA path on CPU values through stand-ins that compute and refuse what the CUDA kernels
     do (half models crashed in backward on a GPU: the input-gradient kernel takes a float32 weight),
     two identical ranks, against plain BN on the doubled batch in float64: within a few units of
     the input dtype's rounding; the output keeps the input's dtype and memory format."""
-    _cuda_standin.install(monkeypatch)
     _cuda_standin.identical_ranks(monkeypatch)
     _, _, _, ours, x_ours, dy_ours = _case_tensors(CASES[case])
     plain = copy.deepcopy(ours).double()  # the reference sees the same rounded values, in float64
@@ -258,13 +265,12 @@ def test_cuda_kernel_standins_refuse_what_the_gpu_refused():
         "fp16 model",
     ],
 )
-def test_cuda_path_dispatch_count_collectives_and_no_host_traffic(monkeypatch, case):
+def test_cuda_path_dispatch_count_collectives_and_no_host_traffic(strict_device, monkeypatch, case):
     """On meta tensors (no data: any host read raises), with each CUDA kernel counted as one op:
     one forward + backward dispatches at most OPS_BOUND ops (torch's Function launches 30 kernels;
     this path dispatched 73 before), issues exactly two collectives (one each way; the header rides
     in the forward's), and never reads a value or copies from the host, first call included (the
     header was built on the host and copied: a sync, and a first call no CUDA graph could capture)."""
-    _cuda_standin.install(monkeypatch)
     _cuda_standin.identical_ranks(monkeypatch)
     _, _, _, ours, x, dy = _case_tensors(CASES[case])
     ours, x, dy = ours.to("meta"), x.detach().to("meta").requires_grad_(), dy.to("meta")

@@ -310,6 +310,11 @@ class ReplicaFailedError(RuntimeError):
     """A DataParallel replica failed inside a sync layer: the other replicas stop instead of waiting for it."""
 
 
+class GraphCaptureError(RuntimeError):
+    """A sync layer's first training call ran inside CUDA graph capture: its device constants would be
+    recorded instead of made (garbage for eager calls, re-made at every replay)."""
+
+
 def first_line(error: "BaseException | str", default: str = "no message") -> str:
     """The first line of an exception's (or a text's) message, at most 200 characters: what a one-line
     error quotes of a third party's message."""

@@ -35,12 +35,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bnsurgeon.runtime.identity import HEADER, filled_on_device
+from bnsurgeon.runtime.device_checks import device_assert, short_name
+from bnsurgeon.runtime.identity import HEADER, header_mismatch_message
 from bnsurgeon.runtime.recompute import GlobalStats
-
-#: local count value -> the (1,) tensor that carries it, per device and dtype (made by a fill, once)
-_COUNTS: dict = {}
-_COUNTS_LIMIT = 256
 
 
 def stats_dtype_of(dtype: torch.dtype) -> torch.dtype:
@@ -49,13 +46,13 @@ def stats_dtype_of(dtype: torch.dtype) -> torch.dtype:
 
 
 def _count_tensor(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (count, dtype, device)
-    tensor = _COUNTS.get(key)
-    if tensor is None:
-        if len(_COUNTS) >= _COUNTS_LIMIT:
-            _COUNTS.clear()
-        tensor = _COUNTS[key] = filled_on_device([count], dtype, device)
-    return tensor
+    """The (1,) tensor of this rank's count: one fill kernel whose value is a launch argument.
+
+    Not cached: a captured CUDA graph reads the very tensor it recorded, so a cache that
+    evicted one (multi-scale training, ragged last batches) left a graph reading freed memory,
+    and a cache miss during capture recorded the fill instead of running it.
+    """
+    return torch.full((1,), count, dtype=dtype, device=device)
 
 
 def all_gather_into(gathered: torch.Tensor, row: torch.Tensor, group) -> None:
@@ -94,14 +91,20 @@ def forward(
     running_mean,
     running_var,
     eps: float,
-    momentum: float,
+    momentum,
     group,
     world_size: int,
     identity,
     remember: bool,
     replay: bool,
 ):
-    """(y, GlobalStats) of the synchronized batch norm of ``x`` (a CUDA tensor in its memory format)."""
+    """(y, GlobalStats) of the synchronized batch norm of ``x`` (a CUDA tensor in its memory format).
+
+    ``momentum``: a float, or a device tensor holding the factor (``momentum=None``: the cumulative
+    average, 1 / num_batches_tracked, never read on the host). ``replay`` (a checkpoint recompute)
+    synchronizes again with the last call's header and leaves the running statistics alone: a device
+    layer stashes nothing (recompute.py), so ``remember`` has no effect here.
+    """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     stats_dtype = stats_dtype_of(x.dtype)
@@ -111,11 +114,6 @@ def forward(
         local_mean = torch.zeros(channels, dtype=stats_dtype, device=x.device)
         local_invstd = torch.ones(channels, dtype=stats_dtype, device=x.device)
     name = identity.name if identity is not None else "<anonymous>"
-    if replay:
-        fingerprint = torch.cat([local_mean, local_invstd, _count_tensor(count, stats_dtype, x.device)])
-        stats = identity.stash.take(fingerprint, False, name)
-        if stats is not None:  # a recognised checkpoint recompute: the original forward's statistics
-            return _normalize(x, weight, bias, stats, eps), stats
     if identity is not None:
         header = identity.header_for(x.device, x.dtype, channels, stats_dtype, advance=not replay)
     else:
@@ -127,13 +125,9 @@ def forward(
 
     counts, order = gathered.select(1, -1).sort(descending=True, stable=True)
     headers, means, invstds, _ = gathered.index_select(0, order).split([HEADER, channels, channels, 1], dim=1)
-    torch._assert_async(
-        (headers == header).all(),
-        f"bnsurgeon: sync layer '{name}' met other ranks at a different layer or call "
-        "(rerun with BNSURGEON_SYNC_DEBUG=1 to name every rank's layer)",
-    )
+    device_assert((headers == header).all(), header_mismatch_message(name))
     if count <= 1:  # only a rank holding at most one value can be part of a global batch of one
-        torch._assert_async(counts.sum() != 1, one_value_message(x.shape, world_size, name))
+        device_assert(counts.sum() != 1, one_value_message(x.shape, world_size, short_name(name)))
 
     mean, invstd = _merge(
         means,
@@ -147,9 +141,7 @@ def forward(
         empty_here=count == 0,
         update=not replay,
     )
-    stats = GlobalStats(mean, None, invstd, counts.to(torch.int32), None, row[HEADER:] if remember else None)
-    if identity is not None and remember and not replay:
-        identity.stash.remember(stats)
+    stats = GlobalStats(mean, None, invstd, counts.to(torch.int32), None)
     return _normalize(x, weight, bias, stats, eps), stats
 
 
@@ -159,6 +151,8 @@ def _merge(
     """Global (mean, invstd) from the ordered rows; the running statistics updated as plain BN's would be."""
     if not update or running_mean is None or running_var is None:
         return torch.batch_norm_gather_stats_with_counts(means, means, invstds, None, None, 0.0, eps, counts)
+    if isinstance(momentum, torch.Tensor):
+        return _merge_cumulative(means, invstds, counts, running_mean, running_var, eps, momentum, stats_dtype)
     direct = running_mean.dtype == stats_dtype and running_var.dtype == stats_dtype and not empty_here
     if direct:
         return torch.batch_norm_gather_stats_with_counts(
@@ -174,6 +168,22 @@ def _merge(
         new_var = torch.where(anything, new_var, running_var.to(stats_dtype))
     running_mean.copy_(new_mean)
     running_var.copy_(new_var)
+    return mean, invstd
+
+
+def _merge_cumulative(means, invstds, counts, running_mean, running_var, eps, factor, stats_dtype):
+    """The merge with a device-held momentum factor (``momentum=None``): the kernel writes the batch's
+    mean and unbiased variance into zeroed copies (momentum 1: exactly the values), then one
+    interpolation each, kept only where the global batch is not empty."""
+    batch_mean = torch.zeros_like(means[0])
+    batch_var = torch.zeros_like(means[0])
+    mean, invstd = torch.batch_norm_gather_stats_with_counts(
+        means, means, invstds, batch_mean, batch_var, 1.0, eps, counts
+    )
+    weight = torch.where(counts.sum() > 0, factor.to(stats_dtype), 0.0)
+    for buffer, value in ((running_mean, batch_mean), (running_var, batch_var)):
+        value = torch.where(weight > 0, value, 0.0)  # an empty global batch: NaN must not reach lerp
+        buffer.copy_(buffer.to(stats_dtype).lerp(value, weight))
     return mean, invstd
 
 

@@ -34,7 +34,7 @@ collective. ``BNSURGEON_SYNC_DEBUG=1`` adds that collective (``debug.py``): a fi
 header gather before every collective, which names those mismatches too.
 
 On the CPU the comparison is a host read of the gathered header (the rows are on the
-host already). On devices it is ``torch._assert_async`` (no host synchronization): the
+host already). On devices it is a device assert (``device_checks.device_assert``, no host synchronization): the
 error surfaces at the device's next synchronization, names this rank's layer, and on
 CUDA leaves the context unusable, as any device-side assert does.
 """
@@ -47,7 +47,9 @@ import weakref
 
 import torch
 
-from bnsurgeon.core.errors import DistributedMismatchError
+from bnsurgeon.core.errors import DistributedMismatchError, GraphCaptureError
+from bnsurgeon.runtime import device_checks
+from bnsurgeon.runtime.device_checks import device_assert, short_name
 from bnsurgeon.runtime.recompute import StatsStash
 
 HEADER = 8
@@ -125,6 +127,13 @@ class LayerIdentity:
         """
         key = (device, stats_dtype, input_dtype, channels)
         header = self._headers.get(key)
+        if header is None or (advance and (device, stats_dtype) not in _STEPS):
+            if device_checks.capturing(device):
+                raise GraphCaptureError(
+                    f"bnsurgeon: sync layer '{self.name}' met a new input kind ({channels} channels, {input_dtype}) "
+                    "inside CUDA graph capture, where its device constants would be recorded instead of made; run "
+                    "one eager training step with the same inputs before capturing (torch.cuda.graph's warm-up)"
+                )
         if header is None:
             slots = [(self.id >> shift) & 0xFFFF for shift in (48, 32, 16, 0)]
             slots += [channels % _SLOT_LIMIT, _dtype_code(input_dtype), 0, FORWARD]
@@ -209,8 +218,12 @@ def check_headers(gathered: torch.Tensor, group, on_host: bool, layer_name: str)
         if not torch.equal(headers, headers[:1].expand_as(headers)):
             raise mismatch_error(headers, group)
         return
-    torch._assert_async(
-        (headers == headers[:1]).all(),
-        f"bnsurgeon: sync layer '{layer_name}' met other ranks at a different layer or call "
-        "(rerun with BNSURGEON_SYNC_DEBUG=1 to name every rank's layer)",
+    device_assert((headers == headers[:1]).all(), header_mismatch_message(layer_name))
+
+
+def header_mismatch_message(layer_name: str) -> str:
+    """What a device assert says when ranks met at different layers (within CUDA's message limit)."""
+    return (
+        f"bnsurgeon: sync layer '{short_name(layer_name)}' met other ranks at a different layer or call "
+        "(rerun with BNSURGEON_SYNC_DEBUG=1 to name every rank's layer)"
     )

@@ -24,7 +24,7 @@ from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, att
 from bnsurgeon.runtime import replicas
 from bnsurgeon.runtime.identity import LayerIdentity, default_name
 from bnsurgeon.runtime.recompute import recomputing
-from bnsurgeon.runtime.sync_function import SyncBatchNormFunction
+from bnsurgeon.runtime.sync_function import SyncBatchNormFunction, cumulative_factor
 
 _TORCH_TAKES_BIAS = "bias" in inspect.signature(nn.SyncBatchNorm.__init__).parameters
 
@@ -175,12 +175,24 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
     @torch.jit.unused
     def _sync_forward(
-        self, x: torch.Tensor, running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], factor: float
+        self,
+        x: torch.Tensor,
+        running_mean: Optional[torch.Tensor],
+        running_var: Optional[torch.Tensor],
+        factor: float,
+        cumulative: bool = False,
     ) -> Optional[torch.Tensor]:
-        """The synchronized batch norm, or None when torch would run plain BN (no group, world of one)."""
+        """The synchronized batch norm, or None when torch would run plain BN (no group, world of one).
+
+        ``cumulative`` (``momentum=None``): the factor is 1 / num_batches_tracked, read on the host only
+        on the CPU; on a device it stays a tensor, so the step has no host read and can be captured.
+        """
         group, world_size = self._sync_group()
         if world_size <= 1:
             return None
+        momentum: Any = factor
+        if cumulative and self.num_batches_tracked is not None:
+            momentum = cumulative_factor(self.num_batches_tracked, x.dtype)
         return SyncBatchNormFunction.apply(
             x,
             self.weight,
@@ -188,7 +200,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             running_mean,
             running_var,
             self.eps,
-            factor,
+            momentum,
             group,
             world_size,
             self._identity,
@@ -257,19 +269,22 @@ class SyncBatchNorm(nn.SyncBatchNorm):
                     return synced
             counts = not recomputing()  # a checkpoint recompute counts no batch (recompute.py)
         factor = 0.0 if self.momentum is None else self.momentum
+        cumulative = False
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             if counts:
                 self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            cumulative = self.momentum is None
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         use_buffers = not self.training or self.track_running_stats
         running_mean = self.running_mean if use_buffers else None
         running_var = self.running_var if use_buffers else None
 
         if bn_training and self.training and not torch.jit.is_scripting():
-            synced = self._sync_forward(x, running_mean, running_var, factor)
+            synced = self._sync_forward(x, running_mean, running_var, factor, cumulative)
             if synced is not None:
                 return synced
+        if cumulative and self.num_batches_tracked is not None:  # plain BN, as torch's: a float factor
+            factor = 1.0 / float(self.num_batches_tracked)
         return F.batch_norm(x, running_mean, running_var, self.weight, self.bias, bn_training, factor, self.eps)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

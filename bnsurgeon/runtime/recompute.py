@@ -18,8 +18,14 @@ a second time (torch's SyncBatchNorm does both, pytorch#96136). Here:
 - **The recompute** computes its local row (one pass, no collective), takes the oldest stashed
   entry with the same fingerprint (bit-equal: the recompute sees the same input) and
   normalizes with those statistics: no collective, no running-stat update, no call count.
-  On devices the host never reads the fingerprints: the oldest entry is taken and a
-  device-side assert checks its fingerprint.
+  The search is by value, so one layer run on several checkpointed inputs (the backbone
+  called once per view: BYOL, SimSiam, MoCo v3) and stale entries (a train-mode forward
+  whose backward never ran: ``update_bn``, pseudo-labels under ``no_grad``) are found.
+- **On devices** the host cannot compare fingerprints without a synchronization, and a device
+  assert that picked an entry blindly killed the CUDA context whenever the order differed
+  (view 2's backward runs first). So a device layer stashes nothing and every recompute
+  synchronizes again, as below: every rank recomputes the same layers in the same order, so
+  the merged statistics are the original forward's, bit for bit, at one collective more.
 - **Not recognised** (a recompute with no stashed entry, e.g. a user's own scheme, or more
   than ``STASH_LIMIT`` pending calls): the recompute synchronizes again, with the same header
   on every rank, and leaves the running statistics alone. Outputs and gradients stay exact;
@@ -82,24 +88,11 @@ class StatsStash:
         except ValueError:
             pass
 
-    def take(self, fingerprint: torch.Tensor, on_host: bool, name: str) -> Optional[GlobalStats]:
-        """The stashed statistics of the forward this recompute replays, or None."""
-        if not self._entries:
-            return None
-        if on_host:
-            for entry in self._entries:
-                stashed = entry.fingerprint
-                if stashed is not None and stashed.shape == fingerprint.shape and torch.equal(stashed, fingerprint):
-                    self._entries.remove(entry)
-                    return entry
-            return None
-        entry = self._entries.popleft()
-        if entry.fingerprint is None:  # stashed without one: it cannot be told apart, so it is not taken
-            return None
-        torch._assert_async(
-            torch.eq(entry.fingerprint, fingerprint).all(),
-            f"bnsurgeon: the recomputed forward of sync layer '{name}' (activation checkpointing) does not "
-            "replay its oldest pending forward; checkpoint segments that call one layer several times "
-            "out of order are not recognised on devices",
-        )
-        return entry
+    def take(self, fingerprint: torch.Tensor) -> Optional[GlobalStats]:
+        """The stashed statistics of the forward this recompute replays, or None (host values only)."""
+        for entry in self._entries:
+            stashed = entry.fingerprint
+            if stashed is not None and stashed.shape == fingerprint.shape and torch.equal(stashed, fingerprint):
+                self._entries.remove(entry)
+                return entry
+        return None

@@ -48,9 +48,15 @@ import torch.distributed as dist
 from torch import nn
 
 from bnsurgeon.core.errors import DistributedMismatchError, DistributedTimeoutError, ReplicaFailedError, UsageError
+from bnsurgeon.runtime.device_checks import device_assert, short_name
 from bnsurgeon.runtime.kernels import GenericKernels
 from bnsurgeon.runtime.recompute import may_be_recomputed, recomputing
-from bnsurgeon.runtime.sync_function import merge_stats, statistics_precision, update_running_stats
+from bnsurgeon.runtime.sync_function import (
+    cumulative_factor,
+    merge_stats,
+    statistics_precision,
+    update_running_stats,
+)
 from bnsurgeon.runtime.timeout import collective_timeout
 
 if TYPE_CHECKING:
@@ -269,8 +275,8 @@ def normalize_replica(module: "SyncBatchNorm", x: torch.Tensor) -> torch.Tensor:
         if module.num_batches_tracked is not None:
             if counts:
                 module.num_batches_tracked.add_(1)
-            if module.momentum is None:
-                factor = 1.0 / float(module.num_batches_tracked)
+            if module.momentum is None:  # a float on the CPU, a device tensor elsewhere (no host read)
+                factor = cumulative_factor(module.num_batches_tracked, x.dtype)
     return ReplicaSyncFunction.apply(x, module.weight, module.bias, running_mean, running_var, module.eps, factor, slot)
 
 
@@ -309,7 +315,9 @@ def _replica_stats(x: torch.Tensor, slot: ReplicaSlot, eps: float, kernels, repl
                 f"sync batch norm '{group.name}'"
             )
     else:
-        torch._assert_async(counted.ne(1), f"sync batch norm '{group.name}': 1 value per channel over all replicas")
+        device_assert(
+            counted.ne(1), f"sync batch norm '{short_name(group.name)}': 1 value per channel over all replicas"
+        )
     stats = _Stats(mean, var, torch.rsqrt(var + eps), total, call)
     if remember:
         slot.stash.append((row, stats))

@@ -23,6 +23,7 @@ import torch
 
 from bnsurgeon.runtime import debug, device_path
 from bnsurgeon.runtime.collectives import all_gather_rows, all_reduce_sum
+from bnsurgeon.runtime.device_checks import device_assert, short_name
 from bnsurgeon.runtime.device_path import one_value_message
 from bnsurgeon.runtime.identity import HEADER, backward_header, check_headers, describe_header
 from bnsurgeon.runtime.kernels import GenericKernels, uses_device_path
@@ -45,7 +46,7 @@ def merge_stats(gathered: torch.Tensor, channels: int) -> tuple[torch.Tensor, to
     return total, mean.view(-1), var.view(-1)
 
 
-def update_running_stats(running_mean, running_var, mean, var, total, momentum: float) -> None:
+def update_running_stats(running_mean, running_var, mean, var, total, momentum: "float | torch.Tensor") -> None:
     """Momentum update; running_var takes the unbiased var over the global count.
 
     ``total`` is a Python number when it lives on the host (CPU), else a tensor, so that
@@ -197,8 +198,9 @@ def global_stats(
     """The statistics of the global batch from this rank's (mean, biased var) of an input of ``shape``.
 
     One all_gather of [header, count, mean, var]; the headers are checked and the rows merged.
-    ``replay`` (a checkpoint recompute) first looks for the original forward's statistics in
-    the stash: found, no collective; not found, synchronize again with the last call's header.
+    ``replay`` (a checkpoint recompute) on the host first looks for the original forward's
+    statistics in the stash: found, no collective; not found (and always on devices, which
+    stash nothing: recompute.py), synchronize again with the last call's header.
     Shared by the eager Function and the compiled path's custom op (sync_op.py).
     """
     channels = shape[1]
@@ -206,8 +208,8 @@ def global_stats(
     fingerprint = torch.cat([count, local_mean, local_var])
     on_host = counts_on_host(local_mean)
     name = identity.name if identity is not None else "<anonymous>"
-    if replay:
-        stats = identity.stash.take(fingerprint, on_host, name)
+    if replay and on_host:
+        stats = identity.stash.take(fingerprint)
         if stats is not None:  # a recognised recompute: the original forward's statistics
             return stats
     if identity is not None:
@@ -230,9 +232,9 @@ def global_stats(
         if total == 1:
             raise ValueError(one_value_message(shape, world_size, name))
     else:
-        torch._assert_async(counted.ne(1), one_value_message(shape, world_size, name))
+        device_assert(counted.ne(1), one_value_message(shape, world_size, short_name(name)))
     stats = GlobalStats(mean, var, torch.rsqrt(var + eps), total, local[:HEADER], fingerprint)
-    if identity is not None and remember and not replay:
+    if identity is not None and remember and not replay and on_host:
         identity.stash.remember(stats)
     return stats
 
@@ -282,6 +284,15 @@ def statistics_precision(x: torch.Tensor):
     if device_type in ("cpu", "cuda") and _autocast_on(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def cumulative_factor(num_batches_tracked: torch.Tensor, input_dtype: torch.dtype):
+    """``momentum=None``'s factor, 1 / num_batches_tracked: a float where the counter lives on the host,
+    else a device tensor in the statistics' dtype (no host read: the step stays capturable)."""
+    if counts_on_host(num_batches_tracked):
+        return 1.0 / float(num_batches_tracked)
+    dtype = torch.float64 if input_dtype == torch.float64 else torch.float32
+    return num_batches_tracked.to(dtype).reciprocal()
 
 
 def counts_on_host(x: torch.Tensor) -> bool:
