@@ -30,6 +30,7 @@ _API = {
     "recalibrate_source": ("bnsurgeon.api", "recalibrate_source"),
     "recalibrate_averaged": ("bnsurgeon.api", "recalibrate_averaged"),
     "RecalibrationReport": ("bnsurgeon.api", "RecalibrationReport"),
+    "run_script": ("bnsurgeon.launch.script", "run_script"),
     # the errors a caller may catch: BnSurgeonError and its subclasses carry ``exit_code`` (the CLI's exit
     # status) and ``hint`` (the fix); the distributed ones are RuntimeErrors raised inside training
     "BnSurgeonError": ("bnsurgeon.core.errors", "BnSurgeonError"),

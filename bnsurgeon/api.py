@@ -19,6 +19,7 @@ from bnsurgeon.checks.eval_check import (  # noqa: F401
 )
 from bnsurgeon.core.running import preserved_modes  # noqa: F401
 from bnsurgeon.files.conversion import save, write_reports  # noqa: F401
+from bnsurgeon.launch.script import ScriptRaised, run_script  # noqa: F401
 from bnsurgeon.loading.architecture import Architecture, LoadedSource  # noqa: F401
 from bnsurgeon.loading.rebuild import load, rebuild_from_checkpoint  # noqa: F401
 from bnsurgeon.pipeline import ConvertOutcome, RecalibrateOutcome, convert_source, inspect, recalibrate_source, verify  # noqa: F401  # noqa: F401

@@ -697,6 +697,68 @@ def recalibrate(
         raise
 
 
+@app.command(cls=_Command, context_settings={"allow_interspersed_args": False})
+def run(
+    script: str = typer.Argument(
+        ..., metavar="SCRIPT", show_default=False, help="The training script (with -m: the module) to run."
+    ),
+    args: Optional[List[str]] = typer.Argument(
+        None, metavar="[ARGS]...", show_default=False, help="The script's own arguments, passed on unchanged."
+    ),
+    module: bool = typer.Option(False, "-m", "--module", help="SCRIPT is a module, run as `python -m` runs it."),
+    report: Optional[Path] = typer.Option(
+        None,
+        "--report",
+        metavar="PATH",
+        help="Write each conversion's JSON report (the document convert writes as OUT.report.json) to PATH; "
+        "a second conversion's to NAME.2.json, and so on (rank 0).",
+    ),
+    allow_unhandled: bool = typer.Option(
+        False,
+        "--allow-unhandled",
+        help="Leave BN-like modules no rule claims as they are (listed in the report) instead of stopping the run.",
+    ),
+    rules: Optional[List[str]] = RulesOption,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary line; errors and the script's output only."),
+) -> None:
+    """Run a training script with bnsurgeon's exact sync BN wherever it converts to sync BN.
+
+    \b
+      torchrun --nproc-per-node 2 -m bnsurgeon run train.py --sync-bn ...
+      bnsurgeon run train.py ARGS...          bnsurgeon run -m package.train ARGS...
+
+    SCRIPT runs as __main__, as python runs it: its sys.argv, sys.path[0], __file__, output, exit code
+    and traceback are its own. While it runs, each sync-BN converter it calls does bnsurgeon's exact
+    conversion: torch.nn.SyncBatchNorm.convert_sync_batchnorm (its process_group kept), timm's
+    convert_sync_batchnorm (imported by name too), Lightning's Trainer(sync_batchnorm=True) and its
+    revert after fit, mmengine's convert_sync_batchnorm and revert_sync_batchnorm (a runner's sync_bn).
+    Each converts only what the original converts (frozen BN stays frozen) and returns what it returns;
+    BN subclasses keep their activation, and the layers train on CPU (gloo) and GPU alike. A BN-like
+    class no rule claims stops the run where it converts, before training, with exit 7 (see
+    --allow-unhandled). Rank 0 prints one summary line per conversion on stderr.
+
+    Not covered: a model that builds torch.nn.SyncBatchNorm itself, with no converter call (detectron2
+    norm="SyncBN", OpenMMLab norm_cfg=dict(type="SyncBN")): call bnsurgeon.convert(model, "sync",
+    inplace=True) in the script for those.
+    """
+    from bnsurgeon.launch.script import ScriptRaised, run_script
+
+    try:
+        if rules:
+            _use_rules(rules)
+        run_script(script, args or [], module=module, allow_unhandled=allow_unhandled, report=report, quiet=quiet)
+    except ScriptRaised as raised:  # the script's own exception: shown and exited as python does
+        raised.show()
+        if raised.interrupted:
+            import signal
+
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        raise SystemExit(1) from None
+    except BnSurgeonError as error:
+        _fail(error.message, error.hint, error.exit_code)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,7 @@
+"""``bnsurgeon run``: a user's training script, unedited, with bnsurgeon's exact sync BN.
+
+``script.py`` runs the script (or module) as ``__main__`` the way ``python`` does;
+``converters.py`` swaps every known sync-BN converter (torch's, timm's, Lightning's and
+mmengine's) for bnsurgeon's exact conversion while it runs. Nothing here imports torch
+until the script does.
+"""

@@ -1,0 +1,420 @@
+"""Every known sync-BN converter, replaced by bnsurgeon's exact conversion while a script runs.
+
+=========================================================  =============================================
+converter the script (or its framework) calls              what runs instead
+=========================================================  =============================================
+``torch.nn.SyncBatchNorm.convert_sync_batchnorm``          ``convert(module, "sync", process_group=...,
+(classmethod; Lightning's ``sync_batchnorm=True`` calls    inplace=True)``: children converted in place,
+it from ``TorchSyncBatchNorm.apply``)                      the (possibly new) root returned, as torch does
+``timm.layers.convert_sync_batchnorm``                     the same, with its ``process_group``
+``mmengine.model.utils.convert_sync_batchnorm``            the same for ``implementation="torch"``
+                                                           (``"mmcv"``, a CUDA op: mmengine's own)
+Lightning's ``TorchSyncBatchNorm.revert``,                 ``convert(module, "plain")`` of bnsurgeon's
+``mmengine.model.utils.revert_sync_batchnorm``             layers (the exact original classes), then the
+                                                           original for any other SyncBatchNorm
+=========================================================  =============================================
+
+Only what the original would convert is converted: each replacement runs the surgery with a
+registry in which the classes the original leaves alone are kept (torch's, timm's and
+mmengine's converters take ``_BatchNorm`` subclasses: frozen BN stays frozen; the reverts take
+bnsurgeon's sync layers). A BN-like module that no rule claims is refused as ``convert``
+refuses it, so the script stops where it converts, before it trains.
+
+Nothing is imported to patch it: a finder on ``sys.meta_path`` patches each converter's module
+the moment that module has executed, so a script that never imports Lightning does not pay
+for it, and ``bnsurgeon run`` starts without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+from bnsurgeon.core.errors import BnSurgeonError
+
+if TYPE_CHECKING:
+    from bnsurgeon.surgery.report import Report
+
+TORCH = "torch.nn.SyncBatchNorm.convert_sync_batchnorm"
+TIMM = "timm.layers.convert_sync_batchnorm"
+LIGHTNING_REVERT = "Lightning TorchSyncBatchNorm.revert"
+MMENGINE = "mmengine.model.utils.convert_sync_batchnorm"
+MMENGINE_REVERT = "mmengine.model.utils.revert_sync_batchnorm"
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Conversion:
+    """One call of a converter: which, from where, and the surgery's report."""
+
+    converter: str
+    called_at: str
+    report: "Report"
+
+
+@dataclass
+class ConversionLog:
+    """The options every replaced converter uses, and what the calls did.
+
+    ``refusal`` is the error a replaced converter raised (an unhandled BN-like class, an
+    uninitialized lazy BN): the runner tells it from the script's own exceptions by identity.
+    """
+
+    allow_unhandled: bool = False
+    report_path: Path | None = None
+    quiet: bool = False
+    conversions: list[Conversion] = field(default_factory=list)
+    refusal: BnSurgeonError | None = None
+
+    def record(self, converter: str, called_at: str, report: "Report") -> None:
+        """Keep the call; on rank 0, print its summary line and write its report."""
+        from bnsurgeon import __version__
+
+        report.source = f"{converter} at {called_at}"
+        report.tool_version = report.tool_version or __version__
+        conversion = Conversion(converter, called_at, report)
+        self.conversions.append(conversion)
+        if rank() != 0:
+            return
+        if not self.quiet:
+            print(summary(conversion), file=sys.stderr, flush=True)
+        if self.report_path is not None:
+            from bnsurgeon.files.safewrite import write_files
+
+            path = numbered(self.report_path, len(self.conversions))
+            text = report.to_json() + "\n"
+            write_files({path: lambda temp: temp.write_text(text)}, force=True)
+
+
+def numbered(path: Path, count: int) -> Path:
+    """``--report run.json``: the first conversion's report there, the second's in ``run.2.json``, ..."""
+    return path if count == 1 else path.with_name(f"{path.stem}.{count}{path.suffix}")
+
+
+def summary(conversion: Conversion) -> str:
+    """The one line rank 0 prints for a conversion."""
+    from bnsurgeon.core.layout import counted
+    from bnsurgeon.surgery.report import short
+
+    report = conversion.report
+    classes = ", ".join(
+        f"{short(source)} -> {short(target)} {count}" for (source, target), count in report.class_changes().items()
+    )
+    what = "to bnsurgeon's exact sync BN" if report.target == "sync" else "back to their original classes"
+    return (
+        f"bnsurgeon run: {conversion.converter} at {conversion.called_at}: "
+        f"{counted(len(report.changed), 'module')} {what}" + (f" ({classes})" if classes else "") + f"; "
+        f"{len(report.kept)} kept, {len(report.unhandled)} unhandled"
+    )
+
+
+def rank() -> int:
+    """This process's rank: the default group's when it exists, else torchrun's RANK, else 0."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def called_at() -> str:
+    """``file:line`` of the first caller outside bnsurgeon (the script, or the framework that converts)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _scoped_registry(target: str, converts: Callable[[type], bool], reason: str) -> Any:
+    """The process-wide registry, except that for a class the original converter would leave alone
+    the ``target`` builder keeps the module (and the report says why)."""
+    from dataclasses import replace
+
+    from bnsurgeon.rules import Registry, default_registry
+
+    base = default_registry()
+
+    def keep(module: Any, context: Any) -> Any:
+        return context.keep(module, reason)
+
+    class Scoped(Registry):
+        def lookup(self, cls: type) -> Any:
+            rule = base.lookup(cls)
+            if rule is None or converts(cls):
+                return rule
+            return replace(rule, targets={**rule.targets, target: keep})
+
+    return Scoped()
+
+
+def _surgery(
+    log: ConversionLog,
+    converter: str,
+    module: Any,
+    target: str,
+    converts: Callable[[type], bool],
+    *,
+    process_group: Any = None,
+    allow_unhandled: bool,
+) -> Any:
+    """bnsurgeon's conversion in place under the name of ``converter``; a refusal is kept in the log."""
+    from bnsurgeon.surgery.walk import convert
+
+    where = called_at()
+    registry = _scoped_registry(target, converts, f"{converter} does not convert this class")
+    try:
+        result = convert(
+            module,
+            target,
+            allow_unhandled=allow_unhandled,
+            process_group=process_group,
+            inplace=True,
+            registry=registry,
+        )
+    except BnSurgeonError as error:
+        error.message = f"{converter} (called at {where}): {error.message}"
+        error.args = (error.message,)
+        log.refusal = error
+        raise
+    log.record(converter, where, result.report)
+    return result.model
+
+
+def _sync(log: ConversionLog, converter: str, module: Any, process_group: Any, batch_norm: type) -> Any:
+    return _surgery(
+        log,
+        converter,
+        module,
+        "sync",
+        lambda cls: issubclass(cls, batch_norm),
+        process_group=process_group,
+        allow_unhandled=log.allow_unhandled,
+    )
+
+
+def _plain(log: ConversionLog, converter: str, module: Any) -> Any:
+    """bnsurgeon's sync layers back to their exact original classes; nothing else touched (after
+    training, a class no rule claims is left as it is rather than stopping the script)."""
+    from bnsurgeon.runtime.layers import SyncBatchNorm
+
+    return _surgery(log, converter, module, "plain", lambda cls: issubclass(cls, SyncBatchNorm), allow_unhandled=True)
+
+
+_local = threading.local()
+
+
+def _passing_through() -> bool:
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _pass_through() -> Iterator[None]:
+    """While an original revert runs on what bnsurgeon left: its recursive calls reach the
+    original again, not the replacement."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _modules_holding(value: object) -> Iterator[tuple[dict, str]]:
+    """(namespace, name) of every imported module's global bound to ``value``."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, held in list(namespace.items()):
+            if held is value:
+                yield namespace, name
+
+
+def swap_function(home: ModuleType, name: str, replacement: Callable) -> Callable[[], None]:
+    """Bind ``replacement`` in place of ``home.name`` in every module namespace that holds the original.
+
+    Why names and not the function's ``__code__``: a swapped code object would run with the
+    original's globals (timm's namespace) and closure, so it could reach bnsurgeon only through
+    names planted in that namespace; it would change a function object everyone shares for good,
+    with a traceback through it naming timm's file at bnsurgeon's line numbers; and restoring it
+    means swapping the code of a live function. Replacing the name is visible and reversible,
+    and it covers every way a script reaches the function: attribute look-ups at call time
+    (``timm.layers.convert_sync_batchnorm(m)``), names bound by ``from ... import`` after the
+    patch (the finder patches ``timm.layers.norm_act`` the moment it has executed, before
+    ``timm.layers`` re-exports it, so a script's module-level import gets the replacement), and
+    names bound before (the scan of ``sys.modules`` below). It misses only a reference kept
+    outside any module namespace before the run started; neither timm nor mmengine keeps one,
+    and the patch is in place before the script's first line.
+    """
+    original = getattr(home, name)
+    functools.update_wrapper(replacement, original)
+    for namespace, bound in [(vars(home), name), *_modules_holding(original)]:
+        namespace[bound] = replacement
+
+    def undo() -> None:
+        for namespace, bound in _modules_holding(replacement):
+            namespace[bound] = original
+
+    return undo
+
+
+def _patch_torch(module: ModuleType, log: ConversionLog) -> Callable[[], None]:
+    sync_class = module.SyncBatchNorm
+    original = sync_class.__dict__["convert_sync_batchnorm"]
+    batch_norm = module._BatchNorm
+
+    def convert_sync_batchnorm(cls: type, module: Any, process_group: Any = None) -> Any:
+        """torch's classmethod, as bnsurgeon's exact conversion (children in place, the root returned)."""
+        return _sync(log, TORCH, module, process_group, batch_norm)
+
+    functools.update_wrapper(convert_sync_batchnorm, original.__func__)
+    sync_class.convert_sync_batchnorm = classmethod(convert_sync_batchnorm)
+    return lambda: setattr(sync_class, "convert_sync_batchnorm", original)
+
+
+def _batch_norm_class() -> type:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return _BatchNorm
+
+
+def _patch_timm(module: ModuleType, log: ConversionLog) -> Callable[[], None]:
+    def convert_sync_batchnorm(module: Any, process_group: Any = None) -> Any:
+        return _sync(log, TIMM, module, process_group, _batch_norm_class())
+
+    return swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm)
+
+
+def _patch_lightning(module: ModuleType, log: ConversionLog) -> Callable[[], None]:
+    """Lightning's apply calls torch's classmethod (replaced above); its revert would rebuild every
+    SyncBatchNorm, bnsurgeon's act variant included, as a dimension-less ``_BatchNormXd``."""
+    cls = module.TorchSyncBatchNorm
+    original = cls.__dict__["revert"]
+
+    def revert(self: Any, model: Any) -> Any:
+        if _passing_through():
+            return original(self, model)
+        model = _plain(log, LIGHTNING_REVERT, model)
+        with _pass_through():
+            return original(self, model)
+
+    functools.update_wrapper(revert, original)
+    cls.revert = revert
+    return lambda: setattr(cls, "revert", original)
+
+
+def _patch_mmengine(module: ModuleType, log: ConversionLog) -> Callable[[], None]:
+    convert_original = module.convert_sync_batchnorm
+    revert_original = module.revert_sync_batchnorm
+
+    def convert_sync_batchnorm(module: Any, implementation: str = "torch") -> Any:
+        if implementation != "torch":  # mmcv's SyncBatchNorm: a CUDA op of its own, left to mmengine
+            return convert_original(module, implementation)
+        return _sync(log, MMENGINE, module, None, _batch_norm_class())
+
+    def revert_sync_batchnorm(module: Any) -> Any:
+        if _passing_through():
+            return revert_original(module)
+        module = _plain(log, MMENGINE_REVERT, module)
+        with _pass_through():
+            return revert_original(module)
+
+    undo_convert = swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm)
+    undo_revert = swap_function(module, "revert_sync_batchnorm", revert_sync_batchnorm)
+
+    def undo() -> None:
+        undo_revert()
+        undo_convert()
+
+    return undo
+
+
+#: module whose execution defines the converter -> how to replace it (returns how to undo it)
+PATCHES: dict[str, Callable[[ModuleType, ConversionLog], Callable[[], None]]] = {
+    "torch.nn.modules.batchnorm": _patch_torch,
+    "timm.layers.norm_act": _patch_timm,
+    "lightning.pytorch.plugins.layer_sync": _patch_lightning,
+    "pytorch_lightning.plugins.layer_sync": _patch_lightning,
+    "mmengine.model.utils": _patch_mmengine,
+}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The module's own loader, then the patch; the module keeps its own loader afterwards."""
+
+    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        module.__loader__ = self._loader
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_data, is_package, ...: the real loader's
+        return getattr(self._loader, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds the converters' modules with the other finders, and patches each once it has executed."""
+
+    def __init__(self, patch: Callable[[str, ModuleType], None], names: Sequence[str]) -> None:
+        self._patch = patch
+        self._names = frozenset(names)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self._names:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader, functools.partial(self._patch, fullname))
+        return spec
+
+
+@contextlib.contextmanager
+def patched_converters(log: ConversionLog) -> Iterator[ConversionLog]:
+    """Every converter in ``PATCHES`` replaced while the block runs (those already imported at once,
+    the others when imported); all restored afterwards."""
+    undo: list[Callable[[], None]] = []
+    done: set[str] = set()
+
+    def patch(name: str, module: ModuleType) -> None:
+        if name not in done:
+            done.add(name)
+            undo.append(PATCHES[name](module, log))
+
+    finder = _PatchOnImport(patch, list(PATCHES))
+    sys.meta_path.insert(0, finder)
+    try:
+        for name in PATCHES:
+            if name in sys.modules:
+                patch(name, sys.modules[name])
+        yield log
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(finder)
+        for step in reversed(undo):
+            step()
