@@ -699,11 +699,10 @@ def directory_extras(directory: Path, loaded: LoadedSource, source: "Path | None
     """A recalibrated model directory's config.json (the one the model was built from) and, where the source directory
     has one, its preprocessor_config.json unchanged: from_pretrained and AutoImageProcessor read it as they read the
     source."""
-    import json
-
+    from bnsurgeon.core.json_text import dumps
     from bnsurgeon.files.model_directory import CONFIG_FILE
 
-    text = json.dumps(loaded.architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
+    text = dumps(loaded.architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
     writers = {directory / CONFIG_FILE: lambda temp: temp.write_text(text)}
     preprocessor = source / PREPROCESSOR_FILE if source is not None else None
     if preprocessor is not None and preprocessor.is_file():

@@ -102,9 +102,9 @@ class RecalibrationReport:
         return data
 
     def to_json(self) -> str:
-        import json
+        from bnsurgeon.core.json_text import dumps
 
-        return json.dumps(self.to_dict(), indent=2)
+        return dumps(self.to_dict(), indent=2)
 
     def to_markdown(self) -> str:
         lines = [

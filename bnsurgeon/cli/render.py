@@ -8,7 +8,6 @@ honoured). Nothing here imports torch: ``bnsurgeon rules`` renders without it.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -19,6 +18,7 @@ from rich.console import Console
 from rich.text import Text
 
 from bnsurgeon.core.errors import bounded
+from bnsurgeon.core.json_text import dumps
 from bnsurgeon.core.layout import Column, clipped, counted, printable, table_lines, wrap  # noqa: F401 (printable: every untrusted text's way out)
 from bnsurgeon.surgery.report import collapse_paths, short
 
@@ -81,7 +81,7 @@ def phases(out: Console, enabled: bool = True):
 
 
 def emit_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.write(dumps(data, indent=2, default=str) + "\n")
     sys.stdout.flush()
 
 

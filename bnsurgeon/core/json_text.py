@@ -1,7 +1,11 @@
-"""JSON read from files (bnsurgeon's metadata, a model directory's config.json): one reading only."""
+"""JSON read from files (bnsurgeon's metadata, a model directory's config.json): one reading only; and JSON written
+(``dumps``): strict, one convention for non-finite floats."""
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from typing import Any
 
 from bnsurgeon.core.layout import shown
@@ -23,3 +27,68 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise RepeatedKeyError(key)
         result[key] = value
     return result
+
+
+#: how a float that JSON cannot hold is written (strict JSON has no Infinity or NaN): a string that Python's
+#: ``float()`` and JavaScript's ``Number()`` both read back as the same value
+NON_FINITE = {float("inf"): "Infinity", float("-inf"): "-Infinity"}
+NAN_TEXT = "NaN"
+#: no document bnsurgeon writes nests deeper (its reports nest a few levels; a config a handful)
+MAX_WRITTEN_DEPTH = 200
+
+
+def strict(value: Any, depth: int = 0) -> Any:
+    """``value`` with every float JSON cannot hold (inf, -inf, nan; a dict key too) written as its string
+    (``NON_FINITE``, ``NAN_TEXT``); tuples become lists. Anything else is kept for ``json.dumps`` (and its
+    ``default``)."""
+    if depth > MAX_WRITTEN_DEPTH:
+        raise ValueError(f"a value nested more than {MAX_WRITTEN_DEPTH} deep cannot be written as JSON")
+    if isinstance(value, float):
+        return value if math.isfinite(value) else NON_FINITE.get(value, NAN_TEXT)
+    if isinstance(value, dict):
+        return {
+            strict(key, depth + 1) if isinstance(key, float) else key: strict(item, depth + 1)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [strict(item, depth + 1) for item in value]
+    return value
+
+
+def dumps(value: Any, *, indent: int | None = None, sort_keys: bool = False, default: Any = None) -> str:
+    """The one way bnsurgeon writes JSON (``--json``, the reports, a directory's config.json, metadata): strict
+    JSON that jq, ``JSON.parse``, Go and serde all read, non-finite floats written as strings (``strict``)."""
+    if default is not None:
+        inner = default
+
+        def default(item: Any) -> Any:  # what default makes (str of a tensor, say) is made strict too
+            return strict(inner(item))
+
+    return json.dumps(strict(value), indent=indent, sort_keys=sort_keys, default=default, allow_nan=False)
+
+
+class NonFiniteConstantError(ValueError):
+    """``NaN``, ``Infinity`` or ``-Infinity`` in JSON read from a file: Python's reader takes them, strict JSON has none."""
+
+    def __init__(self, constant: str) -> None:
+        super().__init__(f"{constant} is not a JSON value")
+        self.constant = constant
+
+
+def refuse_constant(constant: str) -> Any:
+    """``parse_constant`` for ``json.loads``: a file holding NaN or Infinity is not strict JSON, so refused."""
+    raise NonFiniteConstantError(constant)
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def nesting_depth(text: str) -> int:
+    """How deep JSON ``text`` nests (arrays and objects), found without parsing it: a reader recurses once per level,
+    so a file is measured before it is read."""
+    deepest = depth = 0
+    for bracket in _BRACKET.findall(_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest

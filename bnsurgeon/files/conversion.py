@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bnsurgeon import __version__
+from bnsurgeon.core.json_text import dumps
 from bnsurgeon.files.history import step
 from bnsurgeon.files.model_directory import CONFIG_FILE, WEIGHTS_FILE, pretrained_layout, write_into_directory
 from bnsurgeon.files.safewrite import write_files
@@ -133,7 +133,7 @@ def write_model_directory(
     if counts:
         metadata["counts"] = counts
     reports = report_writers(result, weights)
-    text = json.dumps(architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
+    text = dumps(architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
     write_into_directory(
         directory,
         {

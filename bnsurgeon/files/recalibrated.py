@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from bnsurgeon.core.errors import UsageError, statistics_overflow
+from bnsurgeon.core.json_text import dumps
 from bnsurgeon.files.reading import PREFIX, RawCheckpoint, state_dict_candidates
 from bnsurgeon.files.safewrite import write_files
 from bnsurgeon.files.writing import report_paths
@@ -140,7 +141,7 @@ def recalibrated_writers(
     if raw.is_bnsurgeon:
         previous = _previous_records(raw.metadata.get(PREFIX + "recalibrations"))
         metadata = {name: value for name, value in raw.metadata.items()}
-        metadata[PREFIX + "recalibrations"] = json.dumps(previous + [record])
+        metadata[PREFIX + "recalibrations"] = dumps(previous + [record])
         if raw.path.suffix == ".safetensors":
             writers[output] = _safetensors_writer(obj, metadata)
         else:
@@ -174,7 +175,7 @@ def _bare_writer(output: Path, state: dict, metadata: dict[str, str], record: di
     if output.suffix == ".safetensors":
         metadata = dict(metadata)
         metadata.setdefault("format", "pt")
-        metadata["recalibrations"] = json.dumps(_previous_records(metadata.get("recalibrations")) + [record])
+        metadata["recalibrations"] = dumps(_previous_records(metadata.get("recalibrations")) + [record])
         return _safetensors_writer(state, metadata)
     return lambda temp: torch.save(state, temp)
 

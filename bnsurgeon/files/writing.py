@@ -5,12 +5,12 @@ renamed over the target, so that an interrupted write leaves the previous file i
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from bnsurgeon.core.errors import OutputError
+from bnsurgeon.core.json_text import dumps
 from bnsurgeon.files.reading import OUTPUT_SUFFIXES, PREFIX, symlink_loops
 
 if TYPE_CHECKING:
@@ -184,8 +184,8 @@ def checkpoint_writer(
     tensors, aliases = unique_tensors(model)
     tensors = {key: tensor for key, tensor in tensors.items() if key not in leave_out}
     flat = {"format": "pt"}
-    flat.update({PREFIX + key: json.dumps(value) for key, value in metadata.items()})
-    flat[PREFIX + "aliases"] = json.dumps(aliases)
+    flat.update({PREFIX + key: dumps(value) for key, value in metadata.items()})
+    flat[PREFIX + "aliases"] = dumps(aliases)
     if path.suffix == ".safetensors":
         import safetensors.torch
 

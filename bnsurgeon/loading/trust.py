@@ -148,8 +148,8 @@ def same_value(a: Any, b: Any) -> bool:
     import json
 
     try:
-        return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-    except (TypeError, ValueError):  # not JSON: cannot be what a file records
+        return json.dumps(a, sort_keys=True, allow_nan=False) == json.dumps(b, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):  # not (strict) JSON: cannot be what a file records
         return False
 
 

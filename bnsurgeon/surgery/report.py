@@ -6,12 +6,12 @@ first and collapses paths by pattern (``blocks.*.bn1``) so it reads well in a PR
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from bnsurgeon.core.json_text import dumps
 from bnsurgeon.core.layout import clipped, counted, printable
 
 REPORT_SCHEMA_VERSION = 1
@@ -88,7 +88,7 @@ class Report:
         return data
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+        return dumps(self.to_dict(), indent=2, sort_keys=False)
 
     def to_markdown(self) -> str:
         return render_markdown(self)
