@@ -241,7 +241,7 @@ def _modules_holding(value: object) -> Iterator[tuple[dict, str]]:
                 yield namespace, name
 
 
-def swap_function(home: ModuleType, name: str, replacement: Callable) -> Callable[[], None]:
+def swap_function(home: ModuleType, name: str, replacement: Callable, *, fresh: bool = False) -> Callable[[], None]:
     """Bind ``replacement`` in place of ``home.name`` in every module namespace that holds the original.
 
     Why names and not the function's ``__code__``: a swapped code object would run with the
@@ -255,11 +255,12 @@ def swap_function(home: ModuleType, name: str, replacement: Callable) -> Callabl
     ``timm.layers`` re-exports it, so a script's module-level import gets the replacement), and
     names bound before (the scan of ``sys.modules`` below). It misses only a reference kept
     outside any module namespace before the run started; neither timm nor mmengine keeps one,
-    and the patch is in place before the script's first line.
+    and the patch is in place before the script's first line. ``fresh``: ``home`` has just executed,
+    so nothing else can hold the function yet and the scan is skipped (it costs ~40 ms with torch loaded).
     """
     original = getattr(home, name)
     functools.update_wrapper(replacement, original)
-    for namespace, bound in [(vars(home), name), *_modules_holding(original)]:
+    for namespace, bound in [(vars(home), name), *([] if fresh else _modules_holding(original))]:
         namespace[bound] = replacement
 
     def undo() -> None:
@@ -269,7 +270,7 @@ def swap_function(home: ModuleType, name: str, replacement: Callable) -> Callabl
     return undo
 
 
-def _patch_torch(module: ModuleType, log: ConversionLog) -> Callable[[], None]:
+def _patch_torch(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
     sync_class = module.SyncBatchNorm
     original = sync_class.__dict__["convert_sync_batchnorm"]
     batch_norm = module._BatchNorm
@@ -289,14 +290,14 @@ def _batch_norm_class() -> type:
     return _BatchNorm
 
 
-def _patch_timm(module: ModuleType, log: ConversionLog) -> Callable[[], None]:
+def _patch_timm(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
     def convert_sync_batchnorm(module: Any, process_group: Any = None) -> Any:
         return _sync(log, TIMM, module, process_group, _batch_norm_class())
 
-    return swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm)
+    return swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm, fresh=fresh)
 
 
-def _patch_lightning(module: ModuleType, log: ConversionLog) -> Callable[[], None]:
+def _patch_lightning(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
     """Lightning's apply calls torch's classmethod (replaced above); its revert would rebuild every
     SyncBatchNorm, bnsurgeon's act variant included, as a dimension-less ``_BatchNormXd``."""
     cls = module.TorchSyncBatchNorm
@@ -314,7 +315,7 @@ def _patch_lightning(module: ModuleType, log: ConversionLog) -> Callable[[], Non
     return lambda: setattr(cls, "revert", original)
 
 
-def _patch_mmengine(module: ModuleType, log: ConversionLog) -> Callable[[], None]:
+def _patch_mmengine(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
     convert_original = module.convert_sync_batchnorm
     revert_original = module.revert_sync_batchnorm
 
@@ -330,8 +331,8 @@ def _patch_mmengine(module: ModuleType, log: ConversionLog) -> Callable[[], None
         with _pass_through():
             return revert_original(module)
 
-    undo_convert = swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm)
-    undo_revert = swap_function(module, "revert_sync_batchnorm", revert_sync_batchnorm)
+    undo_convert = swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm, fresh=fresh)
+    undo_revert = swap_function(module, "revert_sync_batchnorm", revert_sync_batchnorm, fresh=fresh)
 
     def undo() -> None:
         undo_revert()
@@ -340,8 +341,9 @@ def _patch_mmengine(module: ModuleType, log: ConversionLog) -> Callable[[], None
     return undo
 
 
-#: module whose execution defines the converter -> how to replace it (returns how to undo it)
-PATCHES: dict[str, Callable[[ModuleType, ConversionLog], Callable[[], None]]] = {
+#: module whose execution defines the converter -> how to replace it (given whether the module has just
+#: executed; returns how to undo it)
+PATCHES: dict[str, Callable[[ModuleType, ConversionLog, bool], Callable[[], None]]] = {
     "torch.nn.modules.batchnorm": _patch_torch,
     "timm.layers.norm_act": _patch_timm,
     "lightning.pytorch.plugins.layer_sync": _patch_lightning,
@@ -401,17 +403,17 @@ def patched_converters(log: ConversionLog) -> Iterator[ConversionLog]:
     undo: list[Callable[[], None]] = []
     done: set[str] = set()
 
-    def patch(name: str, module: ModuleType) -> None:
+    def patch(name: str, module: ModuleType, fresh: bool = True) -> None:
         if name not in done:
             done.add(name)
-            undo.append(PATCHES[name](module, log))
+            undo.append(PATCHES[name](module, log, fresh))
 
     finder = _PatchOnImport(patch, list(PATCHES))
     sys.meta_path.insert(0, finder)
     try:
         for name in PATCHES:
             if name in sys.modules:
-                patch(name, sys.modules[name])
+                patch(name, sys.modules[name], fresh=False)
         yield log
     finally:
         with contextlib.suppress(ValueError):
