@@ -705,7 +705,7 @@ def directory_extras(directory: Path, loaded: LoadedSource, source: "Path | None
     text = dumps(loaded.architecture.kwargs["config"], indent=2, sort_keys=True) + "\n"
     writers = {directory / CONFIG_FILE: lambda temp: temp.write_text(text)}
     preprocessor = source / PREPROCESSOR_FILE if source is not None else None
-    if preprocessor is not None and preprocessor.is_file():
+    if preprocessor is not None and os.path.lexists(preprocessor):  # one that is not a regular file is refused
         data = read_preprocessor_text(preprocessor)
         writers[directory / PREPROCESSOR_FILE] = lambda temp: temp.write_text(data)
     return writers

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_untrusted import one_line_failure
 from typer.testing import CliRunner
 
 from bnsurgeon.cli.commands import app
@@ -141,3 +142,235 @@ def test_no_json_document_is_written_but_through_the_strict_writer():
             ):
                 loose.append(f"{path.relative_to(package)}:{node.lineno}")
     assert loose == []
+
+
+# finding 7: a preprocessor_config.json's fields are checked before any image is read, and named
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+
+
+@pytest.fixture
+def resnet_dir(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    directory = tmp_path / "resnet"
+    transformers.ResNetForImageClassification(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def images(tmp_path):
+    return save_images(tmp_path / "imgs")
+
+
+def preprocessor(directory: Path, **fields) -> Path:
+    path = directory / "preprocessor_config.json"
+    path.write_text(json.dumps({"image_processor_type": "ViTImageProcessor", **fields}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"size": 0}, "size is 0"),
+        ({"size": -5}, "size is -5"),
+        ({"size": {"height": 0, "width": 32}}, "size is {'height': 0, 'width': 32}"),
+        ({"crop_pct": -1}, "crop_pct is -1"),
+        ({"image_mean": [0.5, 0.5]}, "image_mean is [0.5, 0.5]"),
+        ({"image_mean": "abc"}, "image_mean is 'abc'"),
+        ({"image_std": [0.5, 0, 0.5]}, "image_std is [0.5, 0, 0.5]"),
+        ({"rescale_factor": -1}, "rescale_factor is -1"),
+        ({"do_resize": "yes"}, "do_resize is 'yes'"),
+    ],
+)
+def test_a_bad_preprocessor_field_is_named_with_its_file_not_blamed_on_an_image(
+    resnet_dir, images, tmp_path, no_decoding, fields, named
+):
+    preprocessor(resnet_dir, **fields)
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
+    one_line_failure(result, 4, f"{resnet_dir / 'preprocessor_config.json'}: {named}", "fix ")
+    assert "00.png" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_preprocessor_config_holding_nan_is_refused(resnet_dir, images, tmp_path):
+    (resnet_dir / "preprocessor_config.json").write_text(
+        '{"image_processor_type": "ViTImageProcessor", "image_mean": NaN}'
+    )
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
+    one_line_failure(result, 4, "preprocessor_config.json holds NaN, which is not a JSON value")
+
+
+def test_a_deeply_nested_preprocessor_config_is_refused_before_it_is_parsed(resnet_dir, images, tmp_path):
+    nested = "[" * 60 + "]" * 60  # far inside Python's recursion limit: only a bound on nesting refuses it
+    (resnet_dir / "preprocessor_config.json").write_text(
+        f'{{"image_processor_type": "ViTImageProcessor", "x": {nested}}}'
+    )
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
+    one_line_failure(result, 4, "preprocessor_config.json nests 61 levels deep", "it was not parsed")
+
+
+def test_a_preprocessor_config_that_is_a_link_to_a_device_is_refused_not_ignored(resnet_dir, images, tmp_path):
+    (resnet_dir / "preprocessor_config.json").symlink_to("/dev/zero")
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
+    one_line_failure(result, 4, "preprocessor_config.json is not a regular file")
+
+
+# finding 3: what the preprocessing makes is bounded before it is made
+
+
+def test_a_preprocessor_size_too_large_for_one_image_is_refused_before_decoding(
+    resnet_dir, images, tmp_path, no_decoding
+):
+    preprocessor(resnet_dir, size={"height": 20000, "width": 20000})
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
+    one_line_failure(
+        result,
+        12,
+        "into 3 x 20,000 x 20,000 float32 (4,577.6 MiB)",
+        "BNSURGEON_MAX_BATCH_BYTES",
+        "nothing was decoded",
+        f"check the sizes in {resnet_dir / 'preprocessor_config.json'}",
+    )
+
+
+def test_a_batch_is_bounded_before_its_first_image_is_decoded(resnet_dir, images, tmp_path, no_decoding):
+    preprocessor(resnet_dir, size={"height": 64, "width": 64})  # 49,152 bytes an image, 196,608 a batch of 4
+    result = run(
+        "recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out", env={"BNSURGEON_MAX_BATCH_BYTES": "150000"}
+    )
+    one_line_failure(result, 12, "a batch of 4 images", "196,608 bytes", "nothing was decoded", "--batch-size 3")
+
+
+def test_a_thin_image_under_timms_preprocessing_is_refused_before_decoding(small, no_decoding):
+    """timm resizes the shortest side to 256 keeping the ratio: a 20,000 x 1 image would become 256 x 5,120,000."""
+    folder = save_images(small / "thin", count=1, size=(20000, 1))
+    result = run("recalibrate", "small:build", "--data", folder, "-o", small / "out.safetensors")
+    one_line_failure(result, 12, "00.png (20,000 x 1 pixels)", "timm's data config of the model", "nothing was decoded")
+
+
+@pytest.mark.parametrize("pillow_limit", ["default", "switched off"])
+def test_a_decompression_bomb_is_refused_before_decoding(small, no_decoding, monkeypatch, pillow_limit):
+    """10,000 x 9,000 pixels: past Pillow's limit (89 million) but under twice it, where Pillow only warns; and
+    bnsurgeon's limit holds where another library switched Pillow's off."""
+    from PIL import Image
+
+    if pillow_limit == "switched off":
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    folder = small / "bomb"
+    folder.mkdir()
+    png_declaring(folder / "bomb.png", 10000, 9000)
+    result = run("recalibrate", "small:build", "--data", folder, "-o", small / "out.safetensors")
+    one_line_failure(result, 12, "bomb.png", "decompression bomb", "not decoded")
+
+
+def test_images_whose_outputs_differ_in_size_are_refused_in_one_line(resnet_dir, tmp_path):
+    """Without a crop, a shortest-edge resize keeps each image's ratio: a batch cannot hold two sizes (was exit 70)."""
+    preprocessor(
+        resnet_dir, image_processor_type="CLIPImageProcessor", size={"shortest_edge": 16}, do_center_crop=False
+    )
+    folder = save_images(tmp_path / "mixed", count=1, size=(48, 40))
+    save_images(tmp_path / "other", count=1, size=(80, 40))
+    (tmp_path / "other" / "00.png").rename(folder / "01.png")
+    result = run("recalibrate", resnet_dir, "--data", folder, "-o", tmp_path / "out")
+    one_line_failure(result, 12, "00.png into 3 x 16 x 19", "01.png into 3 x 16 x 32", "must come out the same size")
+
+
+# the kinds of image: read one way, said, or refused
+
+
+@pytest.fixture
+def plain_processor(tmp_path):
+    """A model directory's preprocessing that only scales: a batch holds each pixel / 255."""
+    directory = tmp_path / "plain"
+    directory.mkdir()
+    preprocessor(directory, size={"height": 8, "width": 8}, do_normalize=False, rescale_factor=1 / 255)
+    return directory
+
+
+def first_batch(folder: Path, directory: Path):
+    from bnsurgeon.loading.data import open_data
+
+    stream = open_data(str(folder), model_directory=directory)
+    return next(iter(stream)), stream
+
+
+def test_a_16_bit_image_is_scaled_to_8_bits_not_clipped_to_white(plain_processor, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path / "deep"
+    folder.mkdir()
+    Image.fromarray(np.full((10, 12), 32768, np.uint16)).save(folder / "a.png")
+    assert Image.open(folder / "a.png").mode.startswith("I;16")
+    batch, _ = first_batch(folder, plain_processor)
+    assert torch.allclose(batch, torch.full_like(batch, 128 / 255))  # Pillow's own conversion gives 1.0 (255)
+
+
+def test_a_32_bit_float_image_is_refused_naming_its_samples(plain_processor, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from bnsurgeon.core.errors import DataError
+
+    folder = tmp_path / "float"
+    folder.mkdir()
+    Image.fromarray(np.full((10, 12), 3.5, np.float32)).save(folder / "a.tif")
+    with pytest.raises(DataError, match="a.tif holds 32-bit floating-point samples"):
+        first_batch(folder, plain_processor)
+
+
+@pytest.mark.parametrize("suffix", [".gif", ".png"])
+def test_an_animated_image_gives_its_first_frame_and_says_so(plain_processor, tmp_path, suffix):
+    from PIL import Image
+
+    folder = tmp_path / "animated"
+    folder.mkdir()
+    frames = [Image.new("RGB", (12, 10), color) for color in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(folder / f"a{suffix}", save_all=True, append_images=frames[1:])
+    assert Image.open(folder / f"a{suffix}").n_frames == 2
+    batch, stream = first_batch(folder, plain_processor)
+    assert batch[0, :, 0, 0].tolist() == [1.0, 0.0, 0.0]  # red, the first frame
+    assert "several frames (animated, multi-page) gives its first frame" in stream.preprocessing
+
+
+def test_a_truncated_image_is_refused_even_where_pillow_was_told_to_pad_it(plain_processor, tmp_path, monkeypatch):
+    from PIL import Image, ImageFile
+
+    from bnsurgeon.core.errors import DataError
+
+    folder = save_images(tmp_path / "cut", count=1, size=(64, 64))
+    data = (folder / "00.png").read_bytes()
+    (folder / "00.png").write_bytes(data[: len(data) // 2])
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)  # as a library imported earlier may have set it
+    with pytest.raises(DataError, match="00.png is not a readable image .*truncated"):
+        first_batch(folder, plain_processor)
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # Pillow's setting is the caller's again
+    assert Image.open  # (Pillow still usable)
+
+
+def test_an_image_is_read_only_as_a_format_pillow_decodes_itself(plain_processor, tmp_path):
+    """A .png that is PostScript: Pillow would hand it to Ghostscript (a program run on a file someone else wrote)."""
+    from bnsurgeon.core.errors import DataError
+
+    folder = tmp_path / "eps"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n")
+    with pytest.raises(DataError, match="a.png is not a PNG, JPEG, BMP, WEBP, PPM, TIFF, GIF image"):
+        first_batch(folder, plain_processor)
+
+
+def test_held_before_a_cmyk_jpeg_and_a_link_to_dev_zero(plain_processor, tmp_path):
+    """Checked again, not changed: a CMYK JPEG is converted to RGB; an image that is a link to /dev/zero is refused
+    as not a regular file."""
+    from PIL import Image
+
+    from bnsurgeon.core.errors import DataError
+
+    folder = tmp_path / "cmyk"
+    folder.mkdir()
+    Image.new("CMYK", (12, 10), (0, 255, 255, 0)).save(folder / "a.jpg")
+    batch, _ = first_batch(folder, plain_processor)
+    assert batch[0, :, 0, 0].tolist() == pytest.approx([1.0, 0.0, 0.0], abs=0.02)
+    (folder / "b.png").symlink_to("/dev/zero")
+    with pytest.raises(DataError, match="b.png is not a regular file"):
+        first_batch(folder, plain_processor)

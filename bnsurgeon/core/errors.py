@@ -230,6 +230,13 @@ class NonFiniteWeightsError(CheckpointError):
     default_hint = "nothing was written; use a checkpoint saved before training diverged"
 
 
+class PreprocessorConfigError(CheckpointError):
+    """A model directory's preprocessor_config.json whose values cannot be preprocessing (a size of 0, a mean of
+    two values for three channels): named with the field, before any image is read."""
+
+    default_hint = "fix the field in preprocessor_config.json, or save the image processor again with save_pretrained"
+
+
 class WeightsMismatchError(BnSurgeonError):
     """Weights whose keys or shapes do not fit the architecture."""
 

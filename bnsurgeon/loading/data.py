@@ -7,8 +7,12 @@ Kinds, told apart by what DATA is:
   (N, C, ...) and is cut into batches of ``batch_size``; a list/tuple of tensors, or a
   safetensors file's tensors in key order, are batches as they are;
 - a folder of tensor files: every file, in name order, as above;
-- a folder of images (``.jpg``, ``.png``, ...; any depth, in path order): read with Pillow through
-  the model's own preprocessing (timm's data config of the model: size, crop, mean, std);
+- a folder of images (``.jpg``, ``.png``, ``.gif``, ...; any depth, in path order): read with Pillow through
+  the model's own preprocessing (a model directory's checked preprocessor_config.json, else timm's data config of
+  the model: size, crop, mean, std). What the preprocessing makes of each image, and each batch, is worked out
+  from the config and the image's header (``ImagePlan``) and checked against ``MAX_BATCH_BYTES`` before anything
+  is decoded; an image over Pillow's pixel limit is refused undecoded; an image with several frames gives its
+  first; 16-bit samples are scaled to 8 bits;
 - ``package.module:function``: code, imported and called (no arguments) only because the user
   named it; it returns an iterable of batches (tensors, ``(input, target)`` pairs, or dicts).
 
@@ -43,13 +47,16 @@ if TYPE_CHECKING:
     from torch import nn
 
 TENSOR_SUFFIXES = (".pt", ".pth", ".safetensors")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".tif", ".tiff", ".gif")
 DEFAULT_BATCH_SIZE = 32
 #: the most one batch may hold unless BNSURGEON_MAX_BATCH_BYTES says otherwise; a file could otherwise declare
 #: (or an image folder build) any size
 MAX_BATCH_BYTES = 2 * 2**30
 BATCH_BYTES_VARIABLE = "BNSURGEON_MAX_BATCH_BYTES"
 MAX_FILES = 100_000
+#: what Pillow may read an image as (whatever its name says): formats that are decoded in Pillow itself, never one
+#: it hands to another program (EPS runs Ghostscript)
+IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "WEBP", "PPM", "TIFF", "GIF")
 
 
 @dataclass
@@ -111,9 +118,9 @@ def open_data(
             images = _listed(path, IMAGE_SUFFIXES)
             if not images:
                 raise DataError(f"--data {path} holds no tensor file ({', '.join(TENSOR_SUFFIXES)}) and no image")
-            transform, how = image_transform(model, model_directory)
+            transform, how, plan = image_transform(model, model_directory)
             stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder", preprocessing=how)
-            batches = _image_batches(images, transform, batch_size or DEFAULT_BATCH_SIZE)
+            batches = _image_batches(images, transform, batch_size or DEFAULT_BATCH_SIZE, plan)
     elif path.exists():
         _regular_file(path)
         if path.suffix not in TENSOR_SUFFIXES and not path.name.endswith(".pth.tar"):
@@ -434,15 +441,21 @@ def _function_batches(spec: str) -> Iterator[Any]:
         index += 1
 
 
-def image_transform(model: "nn.Module | None", directory: "Path | None") -> "tuple[Any, str]":
-    """(PIL image -> tensor, what it is): a transformers model directory's own image processor where it has a
-    preprocessor_config.json, else the model's timm data config (resize, crop, mean, std), said in the output."""
-    from bnsurgeon.loading.transformers_source import image_processor
+def image_transform(model: "nn.Module | None", directory: "Path | None") -> "tuple[Any, str, ImagePlan]":
+    """(PIL image -> tensor, what it is, what it makes of an image): a transformers model directory's own image
+    processor where it has a preprocessor_config.json (checked field by field first), else the model's timm data
+    config (resize, crop, mean, std), said in the output."""
+    from bnsurgeon.loading.transformers_source import PREPROCESSOR_FILE, image_processor
 
     found = image_processor(directory) if directory is not None else None
-    if found is not None:
+    if found is not None and directory is not None:
         processor, how = found
-        return (lambda image: processor(images=image, return_tensors="pt")["pixel_values"][0]), how
+        plan = transformers_plan(processor, str(directory / PREPROCESSOR_FILE))
+        return (
+            (lambda image: processor(images=image, return_tensors="pt")["pixel_values"][0]),
+            f"{how}; {FRAME_NOTE}",
+            plan,
+        )
     try:
         from timm.data import create_transform, resolve_data_config
     except ImportError as error:  # pragma: no cover - timm is a dependency
@@ -456,29 +469,266 @@ def image_transform(model: "nn.Module | None", directory: "Path | None") -> "tup
     )
     if directory is not None:
         how += f": {directory} has no preprocessor_config.json"
-    return transform, how
+    return transform, f"{how}; {FRAME_NOTE}", timm_plan(config)
 
 
-def _image_batches(images: list[Path], transform: Any, batch_size: int) -> Iterator["torch.Tensor"]:
-    """Images through ``transform`` (``image_transform``), stacked into batches."""
+#: the most pixels one image may declare: Pillow's own guard against decompression bombs (its default
+#: ``MAX_IMAGE_PIXELS``), fixed here so that no library that changes Pillow's setting changes bnsurgeon's
+MAX_IMAGE_PIXELS = 89_478_485
+#: bytes one pixel value may take while an image is preprocessed (transformers rescales in float64)
+WORKING_BYTES = 8
+#: what every image with several frames (an animated GIF, PNG or WebP, a multi-page TIFF) gives
+FRAME_NOTE = "an image with several frames (animated, multi-page) gives its first frame"
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """What the preprocessing makes of an image, known before it runs (sizes are (height, width)): how it resizes
+    (``exact``, ``cover`` (keep the ratio, cover both sides), ``shortest`` (shortest side, at most ``longest``),
+    ``longest``, ``fit`` (within both sides), or ``None``), its crop, the size it pads to, and what each side is
+    rounded up to. ``sizes`` is an upper bound of what it makes: bnsurgeon checks it against
+    ``BNSURGEON_MAX_BATCH_BYTES`` before the image is decoded."""
+
+    resize: "tuple[str, int, int] | None" = None
+    crop: "tuple[int, int] | None" = None
+    pad: "tuple[int, int] | None" = None
+    multiple: int = 1
+    channels: int = 3
+    origin: str = "the preprocessing"  # what to name in an error (the config file and its field)
+
+    def sizes(self, height: int, width: int) -> "tuple[tuple[int, int], tuple[int, int]]":
+        """(the largest intermediate, the output), each (height, width), for an image of ``height`` x ``width``."""
+        resized = self._resized(height, width)
+        resized = (_round_up(resized[0], self.multiple), _round_up(resized[1], self.multiple))
+        out = self.crop or resized
+        if self.pad is not None:
+            out = (max(out[0], self.pad[0]), max(out[1], self.pad[1]))
+        return (max(resized[0], out[0]), max(resized[1], out[1])), out
+
+    def _resized(self, height: int, width: int) -> "tuple[int, int]":
+        if self.resize is None:
+            return height, width
+        kind, first, second = self.resize
+        if kind == "exact":
+            return first, second
+        short, long = min(height, width), max(height, width)
+        if kind == "shortest":  # scale = first / short, unless the long side would pass ``second``
+            num, den = first, short
+            if second and long * first > second * short:
+                num, den = second, long
+        elif kind == "longest":
+            num, den = first, long
+        elif kind == "cover":  # the larger of the two scales
+            num, den = (first, height) if first * width >= second * height else (second, width)
+        else:  # fit: the smaller of the two scales
+            num, den = (first, height) if first * width <= second * height else (second, width)
+        return -(-height * num // den) + 1, -(-width * num // den) + 1  # rounded up, and one more for rounding
+
+    def describe(self, height: int, width: int) -> str:
+        _, (out_h, out_w) = self.sizes(height, width)
+        return f"{self.channels} x {out_h:,} x {out_w:,}"
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def timm_plan(config: dict) -> ImagePlan:
+    """timm's eval transform for a data config (``transforms_imagenet_eval``): resize to ``input / crop_pct``
+    (squashed, or the shortest side, keeping the ratio), then crop to the input size."""
+    channels, height, width = (int(v) for v in config["input_size"])
+    crop_pct = float(config.get("crop_pct") or 1.0)
+    scaled = (int(height / crop_pct) + 1, int(width / crop_pct) + 1)
+    if config.get("crop_mode") == "squash":
+        resize: tuple[str, int, int] = ("exact", *scaled)
+    else:  # center (Resize of the shortest side) or border (ResizeKeepRatio): at most the larger scale, kept ratio
+        resize = ("shortest", max(scaled), 0)
+    # images are read as RGB: 3 channels whatever the model takes (one that takes 1 fails on them, named there)
+    return ImagePlan(resize, (height, width), channels=max(channels, 3), origin="timm's data config of the model")
+
+
+def _image_limits(path: Path, image: Any, plan: ImagePlan, limit: int) -> "tuple[int, int]":
+    """The image's declared size checked against Pillow's pixel limit and, with what the preprocessing makes of it,
+    against ``limit``: before it is decoded. Returns the output's (height, width) as planned."""
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise DataError(
+            f"{path} is {width:,} x {height:,} pixels ({width * height:,}), more than the {MAX_IMAGE_PIXELS:,} "
+            "one image may have (Pillow's limit against decompression bombs); it was not decoded",
+            "resize the image, or remove it from the folder",
+        )
+    (mid_h, mid_w), (out_h, out_w) = plan.sizes(height, width)
+    bands = len(image.getbands())
+    working = height * width * max(bands, 3) * 4 + mid_h * mid_w * plan.channels * WORKING_BYTES
+    if working > limit or out_h * out_w * plan.channels * 4 > limit:
+        raise DataError(
+            f"{path} ({width:,} x {height:,} pixels) would take {_size(working)} to preprocess, into "
+            f"{plan.describe(height, width)} float32 ({_size(out_h * out_w * plan.channels * 4)}): more than "
+            f"{_size(limit)} ({BATCH_BYTES_VARIABLE}); nothing was decoded. The sizes are {plan.origin}'s",
+            f"check the sizes in {plan.origin}, or resize the image (or raise {BATCH_BYTES_VARIABLE})",
+        )
+    return out_h, out_w
+
+
+def _decoded(path: Path, image: Any) -> Any:
+    """``image`` (opened, not decoded) as 8-bit RGB: its first frame; 16-bit samples scaled to 8 bits (Pillow's own
+    conversion clips them at 255, which whitens the image)."""
+    from PIL import ImageFile
+
+    if getattr(image, "n_frames", 1) > 1:
+        image.seek(0)
+    saved, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False  # a truncated file is refused
+    try:
+        image.load()
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = saved
+    if image.mode.startswith("I;16"):
+        import numpy as np
+        from PIL import Image
+
+        values = np.asarray(image, dtype=np.uint32)
+        return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L").convert("RGB")
+    if image.mode in ("I", "F"):
+        raise DataError(
+            f"{path} holds 32-bit {'integer' if image.mode == 'I' else 'floating-point'} samples, whose range "
+            "says nothing of their brightness",
+            "save the image with 8 or 16 bits per sample, or pass the preprocessed tensors",
+        )
+    return image.convert("RGB")
+
+
+def _image_batches(images: list[Path], transform: Any, batch_size: int, plan: ImagePlan) -> Iterator["torch.Tensor"]:
+    """Images through ``transform`` (``image_transform``), into batches. Each image's size, and what the
+    preprocessing makes of it (``plan``), is checked before it is decoded; a batch's size before its first image is
+    read (its tensor is made once, and each image copied into it)."""
+    import warnings
+
     import torch
 
     try:
         from PIL import Image
     except ImportError as error:  # pragma: no cover - Pillow is a dependency
         raise DataError(f"reading an image folder needs Pillow ({first_line(error)})") from None
-    chunk: list[torch.Tensor] = []
-    for path in images:
-        try:
-            with Image.open(path) as image:
-                chunk.append(transform(image.convert("RGB")))
-        except Exception as error:
+    Image.init()  # every format registered, so that IMAGE_FORMATS names only known ones
+    limit = max_batch_bytes()
+    batch: torch.Tensor | None = None
+    filled, count, first = 0, 0, images[0]
+    for index, path in enumerate(images):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            try:
+                image = Image.open(path, formats=IMAGE_FORMATS)  # never a format that runs a program (EPS)
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+                raise DataError(
+                    f"{path} declares more pixels than one image may have ({first_line(error)}); it was not decoded",
+                    "resize the image, or remove it from the folder",
+                ) from None
+            except Image.UnidentifiedImageError:
+                raise DataError(
+                    f"{path} is not a {', '.join(IMAGE_FORMATS)} image",
+                    "remove it from the folder, or convert it to PNG",
+                ) from None
+            except Exception as error:
+                raise DataError(
+                    f"{path} is not a readable image ({type(error).__name__}: {first_line(error)})",
+                    "remove it from the folder, or pass tensors",
+                ) from None
+            with image:
+                planned = _image_limits(path, image, plan, limit)
+                if batch is None:  # a new batch: all of it, as planned, before any of it is read
+                    count = min(batch_size, len(images) - index)
+                    need = count * plan.channels * planned[0] * planned[1] * 4
+                    if need > limit:
+                        raise DataError(
+                            f"a batch of {count} images from {path} on would be {_size(need)} "
+                            f"({plan.describe(image.size[1], image.size[0])} float32 each), more than {_size(limit)} "
+                            f"({BATCH_BYTES_VARIABLE}); nothing was decoded",
+                            f"pass --batch-size {max(1, limit // max(1, need // count))} or smaller, or check the "
+                            f"sizes in {plan.origin}",
+                        )
+                try:
+                    tensor = transform(_decoded(path, image))
+                except DataError:
+                    raise
+                except Exception as error:
+                    raise DataError(
+                        f"{path} is not a readable image ({type(error).__name__}: {first_line(error)})",
+                        "remove it from the folder, or pass tensors",
+                    ) from None
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() > plan.channels * planned[0] * planned[1]:
             raise DataError(
-                f"{path} is not a readable image ({type(error).__name__}: {first_line(error)})",
-                "remove it from the folder, or pass tensors",
-            ) from None
-        if len(chunk) == batch_size:
-            yield _check_batch(torch.stack(chunk), f"images ending at {path}")
-            chunk = []
-    if chunk:
-        yield _check_batch(torch.stack(chunk), f"images ending at {path}")
+                f"{plan.origin} made {path} into {_shape(tensor)}, larger than bnsurgeon foresaw "
+                f"({plan.channels} x {planned[0]:,} x {planned[1]:,}): its preprocessing is not one bnsurgeon knows",
+                "pass the preprocessed batches as a tensor file",
+            )
+        if batch is None:
+            first = path
+            batch = torch.empty((count, *tensor.shape), dtype=tensor.dtype)
+        elif tensor.shape != batch.shape[1:]:
+            raise DataError(
+                f"{plan.origin} made {first} into {_shape(batch[0])} but {path} into {_shape(tensor)}: "
+                "the images of a batch must come out the same size",
+                f"make the preprocessing crop to one size (crop_size / do_center_crop in {plan.origin}), "
+                "or pass --batch-size 1",
+            )
+        batch[filled] = tensor
+        filled += 1
+        del tensor
+        if filled == len(batch):
+            yield _check_batch(batch, f"images ending at {path}")
+            batch, filled = None, 0
+
+
+def _shape(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return " x ".join(f"{side:,}" for side in shape) if shape is not None else type(value).__name__
+
+
+def transformers_plan(processor: Any, origin: str) -> ImagePlan:
+    """What a transformers image processor makes of an image, from its own settings (``size``, ``crop_pct``,
+    ``crop_size``, ``pad_size``, ...), as ``ImagePlan``. A setting it does not read (a processor that makes
+    patches, say) is caught after the first image: a larger output than planned is refused."""
+    from bnsurgeon.loading.transformers_source import MAX_SIDE
+
+    def field(value: Any, key: str) -> Any:
+        found = value.get(key) if isinstance(value, dict) else getattr(value, key, None)
+        return found if isinstance(found, int) and not isinstance(found, bool) and found > 0 else None
+
+    size = getattr(processor, "size", None)
+    resize: tuple[str, int, int] | None = None
+    if getattr(processor, "do_resize", True) is not False and size is not None:
+        height, width = field(size, "height"), field(size, "width")
+        shortest, longest = field(size, "shortest_edge"), field(size, "longest_edge")
+        if isinstance(size, int) and not isinstance(size, bool):
+            resize = ("exact", size, size)
+        elif height and width:
+            resize = ("cover" if getattr(processor, "keep_aspect_ratio", False) else "exact", height, width)
+        elif shortest:
+            crop_pct = getattr(processor, "crop_pct", None)
+            if isinstance(crop_pct, (int, float)) and 0 < crop_pct < 1:  # ConvNeXt's: resized to shortest / crop_pct
+                shortest = int(shortest / crop_pct) + 1
+            resize = ("shortest", shortest, longest or 0)
+        elif longest:
+            resize = ("longest", longest, 0)
+        elif field(size, "max_height") and field(size, "max_width"):
+            resize = ("fit", field(size, "max_height"), field(size, "max_width"))
+    crop_size, pad_size = getattr(processor, "crop_size", None), getattr(processor, "pad_size", None)
+    crop = (
+        (field(crop_size, "height"), field(crop_size, "width"))
+        if getattr(processor, "do_center_crop", False) and field(crop_size, "height") and field(crop_size, "width")
+        else None
+    )
+    pad = (
+        (field(pad_size, "height"), field(pad_size, "width"))
+        if getattr(processor, "do_pad", False) and field(pad_size, "height") and field(pad_size, "width")
+        else None
+    )
+    multiple = max(
+        [1]
+        + [
+            value
+            for value in (getattr(processor, name, None) for name in ("size_divisor", "ensure_multiple_of"))
+            if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_SIDE
+        ]
+    )
+    return ImagePlan(resize, crop, pad, multiple, origin=origin)

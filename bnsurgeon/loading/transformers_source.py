@@ -13,6 +13,7 @@ recorded in bnsurgeon's output, so ``bnsurgeon.load(out)`` needs no arguments.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
@@ -23,13 +24,20 @@ from typing import TYPE_CHECKING, Any, Iterator
 from bnsurgeon.core.errors import (
     CheckpointError,
     ConfirmationError,
+    PreprocessorConfigError,
     SourceNotFoundError,
     UnsafeCheckpointError,
     UsageError,
     WeightsMismatchError,
     first_line,
 )
-from bnsurgeon.core.json_text import RepeatedKeyError, unique_keys
+from bnsurgeon.core.json_text import (
+    NonFiniteConstantError,
+    RepeatedKeyError,
+    nesting_depth,
+    refuse_constant,
+    unique_keys,
+)
 from bnsurgeon.core.layout import shown
 from bnsurgeon.files.model_directory import WEIGHTS_FILE
 from bnsurgeon.files.reading import read_checkpoint
@@ -74,7 +82,14 @@ def read_config(directory: Path) -> dict[str, Any]:
             f"{path} is {path.stat().st_size:,} bytes, not a model config", "pass the model directory"
         )
     try:
-        config = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
+        config = json.loads(
+            path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys, parse_constant=refuse_constant
+        )
+    except NonFiniteConstantError as error:
+        raise CheckpointError(
+            f"{path} holds {error.constant}, which is not a JSON value (bnsurgeon writes only strict JSON)",
+            "write the number as a finite value, or save the model again with save_pretrained",
+        ) from None
     except RepeatedKeyError as error:
         raise CheckpointError(
             f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
@@ -513,23 +528,65 @@ def bnsurgeon_weights_of(path: Path) -> Path | None:
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
+#: no preprocessor_config.json nests deeper (a handful of levels: an object of size objects)
+MAX_PREPROCESSOR_DEPTH = 16
+#: no side of an image a preprocessor makes is longer (sizes in a config are pixels)
+MAX_SIDE = 1 << 16
+#: the forms a size takes in a preprocessor_config.json: a number (a square), [height, width], or one of these objects
+SIZE_FORMS = (
+    {"height", "width"},
+    {"shortest_edge"},
+    {"shortest_edge", "longest_edge"},
+    {"longest_edge"},
+    {"max_height", "max_width"},
+)
+#: the fields that are switches
+SWITCHES = (
+    "do_resize",
+    "do_center_crop",
+    "do_rescale",
+    "do_normalize",
+    "do_convert_rgb",
+    "do_pad",
+    "keep_aspect_ratio",
+)
+
+
 def read_preprocessor_text(path: Path) -> str:
-    """preprocessor_config.json as data, checked as config.json is: bounded, one JSON object whose keys do not repeat,
-    asking for no remote code (an ``auto_map`` names code from the directory). Its text, to be used or copied."""
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise CheckpointError(
-            f"{path} is {path.stat().st_size:,} bytes, not a preprocessor config",
+    """preprocessor_config.json as data, checked as config.json is: a regular file, bounded in size and nesting, one
+    strict JSON object whose keys do not repeat, asking for no remote code (an ``auto_map`` names code from the
+    directory), and whose preprocessing fields are values preprocessing can use (``check_preprocessor``). Its text,
+    to be used or copied."""
+    if not path.is_file():
+        raise PreprocessorConfigError(
+            f"{path} is not a regular file (a link to a device, a pipe or a folder)",
+            "save the image processor again with save_pretrained",
+        )
+    with open(path, "rb") as file:  # what is read is bounded, whatever the size said a moment before
+        raw = file.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise PreprocessorConfigError(
+            f"{path} is more than {MAX_CONFIG_BYTES:,} bytes, not a preprocessor config",
             "save the image processor again with save_pretrained",
         )
     try:
-        text = path.read_text(encoding="utf-8")
-        value = json.loads(text, object_pairs_hook=unique_keys)
+        text = raw.decode("utf-8")
+        depth = nesting_depth(text)
+        if depth > MAX_PREPROCESSOR_DEPTH:
+            raise PreprocessorConfigError(
+                f"{path} nests {depth:,} levels deep (a preprocessor config nests a few; at most "
+                f"{MAX_PREPROCESSOR_DEPTH}); it was not parsed",
+                "save the image processor again with save_pretrained",
+            )
+        value = json.loads(text, object_pairs_hook=unique_keys, parse_constant=refuse_constant)
     except RepeatedKeyError as error:
         raise CheckpointError(
             f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
             "value counts, so bnsurgeon reads neither",
             "keep one entry for the key",
         ) from None
+    except NonFiniteConstantError as error:
+        raise PreprocessorConfigError(f"{path} holds {error.constant}, which is not a JSON value") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise CheckpointError(
             f"{path} is not valid JSON ({type(error).__name__})", "save the image processor again with save_pretrained"
@@ -541,14 +598,77 @@ def read_preprocessor_text(path: Path) -> str:
             f"{path} asks for remote code (auto_map): bnsurgeon does not import it",
             "pass the preprocessed batches as a tensor file instead of an image folder",
         )
+    check_preprocessor(value, path)
     return text
+
+
+def check_preprocessor(config: dict[str, Any], path: Path) -> None:
+    """Every preprocessing field of a preprocessor_config.json that is set holds a value preprocessing can use:
+    sizes are whole numbers of pixels from 1 to ``MAX_SIDE`` in one of ``SIZE_FORMS``, ``crop_pct`` is in (0, 1],
+    ``image_mean``/``image_std`` are a number or three (one per RGB channel; std above 0), ``rescale_factor`` is
+    above 0, the switches are true or false. Refused naming the file and the field (exit 4), before any image
+    is read."""
+
+    def refuse(name: str, should: str) -> PreprocessorConfigError:
+        return PreprocessorConfigError(
+            f"{path}: {name} is {shown(config[name], 80)}; it must be {should}",
+            f"fix {name} in {path.name} (or save the image processor again with save_pretrained)",
+        )
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    def side(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SIDE
+
+    for name in ("size", "crop_size", "pad_size"):
+        value = config.get(name)
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            keys = {key for key, item in value.items() if item is not None}
+            fine = keys in SIZE_FORMS and all(side(value[key]) for key in keys)
+        elif isinstance(value, list):
+            fine = len(value) == 2 and all(side(item) for item in value)
+        else:
+            fine = side(value)
+        if not fine:
+            raise refuse(
+                name,
+                f"a whole number of pixels from 1 to {MAX_SIDE:,}, [height, width], or an object of "
+                + " / ".join("{" + ", ".join(sorted(form)) + "}" for form in SIZE_FORMS)
+                + " holding such numbers",
+            )
+    crop_pct = config.get("crop_pct")
+    if crop_pct is not None and not (number(crop_pct) and 0 < crop_pct <= 1):
+        raise refuse("crop_pct", "a number above 0 and at most 1 (the share of the resized image kept)")
+    for name in ("image_mean", "image_std"):
+        value = config.get(name)
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        if len(values) not in (1, 3) or (isinstance(value, list) and len(values) != 3) or not all(map(number, values)):
+            raise refuse(name, "a number, or a list of 3 numbers (one per RGB channel)")
+        if name == "image_std" and not all(item > 0 for item in values):
+            raise refuse(name, "above 0 for every channel (images are divided by it)")
+    rescale = config.get("rescale_factor")
+    if rescale is not None and not (number(rescale) and rescale > 0):
+        raise refuse("rescale_factor", "a number above 0 (1/255 for 8-bit images)")
+    for name in SWITCHES:
+        if config.get(name) is not None and not isinstance(config[name], bool):
+            raise refuse(name, "true or false")
+    resample = config.get("resample")
+    if resample is not None and not (
+        isinstance(resample, int) and not isinstance(resample, bool) and 0 <= resample <= 5
+    ):
+        raise refuse("resample", "one of Pillow's resampling filters, 0 to 5")
 
 
 def image_processor(directory: Path) -> "tuple[Any, str] | None":
     """The model directory's own image preprocessing (its preprocessor_config.json, through transformers'
     AutoImageProcessor, local files only) and a description of it; None where the directory has none."""
     path = directory / PREPROCESSOR_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     read_preprocessor_text(path)
     from transformers import AutoImageProcessor
