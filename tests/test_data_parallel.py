@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import bnsurgeon
-from bnsurgeon.core.errors import DistributedMismatchError, DistributedTimeoutError, ReplicaFailedError, UsageError
+from bnsurgeon.core.errors import DistributedMismatchError, ReplicaFailedError, UsageError
 
 JOIN_S = 60  # a bound on every thread of these tests: a deadlock fails instead of hanging
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -240,8 +240,10 @@ class _RaisesOnFlag(nn.Module):
         return x
 
 
-def test_a_replica_that_raises_before_the_layer_stops_the_others_within_the_timeout(cpu_replicate, monkeypatch):
-    monkeypatch.setenv("BNSURGEON_DIST_TIMEOUT", "1")
+def test_a_replica_that_raises_before_the_layer_stops_the_others_at_once(cpu_replicate, monkeypatch):
+    """A replica that fails before its first sync layer (an out-of-memory in the stem) stops the replicas
+    waiting for it at once, naming it and its error; before, they waited the whole collective timeout."""
+    monkeypatch.setenv("BNSURGEON_DIST_TIMEOUT", "600")  # if they waited, JOIN_S would fail the test
     reference, converted = _pair(2)
     model = nn.Sequential(_RaisesOnFlag(), converted)
     x, _ = _batch(2, 4)
@@ -249,13 +251,39 @@ def test_a_replica_that_raises_before_the_layer_stops_the_others_within_the_time
     replicas = cpu_replicate(model, [0, 1])
     results = _in_threads(lambda i, piece: replicas[i](piece), x.split([2, 2]))
     assert isinstance(results[1], RuntimeError) and "bad" in str(results[1])
-    assert isinstance(results[0], DistributedTimeoutError)
+    assert isinstance(results[0], ReplicaFailedError), results[0]
     message = str(results[0])
-    assert "'1'" in message and "replica(s) [1] of 2" in message and "BNSURGEON_DIST_TIMEOUT" in message
+    assert "replica 1 raised before reaching this layer" in message and "this replica's data is bad" in message
     # the next forward replicates again: a fresh group, unaffected
     x, grad = _batch(2, 4)
     got = data_parallel_step(model, x, grad, (2, 2), cpu_replicate)
     torch.testing.assert_close(got, reference(x), **EXACT)
+
+
+def _renamed(function, name: str):
+    """``function`` under another name: what the replicas module must not depend on (it read torch's frames)."""
+    import types
+
+    return types.FunctionType(
+        function.__code__.replace(co_name=name), function.__globals__, name, function.__defaults__, function.__closure__
+    )
+
+
+def test_replicas_are_found_without_torchs_frames_after_a_replicate_that_never_ran(cpu_replicate, monkeypatch):
+    """The copies of a ``replicate`` whose forward never ran (scatter failed, dropped) do not join the next
+    call's group, and nothing depends on torch's ``replicate`` being called that or on its local names:
+    before, such copies made a group of four that waited for replicas that never came."""
+    monkeypatch.setenv("BNSURGEON_DIST_TIMEOUT", "600")  # if they waited, JOIN_S would fail the test
+    replicate = _renamed(cpu_replicate, "replicate_v3")
+    reference, converted = _pair(2)
+    abandoned = replicate(converted, [0, 1])
+    del abandoned
+    x, grad = _batch(2, 5)
+    x_ref = x.clone().requires_grad_()
+    got = data_parallel_step(converted, x, grad, (3, 2), replicate)
+    torch.testing.assert_close(got, reference_step(reference, x_ref, grad), **EXACT)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(converted.state_dict()[name], value, **EXACT, msg=name)
 
 
 def test_a_replica_that_fails_inside_the_layer_stops_the_others_at_once(cpu_replicate, monkeypatch):

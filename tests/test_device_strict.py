@@ -287,3 +287,41 @@ def test_multi_scale_training_with_a_captured_step(device):
     expected.square().sum().backward()
     torch.testing.assert_close(y, expected[:3], rtol=1e-12, atol=1e-12)
     _assert_grads_match(ours, reference)
+
+
+# ---- the class: every device assert goes through one door ----
+
+
+def direct_device_asserts(package) -> list[str]:
+    """``torch._assert_async`` named anywhere in ``package`` outside ``runtime/device_checks.py``."""
+    import ast
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "device_checks.py" and path.parent.name == "runtime":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = (isinstance(node, ast.Attribute) and node.attr == "_assert_async") or (
+                isinstance(node, ast.alias) and node.name == "_assert_async"
+            )
+            if named:
+                found.append(f"{path.relative_to(package.parent)}:{getattr(node, 'lineno', '?')}")
+    return found
+
+
+def test_every_device_assert_goes_through_device_checks():
+    """A direct ``torch._assert_async`` can carry a message CUDA refuses; ``device_assert`` fits it."""
+    from pathlib import Path
+
+    import bnsurgeon
+
+    assert direct_device_asserts(Path(bnsurgeon.__file__).parent) == []
+
+
+def test_the_device_assert_scan_finds_one(tmp_path):
+    package = tmp_path / "bnsurgeon"
+    (package / "runtime").mkdir(parents=True)
+    (package / "runtime" / "device_checks.py").write_text("import torch\ntorch._assert_async(x, 'fine here')\n")
+    (package / "runtime" / "other.py").write_text("import torch\n\ntorch._assert_async(x, 'm')\n")
+    (package / "third.py").write_text("from torch import _assert_async\n")
+    assert direct_device_asserts(package) == ["bnsurgeon/runtime/other.py:3", "bnsurgeon/third.py:1"]

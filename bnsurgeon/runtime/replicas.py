@@ -6,10 +6,11 @@ copies in threads (``parallel_apply``) on slices of the batch. A sync layer that
 looked for a process group would run plain BN on each slice, silently. Here:
 
 - **Which replicas meet**: ``SyncBatchNorm._replicate_for_data_parallel`` enrols every
-  copy of a layer in a ``ReplicaGroup``, one group per layer per ``replicate`` call. The
-  replica's index and the number of replicas are read from torch's ``replicate`` loop
-  (``j`` of ``num_replicas``); under any other replicate function the copies of one layer
-  made before any of them runs form the group (it closes at the first forward).
+  copy of a layer in a ``ReplicaGroup``: the copies of one layer made before any of them
+  runs. The group closes at its first exchange with the copies still alive then, indexed
+  in the order they were made (``replicate`` makes copy ``j`` for device ``j``). Nothing is
+  read from torch's frames, so any replicate function works, and copies of a ``replicate``
+  whose forward never ran (dropped by then) do not count.
 - **Forward**: each replica puts its (count, mean, biased var) row in the group; when
   every replica has arrived each one merges all rows with the same Chan merge as across
   ranks (``merge_stats``: uneven and empty slices exact), updates its running statistics
@@ -22,8 +23,11 @@ looked for a process group would run plain BN on each slice, silently. Here:
   the replicas' backwards meet like their forwards.
 - **Bounded**: every meeting waits at most ``BNSURGEON_DIST_TIMEOUT`` (``collective_timeout``);
   a replica that never arrives is a ``DistributedTimeoutError`` naming the layer and the
-  missing replicas, and a replica that fails inside the layer stops the others at once
-  (``ReplicaFailedError``). A failed group stays failed: nothing waits on it again.
+  missing replicas. A replica that fails stops the others at once (``ReplicaFailedError``):
+  inside the layer, or anywhere in its forward before it (an out-of-memory in the stem),
+  which a module forward hook that torch calls on the way out of a raising forward
+  (``always_call``) reports; it is registered only while replica copies are alive. A failed
+  group stays failed: nothing waits on it again.
 - **Checkpointing**: a recomputed forward (``recomputing()``) takes the statistics its
   original forward stashed on the replica: no meeting, no second running-stat update.
 - **torch.compile**: the replica path runs outside the graph (a graph break); with
@@ -40,7 +44,6 @@ import threading
 import time
 import weakref
 from collections import deque
-from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
@@ -100,38 +103,49 @@ class ReplicaGroup:
     did not say how many copies it makes.
     """
 
-    def __init__(self, name: str, size: Optional[int]) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.size = size
-        self.enrolled = 0
+        self.size: Optional[int] = None
+        self._members: list = []  # weak references to the copies, in the order they were made
+        self._indices: dict[int, int] = {}  # serial -> index among the copies alive at the close
         self._condition = threading.Condition()
         self._meetings: dict[Any, _Meeting] = {}
         self._failure: Optional[BaseException] = None
         self.closed = False  # set by the first exchange: no copy joins after a replica has run
 
-    def enrol(self) -> int:
-        """A new copy's index in the group."""
+    def enrol(self, replica: nn.Module) -> int:
+        """A new copy's serial number in the group."""
         with self._condition:
-            index = self.enrolled
-            self.enrolled += 1
-            return index
+            self._members.append(weakref.ref(replica))
+            return len(self._members) - 1
+
+    def index_of(self, serial: int) -> int:
+        """The replica index of the copy enrolled as ``serial`` (its enrolment order, before the close)."""
+        return self._indices.get(serial, serial)
+
+    def _close(self) -> None:
+        """No copy joins once one has run; the copies alive now are the replicas, in the order made."""
+        self.closed = True
+        live = [serial for serial, member in enumerate(self._members) if member() is not None]
+        self._indices = {serial: index for index, serial in enumerate(live)}
+        self.size = len(live)
 
     def fail(self, error: BaseException) -> None:
         """Stop every replica waiting in this group (and every later exchange) with ``error``."""
         with self._condition:
             if self._failure is None:
                 self._failure = error
+            self.closed = True  # no copy of a later replicate joins a failed group
             self._condition.notify_all()
 
-    def exchange(self, key: Any, index: int, row: torch.Tensor, what: str) -> list:
+    def exchange(self, key: Any, serial: int, row: torch.Tensor, what: str) -> list:
         """Every replica's ``row`` for meeting ``key``, in replica order; waits at most the collective timeout."""
         timeout = collective_timeout().total_seconds()
         deadline = time.monotonic() + timeout
         with self._condition:
             if not self.closed:
-                self.closed = True
-                if self.size is None:
-                    self.size = self.enrolled
+                self._close()
+            index = self.index_of(serial)
             self._raise_if_failed(index)
             size = self.size
             assert size is not None  # set when the group closed, just above
@@ -195,13 +209,18 @@ class _Stats(NamedTuple):
 
 
 class ReplicaSlot:
-    """One replica's place in its group: its index, forward count and checkpoint stash."""
+    """One replica's place in its group: its serial (the index once the group closes), forward count and
+    checkpoint stash."""
 
-    def __init__(self, group: ReplicaGroup, index: int) -> None:
+    def __init__(self, group: ReplicaGroup, serial: int) -> None:
         self.group = group
-        self.index = index
+        self.serial = serial
         self.calls = 0
         self.stash: deque = deque(maxlen=STASH_LIMIT)
+
+    @property
+    def index(self) -> int:
+        return self.group.index_of(self.serial)
 
 
 #: original layer -> the group its copies are joining during the current ``replicate`` call
@@ -209,34 +228,57 @@ _forming: "weakref.WeakKeyDictionary[nn.Module, ReplicaGroup]" = weakref.WeakKey
 _forming_lock = threading.Lock()
 
 
-def _replicate_position() -> Optional[tuple[int, int]]:
-    """(j, num_replicas) of torch's ``replicate`` loop that is making this copy, or None."""
-    frame: "FrameType | None" = sys._getframe(1)
-    for _ in range(6):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "replicate" and frame.f_globals.get("__name__") == "torch.nn.parallel.replicate":
-            local = frame.f_locals
-            j, count = local.get("j"), local.get("num_replicas")
-            return (j, count) if isinstance(j, int) and isinstance(count, int) and 0 <= j < count else None
-        frame = frame.f_back
-    return None
-
-
 def enrol(original: nn.Module, replica: nn.Module, name: str) -> nn.Module:
     """Give ``replica`` (a fresh copy of ``original``) its place among the copies of this ``replicate`` call."""
-    position = _replicate_position()
     with _forming_lock:
         group = _forming.get(original)
-        if position is not None:
-            index, count = position
-            if index == 0 or group is None or group.size != count or group.enrolled != index:
-                group = _forming[original] = ReplicaGroup(name, count)
-        elif group is None or group.closed:
-            group = _forming[original] = ReplicaGroup(name, None)
-        index = group.enrol()
-    replica.__dict__[SLOT_ATTRIBUTE] = ReplicaSlot(group, index)
+        if group is None or group.closed:
+            group = _forming[original] = ReplicaGroup(name)
+        serial = group.enrol(replica)
+        _watch_failures(replica)
+    replica.__dict__[SLOT_ATTRIBUTE] = ReplicaSlot(group, serial)
     return replica
+
+
+#: the forward hook that reports a replica raising before its sync layers, while any copy is alive
+_failure_watch: dict = {"handle": None, "copies": 0}
+
+
+def _watch_failures(replica: nn.Module) -> None:
+    """Keep the failure hook registered while ``replica`` lives (called under ``_forming_lock``)."""
+    if _failure_watch["handle"] is None:
+        _failure_watch["handle"] = torch.nn.modules.module.register_module_forward_hook(
+            _after_replica_forward, always_call=True
+        )
+    _failure_watch["copies"] += 1
+    weakref.finalize(replica, _copy_gone)
+
+
+def _copy_gone() -> None:
+    with _forming_lock:
+        _failure_watch["copies"] -= 1
+        if _failure_watch["copies"] == 0 and _failure_watch["handle"] is not None:
+            _failure_watch["handle"].remove()
+            _failure_watch["handle"] = None
+
+
+def _after_replica_forward(module: nn.Module, args: Any, output: Any) -> None:
+    """On the way out of a replica's raising forward: the sync layers inside it stop their peers now."""
+    if output is not None or not getattr(module, "_is_replica", False) or recomputing():
+        return  # a checkpoint recompute exchanges nothing, and non-reentrant checkpointing stops it by raising
+    error = sys.exc_info()[1]
+    if error is None or isinstance(error, (DistributedTimeoutError, ReplicaFailedError, DistributedMismatchError)):
+        return
+    for inner in module.modules():
+        slot = inner.__dict__.get(SLOT_ATTRIBUTE)
+        if slot is not None:
+            slot.group.fail(
+                ReplicaFailedError(
+                    f"sync batch norm '{slot.group.name}': DataParallel replica {slot.index} raised before reaching "
+                    f"this layer, so the others stop instead of waiting for it: {type(error).__name__}: "
+                    f"{str(error).splitlines()[0][:300] if str(error) else ''}"
+                )
+            )
 
 
 def _refuse_inside_distributed_job(module: nn.Module, name: str) -> None:
@@ -303,7 +345,7 @@ def _replica_stats(x: torch.Tensor, slot: ReplicaSlot, eps: float, kernels, repl
         )
     call = slot.calls
     slot.calls += 1
-    rows = group.exchange(("forward", call), slot.index, row, f"forward call {call}")
+    rows = group.exchange(("forward", call), slot.serial, row, f"forward call {call}")
     counted, mean, var = merge_stats(_gathered(rows, row.device), channels)
     total: "int | torch.Tensor" = counted
     if x.device.type == "cpu":
@@ -365,7 +407,7 @@ class ReplicaSyncFunction(torch.autograd.Function):
                     packed = torch.cat([sum_dy, sum_term])
                     rows = slot.group.exchange(
                         ("backward", ctx.call, backward_call),
-                        slot.index,
+                        slot.serial,
                         packed,
                         f"backward of forward call {ctx.call}",
                     )
