@@ -56,6 +56,8 @@ class _Command(typer.core.TyperCommand):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if self.help and not self.short_help:  # the summary whole: Click would cut it to fit `bnsurgeon --help`
+            self.short_help = self.help.strip().splitlines()[0]
         for param in self.params:
             if type(param) is typer.core.TyperArgument:
                 param.__class__ = _NamedArgument
@@ -323,8 +325,7 @@ def inspect(
     quiet: bool = QuietOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """List BatchNorm-family modules by class: rule, count, targets, what torch's converter and transformers'
-    replace_batch_norm would break.
+    """List BatchNorm-family modules by class: rule, count, targets, and what torch's converter and transformers' replace_batch_norm would break.
 
     Examples: `bnsurgeon inspect tf_efficientnet_b3`; `bnsurgeon inspect checkpoint.pth.tar` (lists the file's entries too)
     """
@@ -528,7 +529,7 @@ def verify(
     quiet: bool = QuietOption,
     as_json: bool = JsonOption,
 ) -> None:
-    """Prove CONVERTED behaves like SOURCE: eval (bit-identical), train, N gloo ranks, frozen; exit 0 if all pass, 1 if one fails (other codes: README).
+    """Prove CONVERTED behaves like SOURCE: eval (bit-identical), train, N gloo ranks, frozen; exit 0 if all pass, 1 if one fails (other codes: Exit codes, in the docs' Checkpoints page).
 
     Each check's line is printed (to stderr, flushed) the moment it finishes, with its time.
 

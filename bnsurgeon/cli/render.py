@@ -1,8 +1,10 @@
 """Human output (plain aligned text, to stderr) and machine output (one JSON document, to stdout).
 
 Human output is read in logs and CI as often as in a terminal, so it is plain aligned
-columns (``layout.py``) fitted to a width: the terminal's, ``COLUMNS`` when set, else
-``PIPED_WIDTH``. Colour is added only on a terminal (Rich decides; ``NO_COLOR`` is
+columns (``layout.py``). On a terminal, tables are fitted to its width (``COLUMNS`` when set):
+long cells shortened, the least useful columns dropped. Off a terminal nothing is cut: every
+column, every cell whole (``table_width``); prose wraps at ``COLUMNS`` or ``PIPED_WIDTH``.
+Colour is added only on a terminal (Rich decides; ``NO_COLOR`` is
 honoured). Nothing here imports torch: ``bnsurgeon rules`` renders without it.
 """
 
@@ -49,6 +51,30 @@ def output_width(stream=None) -> int:
 def console() -> Console:
     """Stderr console at the output width; Rich never wraps (lines are fitted here)."""
     return Console(stderr=True, highlight=False, soft_wrap=True, width=output_width())
+
+
+#: the width of a table that is not on a terminal: no limit, so that no cell is cut and no column dropped
+UNCUT = sys.maxsize
+
+
+def table_width(out: Console) -> int:
+    """The width a table is fitted to: the terminal's (or COLUMNS) on a terminal. Off one (a file, a pipe,
+    a CI log) nothing is ever cut: a log is read after the fact, and there is no screen edge to fit."""
+    try:  # the stream itself: FORCE_COLOR makes Rich say "terminal"
+        on_terminal = bool(out.file.isatty())
+    except (AttributeError, OSError, ValueError):  # no isatty, or a closed stream
+        on_terminal = False
+    return out.width if on_terminal else UNCUT
+
+
+#: a cell is never longer, terminal or not: a name from a file may be a megabyte (cut, with its length said)
+MAX_CELL = 1000
+
+
+def fitted(out: Console, columns: list[Column], rows: list[list[str]], *, header: bool = True) -> list[str]:
+    """The table's lines for ``out``: fitted to a terminal, whole off one (``table_width``)."""
+    rows = [[clipped(cell, MAX_CELL) for cell in row] for row in rows]
+    return table_lines(columns, rows, table_width(out), header=header)
 
 
 def emit(out: Console, lines: Iterable[str]) -> None:
@@ -108,7 +134,7 @@ def render_checkpoint(contents: dict, out: Console, *, verbose: bool = False) ->
         Column("tensors", "right"),
         Column("model weights?", short_header="weights?"),
     ]
-    emit(out, table_lines(columns, rows, out.width))
+    emit(out, fitted(out, columns, rows))
     if len(rows) < len(entries):
         say(out, f"... and {len(entries) - len(rows):,} more entries (-v lists them all)")
     if contents["bnsurgeon"]:
@@ -151,7 +177,7 @@ def render_inspection(inspection: "Inspection", out: Console, *, verbose: bool =
         for g in inspection.groups
     ]
     if rows:
-        emit(out, table_lines(INSPECT_COLUMNS, rows, out.width))
+        emit(out, fitted(out, INSPECT_COLUMNS, rows))
     say(
         out,
         f"{counted(inspection.bn_modules, 'BN-family module')} in "
@@ -205,11 +231,11 @@ def render_report(report: "Report", out: Console, *, verbose: bool = False) -> N
     ]
     if rows:
         if verbose:  # every pattern: on lines of their own rather than shortened in a cell
-            emit(out, table_lines(columns[:-1], [row[:-1] for row in rows], out.width, header=False))
+            emit(out, fitted(out, columns[:-1], [row[:-1] for row in rows], header=False))
             for row in rows:
                 say(out, f"{row[0]} -> {row[2]}: {row[4]}")
         else:
-            emit(out, table_lines(columns, rows, out.width, header=False))
+            emit(out, fitted(out, columns, rows, header=False))
     totals = report.totals
     say(
         out,
@@ -267,11 +293,11 @@ def render_rules(rules: list[dict[str, Any]], out: Console, *, verbose: bool = F
         Column("description", priority=1, shrink=True, min_width=20),
     ]
     if verbose:  # full class paths do not fit a cell: one line each
-        emit(out, table_lines([c for c in columns if c.header != "classes"], [r[:1] + r[2:] for r in rows], out.width))
+        emit(out, fitted(out, [c for c in columns if c.header != "classes"], [r[:1] + r[2:] for r in rows]))
         for row in rows:
             say(out, f"{row[0]}: {row[1]}")
     else:
-        emit(out, table_lines(columns, rows, out.width))
+        emit(out, fitted(out, columns, rows))
 
 
 # verify streams one line per check as it finishes, so its columns have fixed widths
@@ -294,7 +320,7 @@ def _check_cells(check) -> list[str]:
 def _check_line(cells: list[str], width: int) -> str:
     from bnsurgeon.core.layout import GAP, INDENT, format_row, shorten
 
-    cells = [printable(cell) for cell in cells]
+    cells = [clipped(cell, MAX_CELL) for cell in cells]
     widths = (max(CHECK_WIDTHS[0], len(cells[0])), *CHECK_WIDTHS[1:])  # a long check name pushes, never cut
     fixed = format_row(cells[:4], widths, [c.align for c in CHECK_COLUMNS[:4]])
     fixed = fixed.ljust(len(INDENT) + sum(widths) + len(GAP) * 3)
@@ -312,9 +338,9 @@ class CheckStream:
 
     def __call__(self, check) -> None:
         if not self.started:
-            emit(self.out, [_check_line([c.header for c in CHECK_COLUMNS], self.out.width)])
+            emit(self.out, [_check_line([c.header for c in CHECK_COLUMNS], table_width(self.out))])
             self.started = True
-        emit(self.out, [_check_line(_check_cells(check), self.out.width)])
+        emit(self.out, [_check_line(_check_cells(check), table_width(self.out))])
 
 
 def render_verification_summary(verification, out: Console) -> None:
