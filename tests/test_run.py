@@ -224,13 +224,16 @@ def test_the_scripts_traceback_and_exit_code_come_through_unchanged(tmp_path):
     )
     (tmp_path / "exits.py").write_text("import sys\nprint('trained')\nsys.exit(3)\n")
     (tmp_path / "says.py").write_text("import sys\nsys.exit('no data found')\n")
-    for name, code in (("raises.py", 1), ("exits.py", 3), ("says.py", 1)):
+    (tmp_path / "broken.py").write_text("x = (\n")  # no traceback at all, as python prints it
+    (tmp_path / "interrupted.py").write_text("raise KeyboardInterrupt\n")  # python dies by SIGINT
+    cases = (("raises.py", 1), ("exits.py", 3), ("says.py", 1), ("broken.py", 1), ("interrupted.py", -2))
+    for name, code in cases:
         script = str(tmp_path / name)
         plain = _python(script, cwd=tmp_path)
         ran = _python("-m", "bnsurgeon", "run", script, cwd=tmp_path)
         assert plain.returncode == ran.returncode == code, ran.stderr
         assert (ran.stdout, ran.stderr) == (plain.stdout, plain.stderr)
-    assert "bnsurgeon" not in ran.stderr and "runpy" not in ran.stderr
+        assert "bnsurgeon" not in ran.stderr and "runpy" not in ran.stderr
 
 
 PROBE = """
