@@ -275,6 +275,49 @@ def test_images_whose_outputs_differ_in_size_are_refused_in_one_line(resnet_dir,
     one_line_failure(result, 12, "00.png into 3 x 16 x 19", "01.png into 3 x 16 x 32", "must come out the same size")
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"size": {"height": 12, "width": 20}},
+        {"image_processor_type": "ConvNextImageProcessor", "size": {"shortest_edge": 12}, "crop_pct": 0.875},
+        {"image_processor_type": "ConvNextImageProcessor", "size": {"shortest_edge": 400}},
+        {
+            "image_processor_type": "CLIPImageProcessor",
+            "size": {"shortest_edge": 14},
+            "crop_size": {"height": 10, "width": 10},
+        },
+        {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 9}, "do_center_crop": False},
+        {"do_resize": False},
+    ],
+    ids=["exact", "convnext-crop-pct", "convnext-warp", "clip-crop", "shortest-edge", "no-resize"],
+)
+@pytest.mark.parametrize("size", [(48, 40), (17, 300), (300, 17)])
+def test_what_a_processor_makes_is_never_more_than_bnsurgeon_foresaw(tmp_path, fields, size):
+    """The plan is an upper bound of each real processor's output (else the image is refused after it is made)."""
+    from bnsurgeon.loading.data import image_transform
+
+    directory = tmp_path / "processor"
+    directory.mkdir()
+    preprocessor(directory, **fields)
+    transform, _, plan = image_transform(None, directory)
+    folder = save_images(tmp_path / "one", count=1, size=size)
+    batch, _ = first_batch(folder, directory)
+    (mid_h, mid_w), (out_h, out_w) = plan.sizes(size[1], size[0])
+    assert batch.shape[2] <= out_h and batch.shape[3] <= out_w and out_h <= mid_h and out_w <= mid_w
+    if plan.crop is not None or plan.resize is None or plan.resize[0] == "exact":  # there it is exact, not a guess
+        assert (out_h, out_w) == tuple(batch.shape[2:])
+
+
+def test_an_output_larger_than_foreseen_is_refused(tmp_path):
+    from bnsurgeon.core.errors import DataError
+    from bnsurgeon.loading.data import ImagePlan, _image_batches
+
+    folder = save_images(tmp_path / "one", count=1, size=(12, 10))
+    plan = ImagePlan(("exact", 8, 8), origin="the test's processor")
+    with pytest.raises(DataError, match="the test's processor made .*00.png into 3 x 100 x 100, larger than"):
+        next(_image_batches(sorted(folder.iterdir()), lambda image: torch.zeros(3, 100, 100), 4, plan))
+
+
 # the kinds of image: read one way, said, or refused
 
 
@@ -306,7 +349,7 @@ def test_a_16_bit_image_is_scaled_to_8_bits_not_clipped_to_white(plain_processor
     assert torch.allclose(batch, torch.full_like(batch, 128 / 255))  # Pillow's own conversion gives 1.0 (255)
 
 
-def test_a_32_bit_float_image_is_refused_naming_its_samples(plain_processor, tmp_path):
+def test_a_32_bit_float_image_is_refused_naming_its_samples(plain_processor, tmp_path, no_decoding):
     import numpy as np
     from PIL import Image
 

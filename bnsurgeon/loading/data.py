@@ -575,7 +575,13 @@ def _decoded(path: Path, image: Any) -> Any:
     conversion clips them at 255, which whitens the image)."""
     from PIL import ImageFile
 
-    if getattr(image, "n_frames", 1) > 1:
+    if image.mode in ("I", "F"):  # known from the header: refused before it is decoded
+        raise DataError(
+            f"{path} holds 32-bit {'integer' if image.mode == 'I' else 'floating-point'} samples, whose range "
+            "says nothing of their brightness",
+            "save the image with 8 or 16 bits per sample, or pass the preprocessed tensors",
+        )
+    if image.tell() != 0:  # Pillow opens at the first frame; frames are never counted (a GIF decodes each to count)
         image.seek(0)
     saved, ImageFile.LOAD_TRUNCATED_IMAGES = ImageFile.LOAD_TRUNCATED_IMAGES, False  # a truncated file is refused
     try:
@@ -587,13 +593,7 @@ def _decoded(path: Path, image: Any) -> Any:
         from PIL import Image
 
         values = np.asarray(image, dtype=np.uint32)
-        return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L").convert("RGB")
-    if image.mode in ("I", "F"):
-        raise DataError(
-            f"{path} holds 32-bit {'integer' if image.mode == 'I' else 'floating-point'} samples, whose range "
-            "says nothing of their brightness",
-            "save the image with 8 or 16 bits per sample, or pass the preprocessed tensors",
-        )
+        return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8)).convert("RGB")
     return image.convert("RGB")
 
 
