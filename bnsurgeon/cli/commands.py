@@ -37,6 +37,7 @@ EXIT_CODES = {  # the README's table, in short
     13: "recalibrate: DATA holds fewer samples/batches than --samples/--batches asked for (the message says how many)",
     14: "recalibrate: a BN module's input held NaN/Inf (the message names it; nothing written)",
     15: "recalibrate: the forward over DATA reached no BN module (nothing written)",
+    17: "a module in the working directory hides an installed one your factory or bnsurgeon imports (it is named)",
     70: "internal error: a bug in bnsurgeon, not in the input (the traceback with -v or BNSURGEON_DEBUG=1)",
     129: "interrupted by SIGHUP; the message says what is on disk (nothing partial)",
     130: "interrupted by Ctrl-C (SIGINT); the message says what is on disk (nothing partial)",
@@ -183,6 +184,11 @@ def handle_errors(command: Callable) -> Callable:
         except Exception as error:
             if debug:
                 raise
+            from bnsurgeon.core.user_code import shadowing_error
+
+            shadowed = shadowing_error()  # a safetensors.py beside the user's factory: their environment, not a bug
+            if shadowed is not None:
+                _fail(shadowed.message, shadowed.hint, shadowed.exit_code)
             if _out_of_memory(error):
                 _memory_failure(error)
             _internal_error(error, bool(kwargs.get("verbose")))

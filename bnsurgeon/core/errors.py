@@ -196,6 +196,13 @@ class SourceNotFoundError(BnSurgeonError):
     exit_code = 3
 
 
+class ShadowedModuleError(BnSurgeonError):
+    """A module in the working directory (first on the import path for the user's factory) hides an installed
+    module of the same name: ``safetensors.py`` beside ``mymodels.py``. The user's environment, not a bug."""
+
+    exit_code = 17  # 16: HostFailureError
+
+
 class CheckpointError(BnSurgeonError):
     """A file that exists but is not a checkpoint bnsurgeon can read."""
 

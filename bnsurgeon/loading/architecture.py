@@ -131,14 +131,14 @@ def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
 
     from torch import nn
 
-    from bnsurgeon.core.user_code import check_factory_spec, import_named_module
+    from bnsurgeon.core.user_code import check_factory_spec, import_named_module, shadowing_error
 
     check_factory_spec(target)
     module_name = target.partition(":")[0]
     try:
         module, function_name = import_named_module(target)
     except ImportError as error:
-        raise SourceNotFoundError(
+        raise shadowing_error() or SourceNotFoundError(
             f"cannot import {module_name!r} for factory {target!r} ({error})",
             "run from the directory that holds the package, or install it",
         ) from None
@@ -159,7 +159,7 @@ def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
     try:
         model = factory(**kwargs)
     except Exception as error:
-        raise FactoryRaisedError(
+        raise shadowing_error() or FactoryRaisedError(
             f"factory {target!r} raised {type(error).__name__}: {first_line(error)}",
             "fix the factory or its --model-arg values",
         ) from None
