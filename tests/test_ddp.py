@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ddp_three_sgd_steps_match_single_process_full_batch():
-    ranks = run_world(2, ddp_rank, timeout=300)
+    ranks = run_world(2, ddp_rank, timeout=270)
     reference = train(only_bn_trains(tiny_timm_model()), slice(None), 1.0 / sum(SPLIT)).state_dict()
     for name, expected in reference.items():
         for rank, state in enumerate(ranks):

@@ -89,7 +89,7 @@ def low_precision_states():
     from _dist import run_world
     from _lightning_cases import precision_rank
 
-    return run_world(2, precision_rank, PRECISIONS, timeout=400)
+    return run_world(2, precision_rank, PRECISIONS, timeout=270)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

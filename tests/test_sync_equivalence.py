@@ -97,7 +97,7 @@ def _compare(case: dict, ranks: list[dict], expected: dict) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sync_matches_plain_bn_on_whole_batch(world_size):
-    per_rank = run_world(world_size, sync_rank, CASES, timeout=300)
+    per_rank = run_world(world_size, sync_rank, CASES, timeout=270)
     for index, case in enumerate(CASES):
         _compare(case, [per_rank[rank][index] for rank in range(world_size)], reference(case))
 
@@ -108,7 +108,7 @@ def test_cuda_fused_kernel_path_matches_plain_bn():
     """Two gloo ranks on CUDA tensors (NCCL refuses two ranks on one GPU) exercise the CUDA path
     (device_path.py), every case including the bfloat16 and half ones."""
     cases = [dict(c, device="cuda") for c in CASES]
-    per_rank = run_world(2, sync_rank, cases, timeout=300)
+    per_rank = run_world(2, sync_rank, cases, timeout=120)
     for index, case in enumerate(cases):
         _compare(dict(case, loose=True), [per_rank[rank][index] for rank in range(2)], reference(case))
 

@@ -204,7 +204,7 @@ def test_detr_as_a_model_directory_trains_synced_and_refreezes_for_from_pretrain
     assert verified.exit_code == 0, verified.output
 
     trained = tmp_path / "trained"
-    ranks = run_world(2, train_detr_rank, str(sync), str(trained), timeout=300)
+    ranks = run_world(2, train_detr_rank, str(sync), str(trained), timeout=270)
     for key, value in ranks[0].items():
         assert torch.equal(value, ranks[1][key]), key  # synced: the ranks agree
     counters = [k for k in ranks[0] if k.endswith("num_batches_tracked")]
@@ -368,17 +368,18 @@ def test_a_config_asking_for_remote_code_is_refused_and_nothing_runs(resnet_dir,
     assert not (tmp_path / "ran").exists() and not (tmp_path / "o.safetensors").exists()
 
 
+@pytest.mark.timeout(600)  # two 2-rank runs of at most 280 s each (pytest's default is 300 s a test)
 def test_the_trainer_callback_keeps_bn_statistics_identical_on_two_gloo_ranks(tmp_path):
     """Two ranks train 3 steps with the HF Trainer (DDP, gloo): with BNSurgeonCallback every BN buffer and
     parameter is identical on both ranks; the plain-BN control's running statistics differ."""
     from _dist import run_world
     from _transformers_cases import trainer_rank
 
-    synced = run_world(2, trainer_rank, True, str(tmp_path / "synced"), timeout=400)
+    synced = run_world(2, trainer_rank, True, str(tmp_path / "synced"), timeout=280)
     assert synced[0]["kinds"] == ["SyncBatchNorm"]
     for key, value in synced[0]["state"].items():
         assert torch.equal(value, synced[1]["state"][key]), key
-    control = run_world(2, trainer_rank, False, str(tmp_path / "control"), timeout=400)
+    control = run_world(2, trainer_rank, False, str(tmp_path / "control"), timeout=280)
     assert control[0]["kinds"] == ["BatchNorm2d"]
     assert not torch.equal(control[0]["state"]["body.1.running_mean"], control[1]["state"]["body.1.running_mean"])
 
