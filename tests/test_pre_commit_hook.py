@@ -136,6 +136,12 @@ def test_a_timm_source_and_the_file_follow_the_separator_after_verifys_options(r
     assert "$ bnsurgeon verify -w 2 -- resnet18 m.safetensors" in output
 
 
+def test_a_file_whose_name_starts_with_a_dash_is_a_file_after_the_separator(repo):
+    checkpoint(repo, "-w.safetensors", '{"source": "resnet18"}')
+    code, output = hook(repo, "--", "-w.safetensors")
+    assert code == 0 and calls(repo) == [["verify", "--", "resnet18", "-w.safetensors"]], output
+
+
 def test_source_named_in_the_hooks_args_needs_no_confirmation(repo):
     checkpoint(repo, "m.safetensors", None)
     code, output = hook(repo, "--source", "evilmod:make", "--", "m.safetensors")
