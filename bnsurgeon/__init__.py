@@ -57,6 +57,7 @@ _API = {
     "NotEnoughDataError": ("bnsurgeon.core.errors", "NotEnoughDataError"),
     "NonFiniteActivationsError": ("bnsurgeon.core.errors", "NonFiniteActivationsError"),
     "NoBatchNormReachedError": ("bnsurgeon.core.errors", "NoBatchNormReachedError"),
+    "HostFailureError": ("bnsurgeon.core.errors", "HostFailureError"),
     "StatisticsOverflowError": ("bnsurgeon.core.errors", "StatisticsOverflowError"),
     "DistributedMismatchError": ("bnsurgeon.core.errors", "DistributedMismatchError"),
     "DistributedTimeoutError": ("bnsurgeon.core.errors", "DistributedTimeoutError"),

@@ -21,3 +21,55 @@ def sleeping(rank: int, world_size: int, seconds: float, marker: str) -> int:
         Path(marker).touch()
     time.sleep(seconds)
     return rank
+
+
+def killed_in_a_collective(rank: int, world_size: int) -> str:
+    """Rank 1 is killed (SIGKILL, as the out-of-memory killer does) while rank 0 waits for it in a collective."""
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(3))
+    return "finished"
+
+
+def killed_after_its_result(rank: int, world_size: int) -> int:
+    """Report, then be killed a moment later (rank 1): the pool learns it between tasks."""
+    import signal
+    import threading
+    import time
+
+    if rank == 1:
+        threading.Thread(target=lambda: (time.sleep(0.3), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
+    return rank
+
+
+def killed_while_the_other_works(rank: int, world_size: int, seconds: float) -> str:
+    """Rank 1 is killed at once; rank 0 is busy for ``seconds`` (as a rank waiting in a collective with a long
+    timeout is): the run cannot succeed, and must not wait for rank 0."""
+    import signal
+    import time
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(seconds)
+    return "finished"
+
+
+def out_of_open_files(rank: int, world_size: int) -> str:
+    """Rank 1 runs into its open-file limit, as under ``ulimit -n 24``; rank 0 waits in a collective for it."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (3, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        open(os.devnull).close()
+    dist.all_reduce(torch.ones(3))
+    return "finished"

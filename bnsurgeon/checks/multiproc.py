@@ -10,31 +10,122 @@ process when each rank imports them itself, as spawned ranks do); each rank take
 parent's environment as it is when the rank starts (a pool's, when the pool starts), not
 the server's.
 
-A hang becomes an error: the parent waits at most ``timeout`` seconds, then kills every
-rank and raises. Results travel as ``torch.save`` bytes, not shared-memory handles that
-die with a rank.
+A hang becomes an error, however a rank ends. The parent never waits on anything a rank can
+stop answering: each rank has two one-way pipes of its own (tasks in, results out) whose other
+ends only the rank holds, so a rank that dies breaks them instead of leaving them full; tasks
+are written by a daemon thread per send and results read by a daemon thread per rank, and
+the parent waits only on their events and on the ranks' sentinels (a death is seen the moment
+it happens, before, while or after a rank reads its task), each wait bounded by ``timeout``.
+Nothing is joined at exit that could wait for a dead rank. Results travel as ``torch.save``
+bytes, not shared-memory handles that die with a rank.
+
+A rank the machine stopped (killed by SIGKILL, as the out-of-memory killer does; out of
+memory, of open files or of disk in the rank) is a ``HostFailureError``, one line naming the
+rank and the cause; the other ranks are stopped before the failed one lets go of the process
+group, so they print no stack of their own while waiting for it. A rank that raises, crashes
+or does not finish is a ``RankFailure``.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import pickle
 import queue
+import re
 import signal
 import socket
 import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch.multiprocessing as mp
 
+from bnsurgeon.core.errors import HostFailureError, first_line
 from bnsurgeon.core.interrupts import signals_deferred
 
 
 class RankFailure(RuntimeError):
-    """A rank raised, died, or did not finish in time."""
+    """A rank raised, crashed, or did not finish in time (a check failed, not the machine)."""
+
+
+MEMORY_HINT = (
+    "nothing was written; the machine, not the model, stopped the check: free memory, or check fewer ranks "
+    "at once (--world-size N with a smaller N), then run again"
+)
+KILLED_HINT = (
+    "nothing was written; the machine, not the model, stopped the check. If it ran out of memory (dmesg names "
+    "what the kernel killed), free memory or check fewer ranks at once (--world-size N with a smaller N)"
+)
+FILES_HINT = "nothing was written; raise the open-file limit (ulimit -n 4096) and run again"
+DISK_HINT = "nothing was written; free disk space (the temporary directory too) and run again"
+START_HINT = "nothing was written; the machine refused new processes or pipes: free resources and run again"
+STOPPED_HINT = "nothing was written; something on this machine stopped a rank: run again once it lets the ranks run"
+LIMIT_HINT = "nothing was written; raise the limit named (ulimit) and run again"
+#: signals by which the machine, or someone on it, stops a process (not a failure of the code it ran): why, the fix
+MACHINE_SIGNALS = {
+    "SIGKILL": ("out of memory?", KILLED_HINT),  # the kernel's out-of-memory killer sends SIGKILL, as does kill -9
+    "SIGTERM": ("stopped from outside", STOPPED_HINT),
+    "SIGHUP": ("its terminal closed", STOPPED_HINT),
+    "SIGBUS": ("shared memory (/dev/shm) full?", "nothing was written; free space in /dev/shm and run again"),
+    "SIGXCPU": ("CPU time limit, ulimit -t", LIMIT_HINT),
+    "SIGXFSZ": ("file size limit, ulimit -f", LIMIT_HINT),
+}
+_OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory|not enough memory|Cannot allocate memory", re.I)
+
+
+def exit_cause(rank: int, exitcode: int | None) -> tuple[str, str | None]:
+    """One line on how a rank ended without reporting, and the fix where the machine ended it (else None)."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        if name in MACHINE_SIGNALS:
+            why, fix = MACHINE_SIGNALS[name]
+            return f"rank {rank} was killed by {name} ({why})", fix
+        return f"rank {rank} crashed with {name}", None
+    return f"rank {rank} exited (code {exitcode}) without reporting a result", None
+
+
+def _open_file_limit() -> str:
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return f" (ulimit -n {soft})"
+    except (ImportError, OSError, ValueError):
+        return ""
+
+
+def _quoted(error: BaseException) -> str:
+    """The error's first line; of a C++ message (``[enforce fail at loop.cc:48] rv != -1. -1 vs -1. pipe: Too
+    many open files``) only the clause that names the problem."""
+    line = first_line(error)
+    if not line.startswith("[") or line.startswith("[Errno"):
+        return line
+    clauses = re.sub(r"^\[[^\]]*\]\s*", "", line).split(". ")
+    named = [c for c in clauses if re.search(r"open files|memory|space left", c, re.I)]
+    return (named or clauses)[-1]
+
+
+def machine_cause(error: BaseException) -> tuple[str, str] | None:
+    """(what happened, the fix) when ``error`` is the machine's limit (memory, open files, disk), else None.
+
+    Python says it with an errno or MemoryError; torch's C++ (gloo, the allocator) only in its message."""
+    number = error.errno if isinstance(error, OSError) else None
+    text = str(error) if isinstance(error, (OSError, RuntimeError, MemoryError)) else ""
+    said = f"{type(error).__name__}: {_quoted(error)}"
+    if number in (errno.EMFILE, errno.ENFILE) or "Too many open files" in text:
+        return f"hit the limit on open files{_open_file_limit()}: {said}", FILES_HINT
+    if isinstance(error, MemoryError) or number == errno.ENOMEM or _OUT_OF_MEMORY.search(text):
+        return f"ran out of memory: {said}", MEMORY_HINT
+    if number == errno.ENOSPC or "No space left on device" in text:
+        return f"ran out of disk space: {said}", DISK_HINT
+    return None
 
 
 def free_port() -> int:
@@ -43,32 +134,51 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_in_group(rank, world_size, port, collective_timeout, fn, args) -> tuple[str, object]:
-    """``fn(rank, world_size, *args)`` in a gloo group made for it: ("ok", the value as torch.save bytes,
-    not shared-memory handles that die with the child) or ("error", the traceback), the group torn down."""
+def _run_in_group(
+    rank, world_size, port, collective_timeout, work: bytes, send: Callable[[str, object], None], hold
+) -> None:
+    """``fn(rank, world_size, *args)`` (``work``: their plain pickle) in a gloo group made for it, and
+    ``send`` what came of it: ("ok", the value as torch.save bytes, not shared-memory handles that die
+    with the child) or ("error", the traceback), the group torn down first; or ("machine", (line, fix))
+    for a limit of the machine, sent at once, then ``hold()`` with the group and the error's frames
+    (which may hold the rendezvous store) still alive, so that no other rank sees them go before the
+    parent stops it."""
     import torch
     import torch.distributed as dist
 
+    unpickled = False
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=collective_timeout),
-        )
-        value = fn(rank, world_size, *args)
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        return "ok", buffer.getvalue()
-    except BaseException as error:  # report every failure to the parent
-        return "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+        try:
+            fn, args = pickle.loads(work)  # after the environment is adopted: an import it triggers may read it
+            unpickled = True
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=collective_timeout),
+            )
+            value = fn(rank, world_size, *args)
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            outcome: tuple[str, object] = ("ok", buffer.getvalue())
+        except BaseException as error:  # report every failure to the parent
+            cause = machine_cause(error)
+            if cause is not None:
+                send("machine", (f"rank {rank} {cause[0]}", cause[1]))
+                hold()
+                return
+            if not unpickled:
+                outcome = ("error", f"the task could not be unpickled in the rank: {type(error).__name__}: {error}")
+            else:
+                outcome = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+    send(*outcome)
 
 
 #: imported once by the fork server, so that each rank starts from them instead of importing them again
@@ -163,93 +273,124 @@ def _start_all(processes: list) -> None:
         raise
 
 
-def _entry(rank, world_size, port, collective_timeout, task: bytes, results, environment):
-    """A rank of ``run_world``. The function and its arguments arrive pickled and are unpickled only after
-    the parent's environment is adopted (an import they trigger may read it), and as plain pickle bytes
-    (tensors among the arguments would otherwise each take a file descriptor of the fork server's few)."""
-    import pickle
-
+def _pool_entry(rank, tasks, results, environment):
+    """A rank: run each task it is sent, in a process group made for that task, until the parent closes
+    its task pipe (or is gone: the pipe breaks the same way)."""
     _become_rank(environment)
-    try:
-        fn, args = pickle.loads(task)
-    except BaseException as error:
-        results.put((rank, "error", f"the task could not be unpickled in the rank: {type(error).__name__}: {error}"))
-        return
-    results.put((rank, *_run_in_group(rank, world_size, port, collective_timeout, fn, args)))
 
-
-def run_world(
-    world_size: int, fn, *args, timeout: float = 180.0, collective_timeout: float = 60.0, allow_errors: bool = False
-) -> list:
-    """Results of ``fn(rank, world_size, *args)`` by rank; raises on error, hang or timeout."""
-    import pickle
-
-    context = forked_context()
-    results = context.Queue()
-    port = free_port()
-    environment = dict(os.environ)
-    task = pickle.dumps((fn, args))
-    processes = [
-        context.Process(target=_entry, args=(rank, world_size, port, collective_timeout, task, results, environment))
-        for rank in range(world_size)
-    ]
-    collected: dict[int, tuple[str, Any]] = {}
-    finished = False
-    try:
-        _start_all(processes)
-        deadline = time.monotonic() + timeout
-        while len(collected) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RankFailure(
-                    f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish in {timeout}s"
-                )
-            try:
-                rank, status, value = results.get(timeout=min(remaining, 5.0))
-            except queue.Empty:
-                dead = {
-                    r: p.exitcode for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in collected
-                }
-                if dead and len(collected) + len(dead) >= world_size:
-                    if not allow_errors:
-                        raise RankFailure(
-                            f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}"
-                        ) from None
-                    collected.update({r: ("died", f"exit code {code}") for r, code in dead.items()})
-                continue
-            if status == "ok":
-                import torch
-
-                value = torch.load(io.BytesIO(value), weights_only=False)
-            collected[rank] = (status, value)
-        finished = True
-    finally:
-        for process in (p for p in processes if p.pid is not None):  # the started ones
-            process.join(timeout=10 if finished else 0)  # interrupted, failed or timed out: kill at once
-            if process.is_alive():
-                process.kill()
-                process.join()
-    errors = {rank: value for rank, (status, value) in collected.items() if status != "ok"}
-    if errors and not allow_errors:
-        raise RankFailure("\n".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items())))
-    return [collected[rank] if allow_errors else collected[rank][1] for rank in range(world_size)]
-
-
-def _pool_entry(rank, inbox, results, environment):
-    """A pool process: run each task it is sent, in a process group made for that task."""
-    _become_rank(environment)
-    while True:
-        task = inbox.get()
-        if task is None:
+    def hold() -> None:  # a machine failure was reported: wait for the parent to stop this rank
+        try:
+            while True:
+                tasks.recv_bytes()
+        except (EOFError, OSError):
             return
-        task_id, world_size, port, collective_timeout, fn, args = task
-        _run_task(task_id, rank, world_size, port, collective_timeout, fn, args, results)
+
+    try:
+        while True:
+            task_id, world_size, port, collective_timeout, work = pickle.loads(tasks.recv_bytes())
+            started = time.monotonic()
+
+            def send(status: str, payload: object, task_id=task_id, started=started) -> None:
+                results.send_bytes(pickle.dumps((task_id, status, payload, time.monotonic() - started)))
+
+            _run_in_group(rank, world_size, port, collective_timeout, work, send, hold)
+    except (EOFError, OSError):  # the parent closed the pool, or is gone
+        return
 
 
-def _run_task(task_id, rank, world_size, port, collective_timeout, fn, args, results):
-    started = time.monotonic()
-    status, payload = _run_in_group(rank, world_size, port, collective_timeout, fn, args)
-    results.put((task_id, rank, status, payload, time.monotonic() - started))
+def _deliver(connection, data: bytes) -> None:
+    try:
+        connection.send_bytes(data)
+    except BaseException:  # the rank is gone: its sentinel tells the parent, not this thread
+        pass
+
+
+def _read(rank: int, connection, events: "queue.SimpleQueue") -> None:
+    """Post each result a rank sends, then ("closed", rank) once nothing more can come."""
+    while True:
+        try:
+            data = connection.recv_bytes()
+        except BaseException:  # end of file: the rank, and every copy of its end, is gone
+            events.put(("closed", rank, None))
+            return
+        events.put(("result", rank, data))
+
+
+def _watch(sentinels: dict, events: "queue.SimpleQueue") -> None:
+    """Post ("exited", rank) the moment each rank's process ends, however it ends."""
+    from multiprocessing.connection import wait
+
+    waiting = dict(sentinels)
+    while waiting:
+        for ready in wait(list(waiting)):
+            events.put(("exited", waiting.pop(ready), None))
+
+
+class _Rank:
+    """One rank's process and the parent's ends of its two one-way pipes (the rank holds the others)."""
+
+    def __init__(self, context, rank: int, environment: dict[str, str]) -> None:
+        self.rank = rank
+        self.senders: list[threading.Thread] = []
+        self.readers: list[threading.Thread] = []
+        task_end, self.tasks = context.Pipe(duplex=False)
+        try:
+            self.results, result_end = context.Pipe(duplex=False)
+        except BaseException:
+            task_end.close()
+            self.tasks.close()
+            raise
+        self._child_ends: list[Any] = [task_end, result_end]
+        self.process: Any = context.Process(
+            target=_pool_entry, args=(rank, task_end, result_end, environment), name=f"bnsurgeon-rank-{rank}"
+        )
+
+    def started(self) -> None:
+        """Only the rank holds its ends now: when it dies, a write to it fails and a read ends."""
+        for end in self._child_ends:
+            end.close()
+        self._child_ends = []
+
+    def send(self, data: bytes) -> None:
+        """Write a task from a daemon thread: a rank that never reads it cannot hold up the parent."""
+        thread = threading.Thread(
+            target=_deliver, args=(self.tasks, data), name=f"bnsurgeon-send-{self.rank}", daemon=True
+        )
+        thread.start()
+        self.senders.append(thread)
+
+    def listen(self, events: "queue.SimpleQueue") -> None:
+        thread = threading.Thread(
+            target=_read, args=(self.rank, self.results, events), name=f"bnsurgeon-read-{self.rank}", daemon=True
+        )
+        thread.start()
+        self.readers.append(thread)
+
+    def idle(self) -> bool:
+        """No task is being written to the rank."""
+        return not any(thread.is_alive() for thread in self.senders)
+
+    def kill(self) -> None:
+        if self.process.pid is not None and self.process.exitcode is None:
+            self.process.kill()
+
+    def reap(self, seconds: float) -> None:
+        if self.process.pid is not None:
+            self.process.join(seconds)
+
+    def close(self) -> None:
+        """Close the parent's ends once no thread of ours can still be using them (else leave them open:
+        closing a pipe under a thread blocked on it could let it write to whatever reuses the number)."""
+        threads = self.senders + self.readers
+        for thread in threads:
+            thread.join(1.0)
+        if not any(thread.is_alive() for thread in threads):
+            for end in (self.tasks, self.results, *self._child_ends):
+                end.close()
+
+
+#: after a rank's process ends, how long its result may still be in the pipe on its way to the parent
+LAST_RESULT_S = 2.0
 
 
 class RankPool:
@@ -258,85 +399,176 @@ class RankPool:
     Use as a context manager; the processes start at once (the fork server's first start, which
     imports torch and timm, is waited for: overlapping it with the parent's checks was slower on
     2 cores) and are stopped, or killed, on exit. After a failure
-    the pool is broken and every later ``run`` raises.
+    the pool is broken and every later ``run`` raises. A rank that dies, whenever it dies, is an
+    error of the run that needs it (``HostFailureError`` when the machine killed it).
     """
 
     def __init__(self, size: int, *, collective_timeout: float = 60.0) -> None:
-        context = forked_context()
         self.size = size
         self.collective_timeout = collective_timeout
-        self._results = context.Queue()
-        self._inboxes = [context.Queue() for _ in range(size)]
-        self._processes = [
-            context.Process(target=_pool_entry, args=(rank, self._inboxes[rank], self._results, dict(os.environ)))
-            for rank in range(size)
-        ]
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._ranks: list[_Rank] = []
         self._next_task = 0
         self._broken: str | None = None
+        self._closed = False
+        self._exited: dict[int, float] = {}  # rank -> when its process was seen to end
+        self._drained: set[int] = set()  # ranks whose result pipe has closed: every result they sent is in
+        self._holding: set[int] = set()  # ranks that reported a machine failure: stopped after the others
         self.task_seconds: list[float] = []  # per run: the slowest rank's time inside the task
-        _start_all(self._processes)
+        try:
+            context = forked_context()
+            environment = dict(os.environ)
+            self._ranks = [_Rank(context, rank, environment) for rank in range(size)]
+            _start_all([r.process for r in self._ranks])
+            for r in self._ranks:
+                r.started()
+                r.listen(self._events)
+            sentinels = {r.process.sentinel: r.rank for r in self._ranks}
+            threading.Thread(target=_watch, args=(sentinels, self._events), name="bnsurgeon-watch", daemon=True).start()
+        except (OSError, RuntimeError) as error:  # pipes, processes or threads refused: the machine's limits
+            self._broken = type(error).__name__
+            self.close()
+            if isinstance(error, RuntimeError) and "thread" not in str(error):
+                raise
+            cause = machine_cause(error)
+            raise HostFailureError(
+                f"the ranks could not be started: {cause[0] if cause else f'{type(error).__name__}: {first_line(error)}'}",
+                cause[1] if cause else START_HINT,
+            ) from None
+        except BaseException:
+            self._broken = "interrupted"
+            self.close()
+            raise
 
-    def run(self, world_size: int, fn, *args, timeout: float = 180.0) -> list:
-        """Results of ``fn(rank, world_size, *args)`` on ranks 0..W-1, by rank; raises RankFailure."""
+    @property
+    def pids(self) -> list[int | None]:
+        """The ranks' process ids, by rank."""
+        return [r.process.pid for r in self._ranks]
+
+    def run(self, world_size: int, fn, *args, timeout: float = 180.0, allow_errors: bool = False) -> list:
+        """Results of ``fn(rank, world_size, *args)`` on ranks 0..W-1, by rank; raises RankFailure, or
+        HostFailureError for a rank the machine stopped. ``allow_errors``: (status, value) per rank instead,
+        status "ok", "error" (value: the text) or "died" (value: how it ended)."""
         if self._broken:
             raise RankFailure(f"the rank pool failed earlier: {self._broken}")
         if not 1 <= world_size <= self.size:
             raise ValueError(f"world size {world_size} does not fit a pool of {self.size}")
         task_id, self._next_task = self._next_task, self._next_task + 1
-        port = free_port()
-        for rank in range(world_size):
-            self._inboxes[rank].put((task_id, world_size, port, self.collective_timeout, fn, args))
-        collected: dict[int, tuple[str, object]] = {}
+        # plain pickle bytes, unpickled in the rank: tensors by value, not a file descriptor each
+        work = pickle.dumps((fn, args))
+        task = pickle.dumps((task_id, world_size, free_port(), self.collective_timeout, work))
+        collected: dict[int, tuple[str, Any]] = {}
         seconds = 0.0
         deadline = time.monotonic() + timeout
         try:
+            self._take_events(0.0, task_id, world_size, collected, allow_errors)  # deaths since the last run
+            for rank in range(world_size):
+                if rank not in collected:
+                    try:
+                        self._ranks[rank].send(task)
+                    except RuntimeError as error:  # "can't start new thread": the machine's limit
+                        raise HostFailureError(
+                            f"a task could not be sent to rank {rank}: {error}", START_HINT
+                        ) from None
             while len(collected) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RankFailure(
-                        f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish in {timeout}s"
+                        f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within "
+                        f"{timeout:g} s (the run's timeout)"
                     )
-                try:
-                    got_id, rank, status, value, spent = self._results.get(timeout=min(remaining, 5.0))
-                except queue.Empty:
-                    dead = {r: p.exitcode for r, p in enumerate(self._processes[:world_size]) if p.exitcode is not None}
-                    if dead:
-                        raise RankFailure(
-                            f"{'rank' if len(dead) == 1 else 'ranks'} died with exit {'code' if len(dead) == 1 else 'codes'} {dead}"
-                        ) from None
-                    continue
-                if got_id != task_id:  # a late answer to an earlier, failed task
-                    continue
-                seconds = max(seconds, spent)
-                collected[rank] = (status, value)
+                seconds = max(seconds, self._take_events(remaining, task_id, world_size, collected, allow_errors))
+        except HostFailureError as error:
+            self._broken = error.message
+            raise
         except RankFailure as error:
             self._broken = str(error).splitlines()[0]
             raise
         except BaseException as error:  # interrupted while the ranks work: they cannot be waited for
             self._broken = type(error).__name__
             raise
-        errors = {rank: value for rank, (status, value) in collected.items() if status != "ok"}
+        import torch
+
+        def value(status: str, payload: Any) -> Any:
+            return torch.load(io.BytesIO(cast(bytes, payload)), weights_only=False) if status == "ok" else payload
+
+        if allow_errors:
+            return [(collected[r][0], value(*collected[r])) for r in range(world_size)]
+        errors = {rank: payload for rank, (status, payload) in collected.items() if status != "ok"}
         if errors:
             self._broken = "a rank raised"
             raise RankFailure("\n".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items())))
-        import torch
-
         self.task_seconds.append(seconds)
-        return [
-            torch.load(io.BytesIO(cast(bytes, collected[rank][1])), weights_only=False) for rank in range(world_size)
+        return [value(*collected[rank]) for rank in range(world_size)]
+
+    def _take_events(self, wait_s: float, task_id: int, world_size: int, collected: dict, allow_errors: bool) -> float:
+        """Take what the ranks' threads posted (waiting up to ``wait_s`` for the first), then judge the ranks
+        whose process ended; the longest task time among the results taken."""
+        seconds = 0.0
+        pending_deaths = [
+            t for r, t in self._exited.items() if r < world_size and r not in self._drained and r not in collected
         ]
+        if pending_deaths:  # wake up when a dead rank's last result is overdue
+            wait_s = min(wait_s, max(0.0, min(pending_deaths) + LAST_RESULT_S - time.monotonic()))
+        while True:
+            try:
+                kind, rank, data = self._events.get(timeout=wait_s) if wait_s > 0 else self._events.get_nowait()
+            except queue.Empty:
+                break
+            wait_s = 0.0  # the rest only as far as they are already there
+            if kind == "exited":
+                self._exited[rank] = time.monotonic()
+            elif kind == "closed":
+                self._drained.add(rank)
+            else:
+                got_id, status, payload, spent = pickle.loads(data)
+                if got_id != task_id or rank >= world_size:  # a late answer to an earlier, failed task
+                    continue
+                if status == "machine":
+                    self._holding.add(rank)
+                    if not allow_errors:
+                        raise HostFailureError(*payload)
+                    status, payload = "error", payload[0]
+                seconds = max(seconds, spent)
+                collected[rank] = (status, payload)
+        now = time.monotonic()
+        for rank, when in sorted(self._exited.items()):
+            if rank >= world_size or rank in collected:
+                continue
+            if rank not in self._drained and now - when < LAST_RESULT_S:
+                continue  # its result may still be on its way
+            process = self._ranks[rank].process
+            process.join(1.0)
+            line, fix = exit_cause(rank, process.exitcode)
+            if allow_errors:
+                collected[rank] = ("died", line)
+            elif fix is not None:
+                raise HostFailureError(line, fix)
+            else:
+                raise RankFailure(line)
+        return seconds
 
     def close(self) -> None:
-        for inbox in self._inboxes:
-            try:
-                inbox.put(None)
-            except Exception:
-                pass
-        for process in self._processes:
-            process.join(timeout=0 if self._broken else 10)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        """Stop the ranks: an idle pool's finish at the end of their task pipe; a broken pool's are killed at
+        once, those holding a machine failure last (the others must not see its process group go)."""
+        if self._closed:
+            return
+        self._closed = True
+        started = [r for r in self._ranks if r.process.pid is not None]
+        if self._broken is None:
+            for r in started:
+                if r.idle():  # the end of its task pipe tells the rank to finish
+                    _close_quietly(r.tasks)
+            for r in started:
+                r.reap(10)
+        first = [r for r in reversed(started) if r.rank not in self._holding]
+        for group in (first, [r for r in started if r.rank in self._holding]):
+            for r in group:
+                r.kill()
+            for r in group:
+                r.reap(10)
+        for r in self._ranks:
+            r.close()
 
     def __enter__(self) -> "RankPool":
         return self
@@ -345,3 +577,28 @@ class RankPool:
         if exc_type is not None and self._broken is None:  # interrupted or failed: stop the ranks at once
             self._broken = exc_type.__name__
         self.close()
+
+
+def _close_quietly(connection) -> None:
+    try:
+        connection.close()
+    except OSError:
+        pass
+
+
+def run_world(
+    world_size: int,
+    fn,
+    *args,
+    timeout: float = 180.0,
+    collective_timeout: float | None = None,
+    allow_errors: bool = False,
+) -> list:
+    """Results of ``fn(rank, world_size, *args)`` by rank, on W processes started for this call; raises on
+    error, death, hang or timeout. ``allow_errors``: (status, value) per rank instead (``RankPool.run``).
+
+    ``collective_timeout``, the process group's own, is ``timeout`` unless given: the run's bound is the
+    hang detector, and a collective that waits for a slow rank (one still compiling, on a busy machine)
+    must not fire before it. Give a shorter one only where a timeout is what is being tested."""
+    with RankPool(world_size, collective_timeout=collective_timeout or timeout) as pool:
+        return pool.run(world_size, fn, *args, timeout=timeout, allow_errors=allow_errors)

@@ -390,3 +390,11 @@ class NoBatchNormReachedError(BnSurgeonError):
         "nothing was written; the data must go through the BN layers (a backbone's input, not its "
         "features), or check which BN modules the forward calls"
     )
+
+
+class HostFailureError(BnSurgeonError):
+    """The machine stopped a check's rank process: killed it (SIGKILL, as the out-of-memory killer does), or
+    the rank ran out of memory, open files or disk. Not a verdict on the model: the checks that ran passed."""
+
+    exit_code = 16
+    default_hint = "nothing was written; free the resource named (memory, open files: ulimit -n) and run again"

@@ -1,0 +1,214 @@
+"""However a rank dies, the rank harness (``checks.multiproc``) turns it into one error, soon, and the
+process then exits: a rank killed (SIGKILL, as the out-of-memory killer does) before, while or after it
+reads a task, while the parent is still writing a large task to it, right after it starts, while the
+other rank waits for it; a rank that runs out of open files; processes the machine refuses to start.
+The machine's doing is a ``HostFailureError`` (exit 16) naming the rank and the cause, not a failed
+check; and verify says so in one line.
+
+The scenarios run in one fresh interpreter, as ``bnsurgeon verify`` does, because the hang this guards
+against came at interpreter exit (a task pickled into a dead rank's queue, the queue's feeder thread
+joined at exit); every test below fails when that process does not exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+TESTS = Path(__file__).parent
+#: idle, all scenarios take about 15 s together; a hang detector sized for a loaded 2-core machine
+SCRIPT_TIMEOUT_S = 240
+#: each scenario ends in 1-3 s idle; what it must never wait for is a 600 s collective or a 300 s task
+SCENARIO_S = 60
+
+SCENARIOS = """
+import errno, json, os, signal, sys, threading, time
+sys.path.insert(0, {tests!r})
+from _rank_probe import (environment_and_modules, killed_after_its_result, killed_in_a_collective,
+                         killed_while_the_other_works, out_of_open_files)
+from bnsurgeon.checks import multiproc
+from bnsurgeon.checks.multiproc import RankPool, run_world
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+def scenario(name, body):
+    started, pids, outcome = time.monotonic(), [], {{"error": None, "message": ""}}
+    try:
+        outcome["value"] = repr(body(pids))
+    except Exception as error:
+        outcome = {{"error": type(error).__name__, "message": str(error)}}
+    outcome.update(name=name, seconds=time.monotonic() - started, left=[p for p in pids if alive(p)])
+    print(json.dumps(outcome), flush=True)
+
+def pool_pids(pool, pids):
+    pids.extend(pool.pids)
+
+def killed_idle(pids):  # before it receives a task; the task is larger than a pipe holds
+    with RankPool(2) as pool:
+        pool_pids(pool, pids)
+        pool.run(2, environment_and_modules, "X")
+        os.kill(pids[1], signal.SIGKILL)
+        time.sleep(0.5)
+        return pool.run(2, environment_and_modules, "X" * 4_000_000)
+
+def killed_receiving(pids):  # while the parent writes it a 64 MB task: stopped, then killed mid-write
+    with RankPool(2) as pool:
+        pool_pids(pool, pids)
+        pool.run(2, environment_and_modules, "X")
+        os.kill(pids[1], signal.SIGSTOP)
+        threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
+        return pool.run(2, environment_and_modules, "X" * 64_000_000)
+
+def killed_running(pids):  # while the other rank waits for it in a collective with a 600 s timeout
+    with RankPool(2, collective_timeout=600) as pool:
+        pool_pids(pool, pids)
+        return pool.run(2, killed_in_a_collective)
+
+def killed_after(pids):  # after it reported its result: the next task learns of it
+    with RankPool(2) as pool:
+        pool_pids(pool, pids)
+        first = pool.run(2, killed_after_its_result)
+        time.sleep(1.0)
+        assert first == [0, 1], first
+        return pool.run(2, environment_and_modules, "X")
+
+def killed_starting(pids):  # the moment it has started, before its prologue is done
+    with RankPool(2) as pool:
+        pool_pids(pool, pids)
+        os.kill(pids[1], signal.SIGKILL)
+        return pool.run(2, environment_and_modules, "X")
+
+def out_of_files(pids):  # ulimit -n reached in rank 1 while rank 0 waits for it in a collective
+    with RankPool(2, collective_timeout=600) as pool:
+        pool_pids(pool, pids)
+        return pool.run(2, out_of_open_files)
+
+def start_refused(pids):  # the machine refuses the processes (EAGAIN: too many processes)
+    def refuse(processes):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+    real, multiproc._start_all = multiproc._start_all, refuse
+    try:
+        return RankPool(2)
+    finally:
+        multiproc._start_all = real
+
+def killed_while_other_busy(pids):  # run_world: rank 0 busy for 300 s, rank 1 killed: do not wait for rank 0
+    return run_world(2, killed_while_the_other_works, 300.0, timeout=400)
+
+if __name__ == "__main__":
+    for name, body in list(globals().items()):
+        if name in {names}:
+            scenario(name, body)
+    print("exiting", flush=True)
+"""
+NAMES = [
+    "killed_idle",
+    "killed_receiving",
+    "killed_running",
+    "killed_after",
+    "killed_starting",
+    "out_of_files",
+    "start_refused",
+    "killed_while_other_busy",
+]
+
+
+@pytest.fixture(scope="module")
+def deaths() -> dict:
+    script = SCENARIOS.format(tests=str(TESTS), names=set(NAMES))
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+        stdout, stderr, exited = done.stdout, done.stderr, done.returncode == 0 and "exiting" in done.stdout
+    except subprocess.TimeoutExpired as hung:
+        stdout, stderr, exited = _text(hung.stdout), _text(hung.stderr), False
+    outcomes = {o["name"]: o for o in (json.loads(line) for line in stdout.splitlines() if line.startswith("{"))}
+    return {"outcomes": outcomes, "stderr": stderr, "exited": exited, "stdout": stdout}
+
+
+def _text(data) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _outcome(deaths: dict, name: str) -> dict:
+    assert name in deaths["outcomes"], f"{name} never finished: {deaths['stdout'][-2000:]}{deaths['stderr'][-2000:]}"
+    assert deaths["exited"], f"the process did not exit after its scenarios: {deaths['stderr'][-2000:]}"
+    outcome = deaths["outcomes"][name]
+    assert outcome["seconds"] < SCENARIO_S, outcome
+    assert outcome["left"] == [], f"rank processes left running: {outcome}"
+    return outcome
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["killed_idle", "killed_receiving", "killed_running", "killed_after", "killed_starting", "killed_while_other_busy"],
+)
+def test_a_killed_rank_is_one_host_failure_naming_it_and_nothing_waits_for_it(deaths, name):
+    outcome = _outcome(deaths, name)
+    assert outcome["error"] == "HostFailureError", outcome
+    assert outcome["message"].startswith("rank 1 was killed by SIGKILL (out of memory?)"), outcome
+
+
+def test_a_rank_out_of_open_files_is_a_host_failure_and_the_waiting_rank_prints_no_stack(deaths):
+    outcome = _outcome(deaths, "out_of_files")
+    assert outcome["error"] == "HostFailureError", outcome
+    assert outcome["message"].startswith("rank 1 hit the limit on open files (ulimit -n 3)"), outcome
+    assert "Too many open files" in outcome["message"] and "\n" not in outcome["message"], outcome
+    assert "frame #" not in deaths["stderr"] and "Traceback" not in deaths["stderr"], deaths["stderr"][-3000:]
+
+
+def test_processes_the_machine_refuses_are_a_host_failure(deaths):
+    outcome = _outcome(deaths, "start_refused")
+    assert outcome["error"] == "HostFailureError", outcome
+    assert outcome["message"].startswith("the ranks could not be started: "), outcome
+    assert "[Errno 11] Resource temporarily unavailable" in outcome["message"], outcome
+
+
+KILLED = """
+import os, signal
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class KilledInRankOne(nn.Module):
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_rank() == 1:  # what the out-of-memory killer does to a rank
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), KilledInRankOne(), nn.Conv2d(4, 2, 1))
+"""
+
+
+def test_verify_with_a_rank_killed_exits_16_with_one_line_not_a_failed_check(tmp_path, monkeypatch):
+    """Finding 5 at the command line: the checks that ran passed; the machine killed a rank. Exit 1 would say
+    the outputs differ."""
+    from _modules import install_module
+    from typer.testing import CliRunner
+
+    from bnsurgeon.cli.commands import app
+
+    install_module(tmp_path, monkeypatch, "killed", KILLED)
+    runner = CliRunner()
+    converted = tmp_path / "k.sync.safetensors"
+    made = runner.invoke(app, ["convert", "killed:build", "-o", str(converted), "--input-shape", "2,3,8,8"])
+    assert made.exit_code == 0, made.output
+    args = ["verify", "killed:build", str(converted), "--converted-model", "killed:build", "--input-shape", "2,3,8,8"]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 16, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 1 was killed by SIGKILL (out of memory?)"], result.output
+    assert "fix: nothing was written" in result.output and "Traceback" not in result.output, result.output
