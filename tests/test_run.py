@@ -303,15 +303,23 @@ def test_help_explains_run_with_torchrun_first_and_imports_no_torch():
 @pytest.mark.skipif(
     importlib.util.find_spec("mmengine") is None, reason="mmengine is not installed (optional extra: openmmlab)"
 )
-def test_mmengine_converters():  # pragma: no cover - runs where mmengine is installed
-    with patched_converters(ConversionLog(quiet=True)):
+def test_mmengine_converters():
+    """The two functions OpenMMLab's runner calls (sync_bn="torch"; the revert when not distributed), imported
+    by name as the runner imports them (its module needs OpenCV, so it is not imported here)."""
+    log = ConversionLog(quiet=True)
+    with patched_converters(log):
         from mmengine.model import convert_sync_batchnorm, revert_sync_batchnorm
 
         model = _case()["build_model"]()
-        synced = convert_sync_batchnorm(model)
-        assert type(synced[1]) is SyncBatchNormAct and type(synced[4]).__name__ == "FrozenBatchNorm2d"
+        synced = convert_sync_batchnorm(model, "torch")
+        assert synced is model and type(synced[1]) is SyncBatchNormAct and type(synced[1].act) is nn.ReLU
+        assert type(synced[4]).__name__ == "FrozenBatchNorm2d"
         reverted = revert_sync_batchnorm(synced)
         assert [type(m).__name__ for m in reverted][1:4] == ["BatchNormAct2d", "Conv2d", "BatchNorm2d"]
+    assert [c.converter.rsplit(".", 1)[1] for c in log.conversions] == [
+        "convert_sync_batchnorm",
+        "revert_sync_batchnorm",
+    ]
 
 
 def test_the_package_ships_a_py_typed_marker():
