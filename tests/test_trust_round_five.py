@@ -233,6 +233,15 @@ def test_a_preprocessor_size_too_large_for_one_image_is_refused_before_decoding(
     )
 
 
+def test_a_crop_pct_of_the_smallest_float_is_refused_as_too_large_not_a_crash(
+    resnet_dir, images, tmp_path, no_decoding
+):
+    """32 / 5e-324 is no float: the plan is worked out in whole numbers (it was an OverflowError, exit 70)."""
+    preprocessor(resnet_dir, image_processor_type="ConvNextImageProcessor", size={"shortest_edge": 32}, crop_pct=5e-324)
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
+    one_line_failure(result, 12, "into 3 x over 1,099,511,627,775 x over 1,099,511,627,775", "nothing was decoded")
+
+
 def test_a_batch_is_bounded_before_its_first_image_is_decoded(resnet_dir, images, tmp_path, no_decoding):
     preprocessor(resnet_dir, size={"height": 64, "width": 64})  # 49,152 bytes an image, 196,608 a batch of 4
     result = run(

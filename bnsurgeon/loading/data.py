@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -477,6 +478,8 @@ def image_transform(model: "nn.Module | None", directory: "Path | None") -> "tup
 MAX_IMAGE_PIXELS = 89_478_485
 #: bytes one pixel value may take while an image is preprocessed (transformers rescales in float64)
 WORKING_BYTES = 8
+#: a planned side longer is counted as this long: already far past any limit, and its products stay floats
+MAX_PLANNED_SIDE = 1 << 40
 #: what every image with several frames (an animated GIF, PNG or WebP, a multi-page TIFF) gives
 FRAME_NOTE = "an image with several frames (animated, multi-page) gives its first frame"
 
@@ -499,7 +502,10 @@ class ImagePlan:
     def sizes(self, height: int, width: int) -> "tuple[tuple[int, int], tuple[int, int]]":
         """(the largest intermediate, the output), each (height, width), for an image of ``height`` x ``width``."""
         resized = self._resized(height, width)
-        resized = (_round_up(resized[0], self.multiple), _round_up(resized[1], self.multiple))
+        resized = (
+            min(_round_up(resized[0], self.multiple), MAX_PLANNED_SIDE),
+            min(_round_up(resized[1], self.multiple), MAX_PLANNED_SIDE),
+        )
         out = self.crop or resized
         if self.pad is not None:
             out = (max(out[0], self.pad[0]), max(out[1], self.pad[1]))
@@ -525,8 +531,9 @@ class ImagePlan:
         return -(-height * num // den) + 1, -(-width * num // den) + 1  # rounded up, and one more for rounding
 
     def describe(self, height: int, width: int) -> str:
-        _, (out_h, out_w) = self.sizes(height, width)
-        return f"{self.channels} x {out_h:,} x {out_w:,}"
+        _, out = self.sizes(height, width)
+        sides = [f"{side:,}" if side < MAX_PLANNED_SIDE else f"over {MAX_PLANNED_SIDE - 1:,}" for side in out]
+        return f"{self.channels} x {sides[0]} x {sides[1]}"
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -537,10 +544,12 @@ def timm_plan(config: dict) -> ImagePlan:
     """timm's eval transform for a data config (``transforms_imagenet_eval``): resize to ``input / crop_pct``
     (squashed, or the shortest side, keeping the ratio), then crop to the input size."""
     channels, height, width = (int(v) for v in config["input_size"])
-    crop_pct = float(config.get("crop_pct") or 1.0)
-    scaled = (int(height / crop_pct) + 1, int(width / crop_pct) + 1)
+    ratio = Fraction(float(config.get("crop_pct") or 1.0))
+    if ratio <= 0:  # timm itself refuses such a config when it builds the transform
+        ratio = Fraction(1)
+    scaled = [-(-side * ratio.denominator // ratio.numerator) + 1 for side in (height, width)]
     if config.get("crop_mode") == "squash":
-        resize: tuple[str, int, int] = ("exact", *scaled)
+        resize: tuple[str, int, int] = ("exact", scaled[0], scaled[1])
     else:  # center (Resize of the shortest side) or border (ResizeKeepRatio): at most the larger scale, kept ratio
         resize = ("shortest", max(scaled), 0)
     # images are read as RGB: 3 channels whatever the model takes (one that takes 1 fails on them, named there)
@@ -706,7 +715,8 @@ def transformers_plan(processor: Any, origin: str) -> ImagePlan:
         elif shortest:
             crop_pct = getattr(processor, "crop_pct", None)
             if isinstance(crop_pct, (int, float)) and 0 < crop_pct < 1:  # ConvNeXt's: resized to shortest / crop_pct
-                shortest = int(shortest / crop_pct) + 1
+                ratio = Fraction(crop_pct)  # exact: 12 / 5e-324 is no float
+                shortest = -(-shortest * ratio.denominator // ratio.numerator) + 1
             resize = ("shortest", shortest, longest or 0)
         elif longest:
             resize = ("longest", longest, 0)
