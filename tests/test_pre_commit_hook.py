@@ -119,7 +119,9 @@ def test_timm_prefix_does_not_hide_a_factory(repo):
     assert code == 10 and calls(repo) == [], output
 
 
-@pytest.mark.parametrize("source", ["--help", "-w", "--source=x", "a b", "x.safetensors (timm:resnet18, sync)"])
+@pytest.mark.parametrize(
+    "source", ["--help", "-w", "--source=x", "a b", "x.safetensors (timm:resnet18, sync)", "r" * 200_000]
+)
 def test_a_source_that_is_no_timm_name_or_factory_is_refused_never_an_option(repo, source):
     checkpoint(repo, "m.safetensors", json.dumps({"source": source}))
     code, output = hook(repo, "--", "m.safetensors")
@@ -177,14 +179,16 @@ def test_a_failed_verify_exits_1_and_the_next_file_is_still_verified(repo):
     assert code == 1 and [call[-1] for call in calls(repo)] == ["bad.safetensors", "good.safetensors"], output
 
 
-def test_a_report_that_is_a_directory_or_a_dangling_link_is_a_problem_not_a_skip(repo):
+def test_a_report_that_is_a_directory_a_fifo_or_a_dangling_link_is_a_problem_not_a_skip(repo):
     checkpoint(repo, "a.safetensors", None)
     (repo / "a.safetensors.report.json").mkdir()
     checkpoint(repo, "b.safetensors", None)
     (repo / "b.safetensors.report.json").symlink_to(repo / "missing")
-    code, output = hook(repo, "--", "a.safetensors", "b.safetensors")
+    checkpoint(repo, "c.safetensors", None)
+    os.mkfifo(repo / "c.safetensors.report.json")  # reading it would wait for a writer forever
+    code, output = hook(repo, "--", "a.safetensors", "b.safetensors", "c.safetensors")
     assert code == 4 and calls(repo) == [], output
-    one_line_each(output, 2)
+    one_line_each(output, 3)
 
 
 def test_a_file_name_that_is_not_utf8_is_verified_and_printed_escaped(repo):
