@@ -182,19 +182,37 @@ def scenarios_rank(rank: int, world_size: int, names: list[str]) -> dict:
     return {name: _outcome(run[name]) for name in names}
 
 
-def skipped_layer_timeout_rank(rank: int, world_size: int, seconds: str) -> str:
-    """The group was created with a 60 s timeout (as by a user's own init_process_group);
-    BNSURGEON_DIST_TIMEOUT must still bound the sync layer's collective."""
+def skipped_layer_timeout_rank(
+    rank: int, world_size: int, seconds: str, done: str, group_s: float | None = None
+) -> str:
+    """The group was created with a longer timeout (as by a user's own init_process_group);
+    BNSURGEON_DIST_TIMEOUT (``seconds``) must still bound the sync layer's collective, and the error names
+    whichever of the two fired: ``group_s`` sets the group's own timeout once both ranks are in it (set
+    before, it would bound their meeting too, which a busy machine can make slow). Rank 1 skips the layer
+    and stays in the group until rank 0 has its error (the file ``done``), however long that takes: had it
+    left, rank 0 would see a peer that left, not a timeout."""
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
     from bnsurgeon import convert
 
     os.environ["BNSURGEON_DIST_TIMEOUT"] = seconds
     model = convert(nn.Sequential(nn.BatchNorm2d(4)), "sync").model.train()
+    if group_s is not None:
+        dist.barrier()
+        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+        set_timeout(timedelta(seconds=group_s))
     started = time.monotonic()
     if rank == 1:  # skips the layer and stays away
-        time.sleep(4 * float(seconds))
+        while not Path(done).exists() and time.monotonic() - started < 600:
+            time.sleep(0.05)
         return "skipped"
     try:
         model(torch.randn(2, 4, 3, 3))
     except Exception as error:
         return f"{type(error).__name__} after {time.monotonic() - started:.1f} s: {error}"
+    finally:
+        Path(done).touch()
     return "no error"

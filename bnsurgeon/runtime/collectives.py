@@ -17,30 +17,66 @@ and warns on every call), else ``all_gather_into_tensor`` (torch 2.4 to 2.13).
 
 from __future__ import annotations
 
-from typing import Callable
+import re
+import time
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
 
-from bnsurgeon.core.errors import DistributedTimeoutError
+from bnsurgeon.core.errors import DistributedTimeoutError, first_line
 from bnsurgeon.runtime.timeout import collective_timeout
 
 _flat_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _finish(work, local: torch.Tensor, describe: Callable[[], str] | None) -> None:
-    """Wait for ``work`` (issued async on the CPU only) within the bound."""
+#: how gloo says a peer's end went away (it died or left the group): not a timeout
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset|Broken pipe", re.IGNORECASE)
+
+
+def group_timeout_s(group) -> float | None:
+    """The process group's own timeout (``init_process_group(timeout=...)``), where torch says it."""
+    try:
+        backend = cast(Any, group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except Exception:  # not gloo, or a torch without these names
+        return None
+
+
+def _finish(work, local: torch.Tensor, describe: Callable[[], str] | None, group=None) -> None:
+    """Wait for ``work`` (issued async on the CPU only) within the bound. The error names what ended the wait:
+    BNSURGEON_DIST_TIMEOUT, the process group's own timeout where it is the shorter, or a peer that left."""
     if work is None:  # a device collective: issued stream-ordered, nothing to wait for on the host
         return
     timeout = collective_timeout()
+    started = time.monotonic()
     try:
         work.wait(timeout)
     except RuntimeError as error:
+        waited = time.monotonic() - started
         what = describe() if describe is not None else "a bnsurgeon collective"
+        said = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error, "no message"))[:300]  # gloo's [file:line] off
+        bound = timeout.total_seconds()
+        if _PEER_GONE.search(said):
+            raise DistributedTimeoutError(
+                f"{what} was cut off after {waited:.1f} s: another rank of its group closed its connection "
+                f"(it died or left the group). Backend said: {said}"
+            ) from error
+        own = group_timeout_s(group)
+        if own is not None and own < bound:
+            fired = (
+                f"{own:g} s, the process group's own timeout (init_process_group(timeout=...); "
+                f"BNSURGEON_DIST_TIMEOUT is {bound:g} s)"
+            )
+        elif own is None and waited < 0.9 * bound:
+            fired = (
+                f"{waited:.1f} s, a timeout of the process group's shorter than BNSURGEON_DIST_TIMEOUT's {bound:g} s"
+            )
+        else:
+            fired = f"{bound:g} s (BNSURGEON_DIST_TIMEOUT)"
         raise DistributedTimeoutError(
-            f"{what} did not complete within {timeout.total_seconds():g} s (BNSURGEON_DIST_TIMEOUT): "
-            "another rank of its group skipped this layer, ran a different number of train-mode "
-            f"forwards, or died. Backend said: {str(error).splitlines()[0][:300]}"
+            f"{what} did not complete within {fired}: another rank of its group skipped this layer, ran a "
+            f"different number of train-mode forwards, or died. Backend said: {said}"
         ) from error
 
 
@@ -53,7 +89,7 @@ def all_gather_rows(
     """
     gathered = local.new_empty(world_size * local.numel())
     on_cpu = local.device.type == "cpu"
-    _finish(_flat_all_gather(gathered, local, group=group, async_op=on_cpu), local, describe)
+    _finish(_flat_all_gather(gathered, local, group=group, async_op=on_cpu), local, describe, group)
     return gathered.view(world_size, local.numel())
 
 
@@ -70,6 +106,6 @@ def all_reduce_sum(
     ``all_gather_rows`` (the row carries the layer check); this helper is the plain sum.
     """
     if local.device.type != "cpu":
-        _finish(dist.all_reduce(local, group=group), local, describe)
+        _finish(dist.all_reduce(local, group=group), local, describe, group)
         return local
     return all_gather_rows(local, world_size, group, describe).sum(0)
