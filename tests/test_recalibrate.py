@@ -270,7 +270,7 @@ def test_shared_module_called_twice_and_unreached_and_frozen():
 @pytest.fixture(scope="module")
 def ranks():
     """Three gloo rank processes, started once for every multi-rank test here (imports paid once)."""
-    with RankPool(3, collective_timeout=60) as pool:
+    with RankPool(3, collective_timeout=150) as pool:  # a hang detector: as long as a run may take
         yield pool
 
 
