@@ -103,6 +103,16 @@ def test_json_output_writes_non_finite_numbers_as_strings_that_strict_readers_ta
     assert float(document["max_abs_diff"]) == float("inf")  # the documented strings read back as the number
 
 
+def test_numpy_numbers_are_written_as_numbers_and_their_infinities_by_the_convention(capsys):
+    """A numpy float32 is no Python float: it went to str() ("inf", "1.5"), neither a number nor the convention."""
+    import numpy as np
+
+    from bnsurgeon.cli.render import emit_json
+
+    emit_json({"diff": np.float32("inf"), "mean": np.float32(1.5), "count": np.int64(3)})
+    assert strict_json(capsys.readouterr().out) == {"diff": "Infinity", "mean": 1.5, "count": 3}
+
+
 def test_the_convert_report_is_strict_json_when_a_check_saw_infinity():
     from bnsurgeon.surgery.report import CheckResult, Report
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from typing import Any
 
@@ -33,25 +34,20 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 #: ``float()`` and JavaScript's ``Number()`` both read back as the same value
 NON_FINITE = {float("inf"): "Infinity", float("-inf"): "-Infinity"}
 NAN_TEXT = "NaN"
-#: no document bnsurgeon writes nests deeper (its reports nest a few levels; a config a handful)
-MAX_WRITTEN_DEPTH = 200
 
 
-def strict(value: Any, depth: int = 0) -> Any:
+def strict(value: Any) -> Any:
     """``value`` with every float JSON cannot hold (inf, -inf, nan; a dict key too) written as its string
-    (``NON_FINITE``, ``NAN_TEXT``); tuples become lists. Anything else is kept for ``json.dumps`` (and its
-    ``default``)."""
-    if depth > MAX_WRITTEN_DEPTH:
-        raise ValueError(f"a value nested more than {MAX_WRITTEN_DEPTH} deep cannot be written as JSON")
+    (``NON_FINITE``, ``NAN_TEXT``); a numpy or other real number as the float or int it is (not its ``str``);
+    tuples become lists. Anything else is kept for ``json.dumps`` (and its ``default``)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (float, int)):  # numpy.float32, Fraction, ...
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else NON_FINITE.get(value, NAN_TEXT)
     if isinstance(value, dict):
-        return {
-            strict(key, depth + 1) if isinstance(key, float) else key: strict(item, depth + 1)
-            for key, item in value.items()
-        }
+        return {strict(key) if isinstance(key, numbers.Real) else key: strict(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [strict(item, depth + 1) for item in value]
+        return [strict(item) for item in value]
     return value
 
 
