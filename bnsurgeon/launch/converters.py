@@ -50,7 +50,7 @@ LIGHTNING_REVERT = "Lightning TorchSyncBatchNorm.revert"
 MMENGINE = "mmengine.model.utils.convert_sync_batchnorm"
 MMENGINE_REVERT = "mmengine.model.utils.revert_sync_batchnorm"
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @dataclass
@@ -183,12 +183,12 @@ def _surgery(
             inplace=True,
             registry=registry,
         )
+        log.record(converter, where, result.report)  # a report that cannot be written stops the run too
     except BnSurgeonError as error:
         error.message = f"{converter} (called at {where}): {error.message}"
         error.args = (error.message,)
         log.refusal = error
         raise
-    log.record(converter, where, result.report)
     return result.model
 
 

@@ -22,7 +22,7 @@ from typing import Sequence
 from bnsurgeon.core.errors import OutputError, UsageError
 from bnsurgeon.launch.converters import ConversionLog, patched_converters
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _RUNPY = os.path.abspath(runpy.__file__)
 
 
