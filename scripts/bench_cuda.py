@@ -83,6 +83,7 @@ class Config:
     pixels: int
     model_rounds: int
     model_per_round: int
+    model_warmup: int
     capture_warmup: int  # eager steps on a side stream before capture (torch's docs: 3)
     compile_backend: str
     grad_tolerance: dict  # precision -> largest relative gradient difference, replay against eager
@@ -98,6 +99,7 @@ GPU = Config(
     pixels=224,
     model_rounds=5,
     model_per_round=4,
+    model_warmup=3,
     capture_warmup=3,
     compile_backend="inductor",
     grad_tolerance={"float32": 1e-3, "bf16-autocast": 3e-2},
@@ -112,6 +114,7 @@ DRY = Config(
     pixels=16,
     model_rounds=1,
     model_per_round=1,
+    model_warmup=0,
     capture_warmup=1,
     compile_backend="aot_eager",
     grad_tolerance={"float32": 1e-5, "bf16-autocast": 1e-5},
@@ -238,6 +241,8 @@ def process_group_of_one(run: Run):
     if run.cuda:
         if not torch.cuda.is_available():
             sys.exit("bench_cuda.py needs a CUDA device (or --dry-run; the CPU yardstick is scripts/bench_runtime.py)")
+        # torch's CUDA-graph docs, for NCCL collectives inside a captured step: no async error handling
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         torch.cuda.set_device(run.device)
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=run.device)
         stand_ins: Any = contextlib.nullcontext()
@@ -295,20 +300,27 @@ def profile_counts(run: Run, fn: Callable[[], object]) -> dict:
         fn()
         run.sync()
     events = prof.events()
-    records = collections.Counter(e.name for e in events if e.name.startswith(("nccl:", "gloo:")))
+    # one record per collective from the backend ("nccl:all_reduce", "gloo:all_gather", as the baseline
+    # counted them); where a torch names its records otherwise, the c10d ops (one per collective) instead
+    # (host-side events only: on a GPU the same names come back as annotations on the device timeline)
+    host = [e.name for e in events if e.device_type == DeviceType.CPU]
+    records = collections.Counter(name for name in host if name.startswith(("nccl:", "gloo:")))
+    c10d = collections.Counter(name for name in host if name.startswith("c10d::"))
     counts: dict[str, Any] = {
-        "collectives": sum(records.values()),
+        "collectives": sum(records.values()) or sum(c10d.values()),
+        "collectives_from": "backend records" if records else "c10d ops",
         "collective_records": dict(sorted(records.items())),
+        "c10d_ops": dict(sorted(c10d.items())),
     }
     if run.cuda:
-        device = [e for e in events if e.device_type == DeviceType.CUDA]
-        memory = [e for e in device if e.name.startswith(("Memcpy", "Memset"))]
-        counts["kernels"] = len(device) - len(memory)
-        counts["memcpy_memset"] = len(memory)
-        counts["nccl_kernels"] = sum(1 for e in device if "nccl" in e.name.lower())
-        counts["kernel_names"] = dict(
-            sorted(collections.Counter(e.name[:120] for e in device if e not in memory).items())
-        )
+        # device events: kernels, memcpy/memset, and annotations that repeat a host record's name
+        host_names = set(host)
+        device = [e.name for e in events if e.device_type == DeviceType.CUDA and e.name not in host_names]
+        kernels = [name for name in device if not name.startswith(("Memcpy", "Memset"))]
+        counts["kernels"] = len(kernels)
+        counts["memcpy_memset"] = len(device) - len(kernels)
+        counts["nccl_kernels"] = sum(1 for name in kernels if "nccl" in name.lower())
+        counts["kernel_names"] = dict(sorted(collections.Counter(name[:120] for name in kernels).items()))
     else:
         counts["kernels"] = None
         counts["kernels_skipped"] = NEEDS_CUDA
@@ -591,10 +603,8 @@ def capture(run: Run, step: Step):
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(
-            run.cfg.capture_warmup
-        ):  # warm-up: allocations, lazy state, cached constants, NCCL communicators
+    with torch.cuda.stream(side):  # warm-up: allocations, lazy state, cached constants, NCCL communicators
+        for _ in range(run.cfg.capture_warmup):
             step.eager()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
@@ -686,12 +696,12 @@ def section_graph(run: Run) -> dict:
                 if sync:
                     entry["sync_layers"] = _sync_layers(model)
                 entry["ms"][f"{kind}_eager"] = time_rounds(
-                    run, {kind: step.eager}, cfg.model_rounds, cfg.model_per_round, cfg.warmup
+                    run, {kind: step.eager}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup
                 )[kind]
                 del model, step
                 graph, captured_step, entry["checks"][kind] = graph_check(run, sync, precision, batch)
                 entry["ms"][f"{kind}_graph"] = time_rounds(
-                    run, {kind: graph.replay}, cfg.model_rounds, cfg.model_per_round, cfg.warmup
+                    run, {kind: graph.replay}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup
                 )[kind]
                 del graph, captured_step
                 if run.cuda:
@@ -740,13 +750,18 @@ def section_compiled(run: Run) -> dict:
     batch = _batch(run)
     precision = "bf16-autocast"
     ms: dict[str, float] = {}
+    run.partial = {"ms": ms, "backend": cfg.compile_backend, "model": cfg.model}
     plain = Step(run, _build(run, False), precision, batch)
-    ms["plain_eager"] = time_rounds(run, {"p": plain.eager}, cfg.model_rounds, cfg.model_per_round, cfg.warmup)["p"]
+    ms["plain_eager"] = time_rounds(run, {"p": plain.eager}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup)[
+        "p"
+    ]
     del plain
     model = _build(run, True)
     layers = _sync_layers(model)
     eager = Step(run, model, precision, batch)
-    ms["sync_eager"] = time_rounds(run, {"s": eager.eager}, cfg.model_rounds, cfg.model_per_round, cfg.warmup)["s"]
+    ms["sync_eager"] = time_rounds(run, {"s": eager.eager}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup)[
+        "s"
+    ]
     compiled_model = torch.compile(model, backend=cfg.compile_backend)
     step = Step(run, model, precision, batch)
     step.model = compiled_model
@@ -755,7 +770,9 @@ def section_compiled(run: Run) -> dict:
     run.sync()
     compile_s = time.perf_counter() - started
     counts = profile_counts(run, step.eager)
-    ms["sync_compiled"] = time_rounds(run, {"c": step.eager}, cfg.model_rounds, cfg.model_per_round, cfg.warmup)["c"]
+    ms["sync_compiled"] = time_rounds(run, {"c": step.eager}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup)[
+        "c"
+    ]
     sync_ran = counts["collectives"] >= 2 * layers > 0
     print(
         f"{cfg.model} compiled ({cfg.compile_backend}, {precision}): {ms['sync_compiled']:.2f} ms/step after "
@@ -824,6 +841,48 @@ def _junit_summary(path: Path) -> dict:
     return summary
 
 
+def _summarize_section(section: str, data: dict, summary: dict) -> None:
+    """Print one section's figures against the goals and copy them into ``summary``."""
+    if section == "layers":
+        print("bnsurgeon / torch's SyncBatchNorm (module fwd+bwd, sync paths forced), per case, with the kernels")
+        print("and collective records of one fwd+bwd, torch / bnsurgeon:")
+        for case in data["cases"]:
+            ours, theirs = case["counts"]["bnsurgeon"], case["counts"]["torch"]
+            print(
+                f"  {case['precision']:>13} {str(tuple(case['shape'])):>20} {case['layout']:>13} "
+                f"{case['ratio_bnsurgeon_torch']:6.3f}   kernels {theirs['kernels']} / {ours['kernels']}   "
+                f"collectives {theirs['collectives']} / {ours['collectives']}"
+            )
+        geomean = data["geomean_bnsurgeon_torch"]
+        summary["goals"]["layer_geomean"] = {
+            "value": geomean,
+            "max": GOAL_LAYER_GEOMEAN,
+            "met": data["goal"]["met"],
+        }
+        for key, value in geomean.items():
+            shown = f"{value:.3f}" if value is not None else "n/a"
+            print(f"  geomean {key:>13}: {shown}  (goal <= {GOAL_LAYER_GEOMEAN})")
+        summary["counts_per_layer"] = data["counts_per_layer"]
+        print(f"  counts per layer (median over cases): {data['counts_per_layer']}; baseline {BASELINE_COUNTS}")
+    elif section == "graph":
+        values = {p: r["ratio_sync_graph_plain_graph"] for p, r in data["precisions"].items()}
+        summary["goals"]["graph_step"] = {"value": values, "max": GOAL_GRAPH_STEP, "met": data["goal"]["met"]}
+        for precision, value in values.items():
+            checks = data["precisions"][precision]["checks"]
+            print(
+                f"captured {data['model']} step sync/plain {precision}: {value:.3f} (goal <= {GOAL_GRAPH_STEP}); "
+                f"replay=eager (grads too): plain {checks['plain']['ok']}, sync {checks['sync']['ok']}"
+            )
+    elif section == "compiled":
+        summary["compiled"] = {
+            k: data.get(k) for k in ("backend", "ms", "compile_s", "collectives_per_step", "sync_layers", "sync_ran")
+        }
+        print(
+            f"compiled sync step ({data['backend']}): {data['ms']['sync_compiled']:.2f} ms, "
+            f"x{data['ratio_compiled_sync_eager_plain']:.3f} eager plain; sync ran: {data['sync_ran']}"
+        )
+
+
 def summarize(out: Path) -> int:
     """summary.json from whatever the steps left in ``out``; prints the ratios against the goals.
     Exit status 1 when a section failed, is missing, or the tests failed (goals are reported, not enforced)."""
@@ -855,42 +914,10 @@ def summarize(out: Path) -> int:
         summary.setdefault("device", data.get("device"))
         if not data.get("ok"):
             summary["problems"].append(f"section {section} not ok: {data.get('errors') or data.get('error') or ''}")
-        if section == "layers":
-            print("bnsurgeon / torch's SyncBatchNorm (module fwd+bwd, sync paths forced), per case:")
-            for case in data["cases"]:
-                print(
-                    f"  {case['precision']:>13} {str(tuple(case['shape'])):>20} {case['layout']:>13} "
-                    f"{case['ratio_bnsurgeon_torch']:6.3f}"
-                )
-            geomean = data["geomean_bnsurgeon_torch"]
-            summary["goals"]["layer_geomean"] = {
-                "value": geomean,
-                "max": GOAL_LAYER_GEOMEAN,
-                "met": data["goal"]["met"],
-            }
-            for key, value in geomean.items():
-                shown = f"{value:.3f}" if value is not None else "n/a"
-                print(f"  geomean {key:>13}: {shown}  (goal <= {GOAL_LAYER_GEOMEAN})")
-            summary["counts_per_layer"] = data["counts_per_layer"]
-            print(f"  counts per layer (median over cases): {data['counts_per_layer']}; baseline {BASELINE_COUNTS}")
-        elif section == "graph":
-            values = {p: r["ratio_sync_graph_plain_graph"] for p, r in data["precisions"].items()}
-            summary["goals"]["graph_step"] = {"value": values, "max": GOAL_GRAPH_STEP, "met": data["goal"]["met"]}
-            for precision, value in values.items():
-                checks = data["precisions"][precision]["checks"]
-                print(
-                    f"captured {data['model']} step sync/plain {precision}: {value:.3f} (goal <= {GOAL_GRAPH_STEP}); "
-                    f"replay=eager (grads too): plain {checks['plain']['ok']}, sync {checks['sync']['ok']}"
-                )
-        elif section == "compiled":
-            summary["compiled"] = {
-                k: data.get(k)
-                for k in ("backend", "ms", "compile_s", "collectives_per_step", "sync_layers", "sync_ran")
-            }
-            print(
-                f"compiled sync step ({data['backend']}): {data['ms']['sync_compiled']:.2f} ms, "
-                f"x{data['ratio_compiled_sync_eager_plain']:.3f} eager plain; sync ran: {data['sync_ran']}"
-            )
+        try:
+            _summarize_section(section, data, summary)
+        except (KeyError, TypeError, ValueError) as error:  # an interrupted section: the rest is in its file
+            summary["problems"].append(f"section {section} incomplete: {_error(error)}")
     if summary.get("mode") == "dry-run":
         print("(a dry run: CPU, stand-in kernels, tiny sizes; its times say nothing about speed)")
     summary["ok"] = not summary["problems"]
@@ -915,7 +942,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("--out DIR is required")
     sys.path.insert(0, str(ROOT))
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     run = Run(args.dry_run, args.out)
     status = 0
     with process_group_of_one(run):

@@ -70,14 +70,14 @@ if [ $DRY -eq 1 ]; then
   step bench 120 "${BENCH[@]}" --dry-run
   step tests 60 "${PYTEST_CUDA[@]}" tests/test_sync_equivalence.py
 else
-  step env 30 "$PY" -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, \
+  step env 20 "$PY" -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, \
 torch.cuda.get_device_name(0), 'GPUs:', torch.cuda.device_count())"
   command -v nvidia-smi >/dev/null && nvidia-smi >"$DEST/nvidia-smi.txt" 2>&1
-  step layers 75 "${BENCH[@]}" --sections layers # ~20-40 s: 21 cases x 3 layers, 200 calls each, + profiles
-  step graph 75 "${BENCH[@]}" --sections graph   # ~30-50 s: 8 resnet50 builds, 2 captures per precision
-  step tests 150 "${PYTEST_CUDA[@]}" tests       # ~60-120 s: collection, 2 inductor/aot_eager 2-rank compiles
-  step compiled 120 "${BENCH[@]}" --sections compiled # ~60-100 s: resnet50 inductor compile, fwd + bwd
+  step layers 60 "${BENCH[@]}" --sections layers     # ~30 s: 21 cases x 3 layers x 210 calls, 63 profiles
+  step graph 80 "${BENCH[@]}" --sections graph       # ~50 s: 12 resnet50 builds, 4 captures, ~200 steps
+  step tests 170 "${PYTEST_CUDA[@]}" tests           # ~100-150 s: collection, 2-rank runs, 2 of them compiling
+  step compiled 120 "${BENCH[@]}" --sections compiled # ~60-100 s: resnet50 fwd + bwd through inductor
 fi
-step summary 15 "$PY" scripts/bench_cuda.py --summarize "$DEST"
+step summary 10 "$PY" scripts/bench_cuda.py --summarize "$DEST"
 echo "== gpu_checks: $((SECONDS - began)) s in all, exit $status; JSON in $DEST"
 exit $status

@@ -72,7 +72,7 @@ def test_fullgraph_compile_has_no_graph_break_and_trains_like_plain_bn(expected)
 def test_cuda_fullgraph_compile_and_checkpointing_match_plain_bn(expected, device, backend):
     """The same on CUDA tensors (2 gloo ranks, the fused kernels; NCCL refuses two ranks on one
     GPU): fullgraph compile with 0 breaks, and checkpointing with 2 collectives per layer per step.
-    Bounded at 150 + 90 s, inside pytest's 300 s and scripts/gpu_checks.sh's 150 s test step."""
+    Bounded at 150 + 90 s, inside pytest's 300 s per test."""
     for rank, result in enumerate(run_world(2, compile_rank, backend, device, timeout=150)):
         assert result["breaks"] == 0 and result["graphs"] == 1, result["reasons"]
         _assert_state(result["state"], expected, f"compiled ({backend}) cuda rank {rank}")
