@@ -710,7 +710,7 @@ def run(
         ..., metavar="SCRIPT", show_default=False, help="The training script (with -m: the module) to run."
     ),
     args: Optional[List[str]] = typer.Argument(
-        None, metavar="[ARGS]...", show_default=False, help="The script's own arguments, passed on unchanged."
+        None, metavar="ARGS", show_default=False, help="The script's own arguments, passed on unchanged."
     ),
     module: bool = typer.Option(False, "-m", "--module", help="SCRIPT is a module, run as `python -m` runs it."),
     report: Optional[Path] = typer.Option(
