@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(shutil.which("sh") is None, reason="the stand-in
 
 #: records each call's arguments, one per line, then "." (verify's exit: 4 for a file named bad*, else 0)
 FAKE_BNSURGEON = """#!/bin/sh
+if [ -n "$FAKE_BROKEN" ]; then echo "ModuleNotFoundError: No module named 'torch'" >&2; exit 1; fi
 for arg in "$@"; do printf '%s\\n' "$arg" >> "$BNSURGEON_LOG"; done
 echo . >> "$BNSURGEON_LOG"
 for arg in "$@"; do case "$arg" in --bogus) echo "Error: No such option: --bogus" >&2; exit 2;; bad*) exit 4;; esac; done
@@ -57,7 +58,13 @@ def checkpoint(repo: Path, name: str | bytes, report: str | bytes | None) -> Non
         Path(os.fsdecode(os.path.join(os.fsencode(str(repo)), raw + b".report.json"))).write_bytes(data)
 
 
-def hook(repo: Path, *args: str | bytes, path: str | None = None, python: tuple[str, ...] = (sys.executable,)):
+def hook(
+    repo: Path,
+    *args: str | bytes,
+    path: str | None = None,
+    python: tuple[str, ...] = (sys.executable,),
+    extra: dict[str, str] | None = None,
+):
     env = {
         key: value
         for key, value in os.environ.items()
@@ -68,6 +75,7 @@ def hook(repo: Path, *args: str | bytes, path: str | None = None, python: tuple[
         BNSURGEON_LOG=str(repo.parent / "calls"),
         LANG="C.UTF-8",  # a user's UTF-8 locale: stdout refuses what is not UTF-8 unless the hook escapes it
         LC_ALL="C.UTF-8",
+        **(extra or {}),
     )
     done = subprocess.run([*python, str(HOOK), *args], cwd=repo, env=env, capture_output=True, timeout=120)
     return done.returncode, (done.stdout + done.stderr).decode("utf-8", "replace")
@@ -80,6 +88,11 @@ def calls(repo: Path) -> list[list[str]]:
         return []
     text = os.fsdecode(log.read_bytes())
     return [call.strip("\n").split("\n") if call.strip("\n") else [] for call in text.split(".\n")[:-1]]
+
+
+def verified(repo: Path) -> list[list[str]]:
+    """The calls that verified a file: without the one that lets verify's parser judge the options first."""
+    return [call for call in calls(repo) if call[1:2] != ["--help"]]
 
 
 def one_line_each(output: str, count: int) -> None:
@@ -103,7 +116,7 @@ def test_a_factory_confirmed_by_allow_factory_goes_to_verify_after_the_separator
     checkpoint(repo, "m.safetensors", '{"source": "evilmod:make"}')
     code, output = hook(repo, "--allow-factory", "evilmod:make", "-w", "2", "--", "m.safetensors")
     assert code == 0, output
-    assert calls(repo)[-1] == ["verify", "-w", "2", "--", "evilmod:make", "m.safetensors"]
+    assert verified(repo) == [["verify", "-w", "2", "--", "evilmod:make", "m.safetensors"]]
 
 
 @pytest.mark.parametrize("confirmation", ["evilmod:mak", "evilmod", "other:make"])
@@ -141,13 +154,13 @@ def test_a_timm_source_and_the_file_follow_the_separator_after_verifys_options(r
 def test_a_file_whose_name_starts_with_a_dash_is_a_file_after_the_separator(repo):
     checkpoint(repo, "-w.safetensors", '{"source": "resnet18"}')
     code, output = hook(repo, "--", "-w.safetensors")
-    assert code == 0 and calls(repo) == [["verify", "--", "resnet18", "-w.safetensors"]], output
+    assert code == 0 and verified(repo) == [["verify", "--", "resnet18", "-w.safetensors"]], output
 
 
 def test_source_named_in_the_hooks_args_needs_no_confirmation(repo):
     checkpoint(repo, "m.safetensors", None)
     code, output = hook(repo, "--source", "evilmod:make", "--", "m.safetensors")
-    assert code == 0 and calls(repo) == [["verify", "--", "evilmod:make", "m.safetensors"]], output
+    assert code == 0 and verified(repo) == [["verify", "--", "evilmod:make", "m.safetensors"]], output
 
 
 # finding 6: every file is checked; one line per problem; exit codes
@@ -168,7 +181,7 @@ def test_every_file_is_checked_after_broken_reports_one_line_each(repo):
     for name, said in zip(names, ["is not JSON", "JSON list", "JSON int", "not UTF-8", "records no source", "empty"]):
         assert any(line.startswith(f"{name}.safetensors: ") and said in line for line in output.splitlines()), output
     assert "bad.safetensors: verify exited 4" in output
-    assert [call[-1] for call in calls(repo)] == ["bad.safetensors", "good.safetensors"]
+    assert [call[-1] for call in verified(repo)] == ["bad.safetensors", "good.safetensors"]
     one_line_each(output, 6 + 2 + 1)  # six problems, two commands, one failed verify
 
 
@@ -176,7 +189,7 @@ def test_a_failed_verify_exits_1_and_the_next_file_is_still_verified(repo):
     checkpoint(repo, "bad.safetensors", '{"source": "resnet18"}')
     checkpoint(repo, "good.safetensors", '{"source": "resnet18"}')
     code, output = hook(repo, "--", "bad.safetensors", "good.safetensors")
-    assert code == 1 and [call[-1] for call in calls(repo)] == ["bad.safetensors", "good.safetensors"], output
+    assert code == 1 and [call[-1] for call in verified(repo)] == ["bad.safetensors", "good.safetensors"], output
 
 
 def test_a_report_that_is_a_directory_a_fifo_or_a_dangling_link_is_a_problem_not_a_skip(repo):
@@ -196,7 +209,7 @@ def test_a_file_name_that_is_not_utf8_is_verified_and_printed_escaped(repo):
     code, output = hook(repo, "--", b"\xff.safetensors")
     assert code == 0 and "Traceback" not in output, output
     assert "$ bnsurgeon verify -- resnet18 '\\xff.safetensors'" in output, output
-    assert calls(repo) == [["verify", "--", "resnet18", os.fsdecode(b"\xff.safetensors")]]
+    assert verified(repo) == [["verify", "--", "resnet18", os.fsdecode(b"\xff.safetensors")]]
 
 
 def test_a_broken_report_of_a_file_name_that_is_not_utf8_is_one_line(repo):
@@ -266,5 +279,13 @@ def test_bad_hook_arguments_are_one_line_and_exit_2_with_no_file_verified(repo, 
     checkpoint(repo, "a.safetensors", '{"source": "resnet18"}')
     code, output = hook(repo, *args)
     assert code == 2 and said in output, output
-    assert not [call for call in calls(repo) if "--help" not in call], output  # no file verified
+    assert verified(repo) == [], output  # no file verified
+    one_line_each(output, 1)
+
+
+def test_a_bnsurgeon_that_does_not_start_is_one_line_not_a_refusal_of_the_options(repo):
+    checkpoint(repo, "a.safetensors", '{"source": "resnet18"}')
+    checkpoint(repo, "b.safetensors", '{"source": "resnet18"}')
+    code, output = hook(repo, "-w", "2", "--", "a.safetensors", "b.safetensors", extra={"FAKE_BROKEN": "1"})
+    assert code == 127 and "does not run (exit 1): ModuleNotFoundError: No module named 'torch'" in output, output
     one_line_each(output, 1)
