@@ -173,7 +173,10 @@ def test_cli_table_and_json_carry_the_column():
     result = runner.invoke(app, ["inspect", "tf_efficientnet_b3"], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output
     # off a terminal every column keeps its full header (HF replace_bn is the header shortened for a terminal)
-    assert "transformers replace_batch_norm" in result.output and "drops act=SiLU (52/78); eps 0.001 -> 1e-05" in result.output
+    assert (
+        "transformers replace_batch_norm" in result.output
+        and "drops act=SiLU (52/78); eps 0.001 -> 1e-05" in result.output
+    )
     result = runner.invoke(app, ["inspect", "resnet18", "--json", "-q"])
     (group,) = json.loads(result.stdout)["groups"]
     assert group["cls"] == "torch.nn.modules.batchnorm.BatchNorm2d" and group["transformers_replace"] == TRANSFORMERS_OK
