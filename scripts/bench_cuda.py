@@ -138,7 +138,8 @@ class Run:
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         self.device_type = self.device.type
         self.standin_device: Any = None  # dry run: the stand-in device tests/_cuda_standin.py yields
-        self.partial: dict = {}  # what the running section measured so far (written if it is interrupted)
+        #: the running section's file from what it measured so far (written if it is interrupted)
+        self.finish: Callable[[], dict] = dict
 
     def sync(self) -> None:
         import torch
@@ -391,27 +392,48 @@ def layer_case(run: Run, shape: tuple, layout: str, precision: str) -> dict:
         return fn
 
     fns = {name: call(layer) for name, layer in layers.items()}
+    failed = {}
+    for name, fn in list(fns.items()):  # a reference layer that fails here is reported, and the case goes on
+        try:
+            fn()
+            run.sync()
+        except Exception as error:
+            if name == "bnsurgeon":
+                raise
+            failed[name] = _error(error)
+            del fns[name]
     cfg = run.cfg
-    ms = time_rounds(run, fns, cfg.rounds, cfg.per_round, cfg.warmup)
-    counts = {name: profile_counts(run, fns[name]) for name in ("torch", "bnsurgeon", "plain")}
-    synced = {name: counts[name]["collectives"] >= 2 for name in ("torch", "bnsurgeon")}
-    return {
+    ms: dict[str, Any] = {name: None for name in layers} | time_rounds(run, fns, cfg.rounds, cfg.per_round, cfg.warmup)
+    counts = {name: profile_counts(run, fn) for name, fn in fns.items()}
+    synced = {name: counts[name]["collectives"] >= 2 for name in ("torch", "bnsurgeon") if name in counts}
+
+    def ratio(a: str, b: str):
+        return ms[a] / ms[b] if ms[a] is not None and ms[b] is not None else None
+
+    case = {
         "precision": precision,
         "shape": list(shape),
         "layout": layout,
         "ms": ms,
-        "ratio_bnsurgeon_torch": ms["bnsurgeon"] / ms["torch"],
-        "ratio_bnsurgeon_plain": ms["bnsurgeon"] / ms["plain"],
-        "ratio_torch_plain": ms["torch"] / ms["plain"],
+        "ratio_bnsurgeon_torch": ratio("bnsurgeon", "torch"),
+        "ratio_bnsurgeon_plain": ratio("bnsurgeon", "plain"),
+        "ratio_torch_plain": ratio("torch", "plain"),
         "counts": counts,
         "synced": synced,
     }
+    if failed:
+        case["failed"] = failed
+    return case
+
+
+def _shown(value, spec: str = "8.3f") -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def section_layers(run: Run) -> dict:
     cases: list[dict] = []
     errors: list[dict] = []
-    run.partial = {"cases": cases, "errors": errors}
+    run.finish = lambda: _layers_result(run, cases, errors)
     for precision in PRECISIONS:
         for shape in run.cfg.shapes:
             for layout in LAYOUTS if len(shape) == 4 else ("contiguous",):
@@ -424,19 +446,26 @@ def section_layers(run: Run) -> dict:
                     traceback.print_exc()
                     continue
                 cases.append(case)
+                theirs, ours = case["counts"].get("torch", {}), case["counts"]["bnsurgeon"]
                 print(
-                    f"{precision:>13} {str(tuple(shape)):>20} {layout:>13}  plain {case['ms']['plain']:8.3f}  "
-                    f"torch {case['ms']['torch']:8.3f}  bnsurgeon {case['ms']['bnsurgeon']:8.3f} ms  "
-                    f"ours/torch {case['ratio_bnsurgeon_torch']:6.3f}  collectives torch "
-                    f"{case['counts']['torch']['collectives']} ours {case['counts']['bnsurgeon']['collectives']}  "
-                    f"kernels torch {case['counts']['torch']['kernels']} ours {case['counts']['bnsurgeon']['kernels']}",
+                    f"{precision:>13} {str(tuple(shape)):>20} {layout:>13}  plain {_shown(case['ms']['plain'])}  "
+                    f"torch {_shown(case['ms']['torch'])}  bnsurgeon {_shown(case['ms']['bnsurgeon'])} ms  "
+                    f"ours/torch {_shown(case['ratio_bnsurgeon_torch'], '6.3f')}  collectives torch "
+                    f"{theirs.get('collectives')} ours {ours['collectives']}  kernels torch {theirs.get('kernels')} "
+                    f"ours {ours['kernels']}" + (f"  FAILED: {case['failed']}" if "failed" in case else ""),
                     flush=True,
                 )
+    return _layers_result(run, cases, errors)
+
+
+def _layers_result(run: Run, cases: list[dict], errors: list[dict]) -> dict:
+    """The layers section's file from the cases measured (all of them, or those before an interruption)."""
+    compared = [c for c in cases if c["ratio_bnsurgeon_torch"] is not None]
     geomean = {
-        precision: geometric_mean([c["ratio_bnsurgeon_torch"] for c in cases if c["precision"] == precision])
+        precision: geometric_mean([c["ratio_bnsurgeon_torch"] for c in compared if c["precision"] == precision])
         for precision in PRECISIONS
     }
-    geomean["all"] = geometric_mean([c["ratio_bnsurgeon_torch"] for c in cases])
+    geomean["all"] = geometric_mean([c["ratio_bnsurgeon_torch"] for c in compared])
     not_synced = [
         f"{c['precision']} {c['shape']} {c['layout']}: {name}"
         for c in cases
@@ -445,11 +474,10 @@ def section_layers(run: Run) -> dict:
     ]
     per_layer = {}
     for name in ("torch", "bnsurgeon"):
-        kernels = [c["counts"][name]["kernels"] for c in cases if c["counts"][name]["kernels"] is not None]
+        counted = [c["counts"][name] for c in cases if name in c["counts"]]
+        kernels = [count["kernels"] for count in counted if count["kernels"] is not None]
         per_layer[name] = {
-            "collectives_median": statistics.median([c["counts"][name]["collectives"] for c in cases])
-            if cases
-            else None,
+            "collectives_median": statistics.median([count["collectives"] for count in counted]) if counted else None,
             "kernels_median": statistics.median(kernels) if kernels else None,
             "kernels_min": min(kernels) if kernels else None,
             "kernels_max": max(kernels) if kernels else None,
@@ -469,6 +497,9 @@ def section_layers(run: Run) -> dict:
             "met": {k: (v is not None and v <= GOAL_LAYER_GEOMEAN) for k, v in geomean.items()},
         },
         "not_synced": not_synced,
+        "reference_failures": [
+            f"{c['precision']} {c['shape']} {c['layout']}: {c['failed']}" for c in cases if "failed" in c
+        ],
         "errors": errors,
         "ok": not errors and not not_synced and bool(cases),
     }
@@ -685,7 +716,7 @@ def section_graph(run: Run) -> dict:
     batch = _batch(run)
     results: dict[str, dict] = {}
     errors: list[dict] = []
-    run.partial = {"precisions": results, "errors": errors}
+    run.finish = lambda: _graph_result(run, results, errors)
     for precision in ("float32", "bf16-autocast"):
         try:
             entry: dict[str, Any] = {"ms": {}, "checks": {}, "collectives_per_step": {}}
@@ -724,6 +755,12 @@ def section_graph(run: Run) -> dict:
         except Exception as error:  # report, do not hide: the other precision still runs
             errors.append({"precision": precision, "error": _error(error)})
             traceback.print_exc()
+    return _graph_result(run, results, errors)
+
+
+def _graph_result(run: Run, results: dict, errors: list[dict]) -> dict:
+    """The graph section's file from the precisions measured (both, or those before an interruption)."""
+    cfg = run.cfg
     ratios = [r["ratio_sync_graph_plain_graph"] for r in results.values()]
     return {
         "model": cfg.model,
@@ -750,7 +787,7 @@ def section_compiled(run: Run) -> dict:
     batch = _batch(run)
     precision = "bf16-autocast"
     ms: dict[str, float] = {}
-    run.partial = {"ms": ms, "backend": cfg.compile_backend, "model": cfg.model}
+    run.finish = lambda: {"ms": ms, "backend": cfg.compile_backend, "model": cfg.model}
     plain = Step(run, _build(run, False), precision, batch)
     ms["plain_eager"] = time_rounds(run, {"p": plain.eager}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup)[
         "p"
@@ -847,11 +884,12 @@ def _summarize_section(section: str, data: dict, summary: dict) -> None:
         print("bnsurgeon / torch's SyncBatchNorm (module fwd+bwd, sync paths forced), per case, with the kernels")
         print("and collective records of one fwd+bwd, torch / bnsurgeon:")
         for case in data["cases"]:
-            ours, theirs = case["counts"]["bnsurgeon"], case["counts"]["torch"]
+            ours, theirs = case["counts"]["bnsurgeon"], case["counts"].get("torch", {})
             print(
                 f"  {case['precision']:>13} {str(tuple(case['shape'])):>20} {case['layout']:>13} "
-                f"{case['ratio_bnsurgeon_torch']:6.3f}   kernels {theirs['kernels']} / {ours['kernels']}   "
-                f"collectives {theirs['collectives']} / {ours['collectives']}"
+                f"{_shown(case['ratio_bnsurgeon_torch'], '6.3f')}   kernels {theirs.get('kernels')} / "
+                f"{ours['kernels']}   collectives {theirs.get('collectives')} / {ours['collectives']}"
+                + (f"   failed: {case['failed']}" if "failed" in case else "")
             )
         geomean = data["geomean_bnsurgeon_torch"]
         summary["goals"]["layer_geomean"] = {
@@ -863,6 +901,9 @@ def _summarize_section(section: str, data: dict, summary: dict) -> None:
             shown = f"{value:.3f}" if value is not None else "n/a"
             print(f"  geomean {key:>13}: {shown}  (goal <= {GOAL_LAYER_GEOMEAN})")
         summary["counts_per_layer"] = data["counts_per_layer"]
+        if data.get("reference_failures"):
+            summary["reference_failures"] = data["reference_failures"]
+            print(f"  reference layers that failed (their cases have no ratio): {data['reference_failures']}")
         print(f"  counts per layer (median over cases): {data['counts_per_layer']}; baseline {BASELINE_COUNTS}")
     elif section == "graph":
         values = {p: r["ratio_sync_graph_plain_graph"] for p, r in data["precisions"].items()}
@@ -948,16 +989,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run.describe()), flush=True)
         for section in args.sections:
             started = time.perf_counter()
-            run.partial = {}
+            run.finish = dict
             interrupted = False
             try:
                 result = SECTION_FUNCTIONS[section](run)
             except KeyboardInterrupt:  # gpu_checks.sh's time limit: keep what the section measured so far
                 interrupted = True
-                result = {**run.partial, "ok": False, "error": "interrupted (the step's time limit)"}
+                result = {**run.finish(), "ok": False, "error": "interrupted (the step's time limit)"}
             except Exception as error:  # the JSON says what failed; the exit status too
                 traceback.print_exc()
-                result = {**run.partial, "ok": False, "error": _error(error)}
+                result = {**run.finish(), "ok": False, "error": _error(error)}
             result["seconds"] = time.perf_counter() - started
             path = write_json(run, SECTION_FILES[section], result)
             print(f"== {section}: {'ok' if result['ok'] else 'FAILED'} in {result['seconds']:.1f} s -> {path}")
