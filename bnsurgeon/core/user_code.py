@@ -25,7 +25,8 @@ def check_factory_spec(spec: str) -> None:
 
 def import_named_module(spec: str):
     """(module, attribute name) of a ``package.module:name`` the user named; the working directory
-    is importable too, as for ``python -m``. Raises ImportError for the caller to word."""
+    is importable too, as for ``python -m``. Raises ImportError for the caller to word (a module that
+    calls ``sys.exit`` while it is imported too)."""
     import importlib
     import sys
     from pathlib import Path
@@ -34,7 +35,10 @@ def import_named_module(spec: str):
     USER_DIRECTORIES.add(str(Path.cwd()))
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
-    return importlib.import_module(module_name), attribute
+    try:
+        return importlib.import_module(module_name), attribute
+    except SystemExit as stop:  # exit 0 would read as success: a check passed, a file written, when none was
+        raise ImportError(f"importing {module_name} called sys.exit({stop.code!r})") from None
 
 
 #: the directories put first on the import path for the user's code (the working directory), for shadowing_error

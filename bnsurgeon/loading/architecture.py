@@ -158,7 +158,7 @@ def _call_factory(target: str, kwargs: dict[str, Any]) -> "nn.Module":
         pass
     try:
         model = factory(**kwargs)
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # sys.exit(0) in a factory must not end verify with "passed"
         raise shadowing_error() or FactoryRaisedError(
             f"factory {target!r} raised {type(error).__name__}: {first_line(error)}",
             "fix the factory or its --model-arg values",

@@ -1,0 +1,48 @@
+"""User code that calls sys.exit(0) never makes a command succeed (issue 47, finding 1's class: passing without
+verifying). A factory module that exits while imported, or a factory that exits when called, ended verify and
+convert with exit 0: no check run, no file written, and CI read "passed"."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from bnsurgeon.cli.commands import app
+
+GOOD = "from torch import nn\ndef build():\n    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))\n"
+EXITS = {
+    "exit47_on_import": "import sys\nsys.exit(0)\n",
+    "exit47_on_call": "import sys\ndef make():\n    sys.exit(0)\n",
+}
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # import_named_module puts the working directory first
+    (tmp_path / "good47.py").write_text(GOOD)
+    for name, text in EXITS.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    yield tmp_path
+    for name in ("good47", *EXITS):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    "factory, code, said",
+    [
+        ("exit47_on_import:make", 3, "importing exit47_on_import called sys.exit(0)"),
+        ("exit47_on_call:make", 2, "factory 'exit47_on_call:make' raised SystemExit: 0"),
+    ],
+)
+def test_a_factory_that_calls_sys_exit_0_fails_verify_and_convert(work, factory, code, said):
+    runner = CliRunner()
+    converted = runner.invoke(app, ["convert", "good47:build", "-o", "c.safetensors", "--input-shape", "2,3,8,8"])
+    assert converted.exit_code == 0, converted.output
+    verify = ["verify", factory, "c.safetensors", "--converted-model", "good47:build", "--input-shape", "2,3,8,8"]
+    result = runner.invoke(app, verify, env={"COLUMNS": "200"})
+    assert result.exit_code == code and said in result.output, result.output
+    result = runner.invoke(app, ["convert", factory, "-o", "o.safetensors", "--input-shape", "2,3,8,8"])
+    assert result.exit_code == code and said in result.output and not (work / "o.safetensors").exists(), result.output
