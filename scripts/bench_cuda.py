@@ -38,9 +38,10 @@ the plain path, and the section fails.
 ``--dry-run``: the same code on CPU in seconds, so it cannot rot between GPU loans: the strict
 stand-ins of the CUDA kernels (tests/_cuda_standin.py) route bnsurgeon's layer onto its device
 path and torch's Function through the same stand-ins, gloo is the group of one, sizes are tiny
-and iterations few, the CUDA graph is an eager replay of the recorded step, the compile backend
-is aot_eager, and what needs CUDA (device kernel counts) is recorded as skipped with the reason.
-Its times say nothing about speed.
+(a two-block convnet for resnet50) and iterations few, the CUDA graph is the stand-in device's
+capture and replay (an eager replay where that capture cannot model an op, said in the file),
+the compile backend is aot_eager, and what needs CUDA (device kernel counts) is recorded as
+skipped with the reason. Its times say nothing about speed.
 """
 
 from __future__ import annotations
@@ -768,7 +769,7 @@ def _graph_result(run: Run, results: dict, errors: list[dict]) -> dict:
         "pixels": cfg.pixels,
         "method": "SGD step (lr 0.01, no momentum), channels_last on a GPU; median ms per step over "
         f"{cfg.model_rounds} rounds of {cfg.model_per_round}; graph captured after torch.cuda.synchronize() with "
-        "3 warm-up steps on a side stream and .grad set to None; one replay from the pre-warm-up state "
+        f"{cfg.capture_warmup} warm-up steps on a side stream and .grad set to None; one replay from the pre-warm-up state "
         "compared with one eager step of a twin model (loss, gradients, parameters, running statistics)",
         "precisions": results,
         "goal": {
@@ -780,7 +781,26 @@ def _graph_result(run: Run, results: dict, errors: list[dict]) -> dict:
     }
 
 
+@contextlib.contextmanager
+def outside_standin_device(run: Run):
+    """Dry run: ``torch.compile`` runs a function eagerly, uncompiled, while a dispatch mode is active,
+    and the stand-in device is one; the compiled section leaves it (the compiled path's collectives are
+    custom ops that run eagerly inside the graph, and the stand-in kernels stay installed)."""
+    if run.standin_device is None:
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
 def section_compiled(run: Run) -> dict:
+    with outside_standin_device(run):
+        return _section_compiled(run)
+
+
+def _section_compiled(run: Run) -> dict:
     import torch
 
     cfg = run.cfg
@@ -788,17 +808,14 @@ def section_compiled(run: Run) -> dict:
     precision = "bf16-autocast"
     ms: dict[str, float] = {}
     run.finish = lambda: {"ms": ms, "backend": cfg.compile_backend, "model": cfg.model}
-    plain = Step(run, _build(run, False), precision, batch)
-    ms["plain_eager"] = time_rounds(run, {"p": plain.eager}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup)[
-        "p"
-    ]
-    del plain
+
+    def timed(step: Step) -> float:
+        return time_rounds(run, {"step": step.eager}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup)["step"]
+
+    ms["plain_eager"] = timed(Step(run, _build(run, False), precision, batch))
     model = _build(run, True)
     layers = _sync_layers(model)
-    eager = Step(run, model, precision, batch)
-    ms["sync_eager"] = time_rounds(run, {"s": eager.eager}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup)[
-        "s"
-    ]
+    ms["sync_eager"] = timed(Step(run, model, precision, batch))
     compiled_model = torch.compile(model, backend=cfg.compile_backend)
     step = Step(run, model, precision, batch)
     step.model = compiled_model
@@ -807,14 +824,21 @@ def section_compiled(run: Run) -> dict:
     run.sync()
     compile_s = time.perf_counter() - started
     counts = profile_counts(run, step.eager)
-    ms["sync_compiled"] = time_rounds(run, {"c": step.eager}, cfg.model_rounds, cfg.model_per_round, cfg.model_warmup)[
-        "c"
-    ]
+    ms["sync_compiled"] = timed(step)
+    from torch._dynamo.utils import counters
+
+    dynamo = {
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "break_reasons": sorted(counters["graph_break"])[:10],
+        "unique_graphs": counters["stats"].get("unique_graphs", 0),
+    }
     sync_ran = counts["collectives"] >= 2 * layers > 0
+    compiled = dynamo["unique_graphs"] >= 1
     print(
         f"{cfg.model} compiled ({cfg.compile_backend}, {precision}): {ms['sync_compiled']:.2f} ms/step after "
         f"{compile_s:.0f} s compiling; eager sync {ms['sync_eager']:.2f}, eager plain {ms['plain_eager']:.2f}; "
-        f"{counts['collectives']} collectives/step for {layers} sync layers",
+        f"{counts['collectives']} collectives/step for {layers} sync layers; {dynamo['unique_graphs']} graphs, "
+        f"{dynamo['graph_breaks']} graph breaks",
         flush=True,
     )
     result = {
@@ -830,14 +854,18 @@ def section_compiled(run: Run) -> dict:
         "sync_layers": layers,
         "collectives_per_step": counts["collectives"],
         "collective_records": counts["collective_records"],
+        "dynamo": dynamo,
         "sync_ran": sync_ran,
-        "ok": sync_ran,
+        "compiled": compiled,
+        "ok": sync_ran and compiled,
     }
     if not sync_ran:
         result["error"] = (
             f"the compiled step issued {counts['collectives']} collectives for {layers} sync layers (expected "
             f"{2 * layers}): it timed the plain path, not the sync path"
         )
+    elif not compiled:
+        result["error"] = "dynamo compiled no graph: the step ran eagerly"
     return result
 
 

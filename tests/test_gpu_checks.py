@@ -112,8 +112,9 @@ def test_graph_step_json_checks_the_replay_against_eager_gradients_included(dry_
 
 def test_compiled_json_shows_the_sync_path_ran(dry_run):
     data = _load(dry_run, "compiled.json")
-    assert data["backend"] == "aot_eager" and data["sync_ran"] is True
+    assert data["backend"] == "aot_eager" and data["sync_ran"] is True and data["compiled"] is True
     assert data["collectives_per_step"] >= 2 * data["sync_layers"] > 0
+    assert data["dynamo"]["unique_graphs"] >= 1 and isinstance(data["dynamo"]["graph_breaks"], int)
     for key in ("plain_eager", "sync_eager", "sync_compiled"):
         _positive(data["ms"][key], key)
 
