@@ -88,7 +88,7 @@ def killed_starting(pids):  # the moment it has started, before its prologue is 
         os.kill(pids[1], signal.SIGKILL)
         return pool.run(2, environment_and_modules, "X")
 
-def out_of_files(pids):  # ulimit -n reached in rank 1 while rank 0 waits for it in a collective
+def out_of_files(pids):  # ulimit -n reached in rank 0 while rank 1 waits on its store
     with RankPool(2, collective_timeout=600) as pool:
         pool_pids(pool, pids)
         return pool.run(2, out_of_open_files)
@@ -161,7 +161,7 @@ def test_a_killed_rank_is_one_host_failure_naming_it_and_nothing_waits_for_it(de
 def test_a_rank_out_of_open_files_is_a_host_failure_and_the_waiting_rank_prints_no_stack(deaths):
     outcome = _outcome(deaths, "out_of_files")
     assert outcome["error"] == "HostFailureError", outcome
-    assert outcome["message"].startswith("rank 1 hit the limit on open files (ulimit -n 3)"), outcome
+    assert outcome["message"].startswith("rank 0 hit the limit on open files (ulimit -n 3)"), outcome
     assert "Too many open files" in outcome["message"] and "\n" not in outcome["message"], outcome
     assert "frame #" not in deaths["stderr"] and "Traceback" not in deaths["stderr"], deaths["stderr"][-3000:]
 
