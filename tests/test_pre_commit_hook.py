@@ -142,6 +142,14 @@ def test_a_source_that_is_no_timm_name_or_factory_is_refused_never_an_option(rep
     one_line_each(output, 1)
 
 
+@pytest.mark.parametrize("source", ["evil.pt", "timm:evil.pth", "resnet18"])
+def test_a_source_that_names_a_file_is_refused_it_may_be_a_pickle_the_pull_request_added(repo, source):
+    checkpoint(repo, "m.safetensors", json.dumps({"source": source}))
+    (repo / "resnet18").mkdir()  # a directory named like a timm model: verify would read it as a model directory
+    code, output = hook(repo, "--", "m.safetensors")
+    assert code == 4 and "names a file" in output and verified(repo) == [], output
+
+
 def test_a_timm_source_and_the_file_follow_the_separator_after_verifys_options(repo):
     checkpoint(repo, "m.safetensors", '{"source": "timm:resnet18"}')
     code, output = hook(repo, "-w", "2", "--", "m.safetensors")
