@@ -62,6 +62,9 @@ _API = {
     "DistributedMismatchError": ("bnsurgeon.core.errors", "DistributedMismatchError"),
     "DistributedTimeoutError": ("bnsurgeon.core.errors", "DistributedTimeoutError"),
     "ReplicaFailedError": ("bnsurgeon.core.errors", "ReplicaFailedError"),
+    "GraphCaptureError": ("bnsurgeon.core.errors", "GraphCaptureError"),
+    "PreprocessorConfigError": ("bnsurgeon.core.errors", "PreprocessorConfigError"),
+    "ShadowedModuleError": ("bnsurgeon.core.errors", "ShadowedModuleError"),
 }
 
 __all__ = ["__version__", *_API]
