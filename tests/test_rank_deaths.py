@@ -102,6 +102,14 @@ def start_refused(pids):  # the machine refuses the processes (EAGAIN: too many 
     finally:
         multiproc._start_all = real
 
+def server_killed(pids):  # the fork server (400 MB: a likely victim of the out-of-memory killer) dies
+    import multiprocessing.forkserver as forkserver
+    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+    time.sleep(0.5)
+    with RankPool(2) as pool:  # started again, on our terms: the timm.py in this directory is not imported
+        pool_pids(pool, pids)
+        return pool.run(2, environment_and_modules, "X")[0][1]
+
 def killed_while_other_busy(pids):  # run_world: rank 0 busy for 300 s, rank 1 killed: do not wait for rank 0
     return run_world(2, killed_while_the_other_works, 300.0, timeout=400)
 
@@ -119,20 +127,27 @@ NAMES = [
     "killed_starting",
     "out_of_files",
     "start_refused",
+    "server_killed",
     "killed_while_other_busy",
 ]
 
 
 @pytest.fixture(scope="module")
-def deaths() -> dict:
+def deaths(tmp_path_factory) -> dict:
+    """Run in a directory holding a ``timm.py`` that no rank or fork server may import."""
+    work = tmp_path_factory.mktemp("deaths")
+    shadowed = work / "shadow-imported"
+    (work / "timm.py").write_text(f"open({str(shadowed)!r}, 'w').close()\n")
     script = SCENARIOS.format(tests=str(TESTS), names=set(NAMES))
     try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S, cwd=work
+        )
         stdout, stderr, exited = done.stdout, done.stderr, done.returncode == 0 and "exiting" in done.stdout
     except subprocess.TimeoutExpired as hung:
         stdout, stderr, exited = _text(hung.stdout), _text(hung.stderr), False
     outcomes = {o["name"]: o for o in (json.loads(line) for line in stdout.splitlines() if line.startswith("{"))}
-    return {"outcomes": outcomes, "stderr": stderr, "exited": exited, "stdout": stdout}
+    return {"outcomes": outcomes, "stderr": stderr, "exited": exited, "stdout": stdout, "shadowed": shadowed.exists()}
 
 
 def _text(data) -> str:
@@ -212,3 +227,11 @@ def test_verify_with_a_rank_killed_exits_16_with_one_line_not_a_failed_check(tmp
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert errors == ["error: rank 1 was killed by SIGKILL (out of memory?)"], result.output
     assert "fix: nothing was written" in result.output and "Traceback" not in result.output, result.output
+
+
+def test_a_fork_server_that_died_is_started_again_on_the_same_terms(deaths):
+    """multiprocessing starts a dead fork server again by itself, but as plain ``python -c`` in the working
+    directory: a ``timm.py`` there would become every rank's timm (the hole that starting it on our terms closed, reopened by a death)."""
+    outcome = _outcome(deaths, "server_killed")
+    assert outcome["error"] is None and outcome["value"] == "True", outcome  # timm preloaded: the ranks ran
+    assert not deaths["shadowed"], "the restarted fork server imported timm.py from the working directory"

@@ -201,16 +201,30 @@ def forked_context():
 _server_started = False
 
 
+def _server_alive(forkserver) -> bool:
+    """Whether the fork server we started still runs, asked without reaping it (multiprocessing's own
+    check reaps it, and starts another one, without our terms, where it died)."""
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is None or not hasattr(os, "waitid"):
+        return True  # nothing to ask, or no way to ask without reaping: as before
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return True
+
+
 def _start_fork_server() -> None:
-    """Start the fork server once, on our terms. It runs as ``python -c``, so the working directory would
+    """Start the fork server on our terms: once, and again if it died (its 400 MB make it a likely victim of
+    the out-of-memory killer in a long session). It runs as ``python -c``, so the working directory would
     come first on its path, and it imports ``PRELOAD`` with its own path, not the parent's: a ``timm.py``
     in the directory where the user runs verify would be the ranks' timm. It starts with no such entry
     (``PYTHONSAFEPATH``, and in an installed directory for Pythons before 3.11) and ignoring Ctrl-C from
     its first instant, which every rank forked from it inherits; the parent stops the ranks."""
     global _server_started
-    if _server_started:
-        return
     import multiprocessing.forkserver as forkserver
+
+    if _server_started and _server_alive(forkserver):
+        return
 
     import torch
 
@@ -322,7 +336,11 @@ def _watch(sentinels: dict, events: "queue.SimpleQueue") -> None:
 
     waiting = dict(sentinels)
     while waiting:
-        for ready in wait(list(waiting)):
+        try:
+            ready_ones = wait(list(waiting))
+        except (OSError, ValueError):  # a sentinel closed under us: the pool is gone, nobody listens
+            return
+        for ready in ready_ones:
             events.put(("exited", waiting.pop(ready), None))
 
 
