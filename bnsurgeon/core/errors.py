@@ -317,7 +317,9 @@ class DistributedMismatchError(RuntimeError):
 
 
 class DistributedTimeoutError(RuntimeError):
-    """A sync layer's collective did not complete within BNSURGEON_DIST_TIMEOUT: a rank is elsewhere or gone."""
+    """A sync layer's collective did not complete within BNSURGEON_DIST_TIMEOUT, or the process group's own
+    timeout where that is shorter (the message names which), or was cut off by a rank that left: a rank is
+    elsewhere or gone."""
 
 
 class ReplicaFailedError(RuntimeError):
