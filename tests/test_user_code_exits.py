@@ -46,3 +46,33 @@ def test_a_factory_that_calls_sys_exit_0_fails_verify_and_convert(work, factory,
     assert result.exit_code == code and said in result.output, result.output
     result = runner.invoke(app, ["convert", factory, "-o", "o.safetensors", "--input-shape", "2,3,8,8"])
     assert result.exit_code == code and said in result.output and not (work / "o.safetensors").exists(), result.output
+
+
+FORWARD_EXITS = (
+    "import sys\nfrom torch import nn\n"
+    "class Quits(nn.Sequential):\n"
+    "    def forward(self, x):\n"
+    "        sys.exit(0)\n"
+    "def build():\n    return Quits(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))\n"
+    "def batches():\n    sys.exit(0)\n"
+)
+
+
+def test_user_code_that_exits_anywhere_in_a_command_is_a_failure_not_success(work):
+    """The class: not only a factory's import or call, but a model's forward (the eval check, verify's checks)
+    and a --data function. Each ended the command with exit 0 before."""
+    (work / "quits47.py").write_text(FORWARD_EXITS)
+    runner = CliRunner()
+    said = "the user's code called sys.exit(0)"
+    try:
+        result = runner.invoke(app, ["convert", "quits47:build", "-o", "q.safetensors", "--input-shape", "2,3,8,8"])
+        assert result.exit_code == 2 and said in result.output, result.output
+        assert not (work / "q.safetensors").exists()
+        converted = runner.invoke(app, ["convert", "good47:build", "-o", "c.safetensors", "--input-shape", "2,3,8,8"])
+        assert converted.exit_code == 0, converted.output
+        recal = ["recalibrate", "good47:build", "--data", "quits47:batches", "-o", "r.safetensors"]
+        result = runner.invoke(app, recal, env={"COLUMNS": "200"})
+        assert result.exit_code == 2 and said in result.output, result.output
+        assert not (work / "r.safetensors").exists()
+    finally:
+        sys.modules.pop("quits47", None)

@@ -181,6 +181,17 @@ def handle_errors(command: Callable) -> Callable:
             click.exceptions.ClickException,
         ):
             raise  # Typer's and Click's own ways out (an exit code the command chose, a usage error Click words)
+        except SystemExit as stop:  # bnsurgeon never calls sys.exit inside a command: the user's code did
+            if debug:
+                raise
+            with signals_ignored():
+                _fail(
+                    f"the user's code called sys.exit({stop.code!r}) while {command.__name__} ran it (a factory, a "
+                    "model's forward, a --data function or a rule), so the command did not finish: nothing was "
+                    "checked or written",
+                    "remove the sys.exit call from that code (raise an exception to report a problem)",
+                    2,
+                )
         except Exception as error:
             if debug:
                 raise
