@@ -3,8 +3,8 @@
 # nothing is installed here). Every figure lands as JSON under OUTDIR, so one short loan brings all of
 # them back:
 #   layers.json      module against module: bnsurgeon's SyncBatchNorm vs torch's nn.SyncBatchNorm vs
-#                    plain BN, sync paths forced in a world of one, 7 shapes x 3 precisions, with the
-#                    profiler's kernels and collective records per forward + backward
+#                    plain BN, sync paths forced in a world of one, 7 shape/layout cases x 3 precisions,
+#                    with the profiler's kernels and collective records per forward + backward
 #   graph_step.json  a resnet50 training step captured in a CUDA graph, sync against plain (fp32 and
 #                    bf16 autocast), replay checked against eager (loss, gradients, parameters, stats)
 #   tests.xml/.json  every CUDA-marked test, run once
@@ -13,7 +13,7 @@
 # A step that fails or passes its time limit is recorded and the next one still runs; the exit
 # status is non-zero if anything failed. The speed goals are reported, not enforced.
 #
-#   PYTHON=python3 scripts/gpu_checks.sh OUTDIR              (on a GPU machine: about 4-7 minutes)
+#   PYTHON=python3 scripts/gpu_checks.sh OUTDIR              (a GPU machine: ~5 min, step limits 460 s)
 #   scripts/gpu_checks.sh --dry-run OUTDIR                   (CPU, stand-in kernels, tiny sizes: seconds)
 #
 # The dry run runs the same Python code on CPU (scripts/bench_cuda.py --dry-run) and the test step on
@@ -62,7 +62,11 @@ step() {
 }
 
 BENCH=("$PY" scripts/bench_cuda.py --out "$DEST")
-PYTEST_CUDA=("$PY" -m pytest -q -p no:cacheprovider -m cuda -rs --continue-on-collection-errors
+# pytest with Ctrl-C restored (a shell started in the background ignores SIGINT, and so would pytest):
+# interrupted at its limit, it still writes the junit XML of the tests that ran
+PYTEST_CUDA=("$PY" -c 'import signal, sys, pytest
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.exit(pytest.main(sys.argv[1:]))' -q -p no:cacheprovider -m cuda -rs --continue-on-collection-errors
   --junitxml "$DEST/tests.xml" -o junit_family=xunit1)
 # the files that hold CUDA-marked tests: collecting only them is faster, and a file that needs a package
 # the GPU machine lacks cannot stop them (the CUDA tests need torch, timm and pytest-timeout only)
