@@ -297,3 +297,16 @@ def test_a_bnsurgeon_that_does_not_start_is_one_line_not_a_refusal_of_the_option
     code, output = hook(repo, "-w", "2", "--", "a.safetensors", "b.safetensors", extra={"FAKE_BROKEN": "1"})
     assert code == 127 and "does not run (exit 1): ModuleNotFoundError: No module named 'torch'" in output, output
     one_line_each(output, 1)
+
+
+def test_require_report_fails_a_checkpoint_whose_report_was_left_out(repo):
+    """Without a report a checkpoint is skipped (not a converted one); on a pull request that is a way past the
+    hook, so --require-report makes it a problem (exit 4), and the other files are still verified."""
+    checkpoint(repo, "no_report.safetensors", None)
+    checkpoint(repo, "good.safetensors", json.dumps({"source": "resnet18"}))
+    code, output = hook(repo, "--", "no_report.safetensors", "good.safetensors")
+    assert code == 0 and "skipped" in output, output
+    code, output = hook(repo, "--require-report", "--", "no_report.safetensors", "good.safetensors")
+    assert code == 4 and "no_report.safetensors: no no_report.safetensors.report.json" in output, output
+    assert "--require-report" in output and ["verify", "--", "resnet18", "good.safetensors"] in verified(repo)
+    one_line_each(output, 2)
