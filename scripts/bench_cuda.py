@@ -21,8 +21,9 @@ with every ``.grad`` reset before each iteration, on (32,64,112,112), (32,256,28
 (a bf16 input, float32 layer) and as a ``.half()`` layer. Time per call: a round of
 iterations between two device synchronizations, divided by its length; the median over rounds
 that alternate the three layers. Per case the profiler's device kernels and collective
-records of one forward + backward (the baseline: torch 30 / 2, bnsurgeon 41 / 4). Ratios
-bnsurgeon/torch per case and their geometric mean per precision. Goal: <= 0.8.
+records of one forward + backward (the baseline: torch 30 / 2, bnsurgeon 41 / 4), and one more
+call of both sync layers compared: output, input and parameter gradients, running statistics.
+Ratios bnsurgeon/torch per case and their geometric mean per precision. Goal: <= 0.8.
 
 ``graph`` (graph_step.json): a whole resnet50 training step (batch 64, 224 px, channels_last,
 SGD), float32 and bf16 autocast: plain BN and the sync model, each eager and captured in a
@@ -390,6 +391,7 @@ def layer_case(run: Run, shape: tuple, layout: str, precision: str) -> dict:
             if grad is None:
                 grad = grads[y.dtype] = grads[dtype].to(y.dtype)
             y.backward(grad)
+            return y
 
         return fn
 
@@ -408,6 +410,7 @@ def layer_case(run: Run, shape: tuple, layout: str, precision: str) -> dict:
     ms: dict[str, Any] = {name: None for name in layers} | time_rounds(run, fns, cfg.rounds, cfg.per_round, cfg.warmup)
     counts = {name: profile_counts(run, fn) for name, fn in fns.items()}
     synced = {name: counts[name]["collectives"] >= 2 for name in ("torch", "bnsurgeon") if name in counts}
+    agreement = _agreement(run, fns, layers, x, precision) if "torch" in fns else None
 
     def ratio(a: str, b: str):
         return ms[a] / ms[b] if ms[a] is not None and ms[b] is not None else None
@@ -422,10 +425,36 @@ def layer_case(run: Run, shape: tuple, layout: str, precision: str) -> dict:
         "ratio_torch_plain": ratio("torch", "plain"),
         "counts": counts,
         "synced": synced,
+        "agreement_with_torch": agreement,
     }
     if failed:
         case["failed"] = failed
     return case
+
+
+#: largest relative difference between bnsurgeon's layer and torch's on the same tensors
+AGREEMENT_TOLERANCE = {"float32": 1e-4, "bf16-autocast": 2e-2, "half-model": 5e-3}
+
+
+def _agreement(run: Run, fns: dict, layers: dict, x, precision: str) -> dict:
+    """One more forward + backward of torch's layer and of bnsurgeon's: output, input gradient, parameter
+    gradients, and the running statistics both layers reached over the same number of calls."""
+    results = {}
+    for name in ("torch", "bnsurgeon"):
+        y = fns[name]()
+        layer = layers[name]
+        results[name] = {
+            "output": y.detach(),
+            "input_grad": x.grad.detach().clone(),
+            "weight_grad": layer.weight.grad.detach().clone(),
+            "bias_grad": layer.bias.grad.detach().clone(),
+            "running_mean": layer.running_mean.detach().clone(),
+            "running_var": layer.running_var.detach().clone(),
+        }
+    run.sync()
+    differences = {key: _relative(results["bnsurgeon"][key], value) for key, value in results["torch"].items()}
+    tolerance = AGREEMENT_TOLERANCE[precision]
+    return {**differences, "tolerance": tolerance, "ok": max(differences.values()) <= tolerance}
 
 
 def _shown(value, spec: str = "8.3f") -> str:
@@ -474,6 +503,11 @@ def _layers_result(run: Run, cases: list[dict], errors: list[dict]) -> dict:
         for name, ok in c["synced"].items()
         if not ok
     ]
+    disagree = [
+        f"{c['precision']} {c['shape']} {c['layout']}: {c['agreement_with_torch']}"
+        for c in cases
+        if c["agreement_with_torch"] is not None and not c["agreement_with_torch"]["ok"]
+    ]
     per_layer = {}
     for name in ("torch", "bnsurgeon"):
         counted = [c["counts"][name] for c in cases if name in c["counts"]]
@@ -499,11 +533,12 @@ def _layers_result(run: Run, cases: list[dict], errors: list[dict]) -> dict:
             "met": {k: (v is not None and v <= GOAL_LAYER_GEOMEAN) for k, v in geomean.items()},
         },
         "not_synced": not_synced,
+        "disagreements_with_torch": disagree,
         "reference_failures": [
             f"{c['precision']} {c['shape']} {c['layout']}: {c['failed']}" for c in cases if "failed" in c
         ],
         "errors": errors,
-        "ok": not errors and not not_synced and bool(cases),
+        "ok": not errors and not not_synced and not disagree and bool(cases),
     }
 
 

@@ -78,6 +78,7 @@ def test_layers_json_compares_the_modules_on_their_sync_paths(dry_run):
     layouts = {(len(c["shape"]), c["layout"]) for c in cases}
     assert layouts == {(4, "contiguous"), (4, "channels_last"), (2, "contiguous")}
     assert {c["precision"] for c in cases} == PRECISIONS and not data["errors"] and not data["not_synced"]
+    assert not data["disagreements_with_torch"] and not data["reference_failures"]
     for case in cases:
         where = f"{case['precision']} {case['shape']} {case['layout']}"
         for layer in ("plain", "torch", "bnsurgeon"):
@@ -88,6 +89,8 @@ def test_layers_json_compares_the_modules_on_their_sync_paths(dry_run):
             assert counts["collectives"] == 2, (where, layer, counts)
             assert counts["kernels"] is None and "CUDA" in counts["kernels_skipped"]
         assert case["counts"]["plain"]["collectives"] == 0, where
+        agreement = case["agreement_with_torch"]  # same kernels on a world of one: equal, to rounding
+        assert agreement["ok"] and agreement["input_grad"] <= agreement["tolerance"], (where, agreement)
     for precision in [*PRECISIONS, "all"]:
         _positive(data["geomean_bnsurgeon_torch"][precision], precision)
     assert data["goal"]["geomean_bnsurgeon_torch_max"] == 0.8
