@@ -614,7 +614,11 @@ class Step:
     def __call__(self):
         import torch
 
-        with torch.autocast(self.run.device_type, dtype=torch.bfloat16, enabled=self.precision == "bf16-autocast"):
+        # no autocast cache: torch's CUDA-graph docs capture autocast regions with cache_enabled=False
+        autocast = torch.autocast(
+            self.run.device_type, dtype=torch.bfloat16, enabled=self.precision == "bf16-autocast", cache_enabled=False
+        )
+        with autocast:
             loss = torch.nn.functional.cross_entropy(self.model(self.x), self.target)
         loss.backward()
         self.optimizer.step()
