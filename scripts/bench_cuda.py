@@ -1029,6 +1029,10 @@ def summarize(out: Path) -> int:
             _summarize_section(section, data, summary)
         except (KeyError, TypeError, ValueError) as error:  # an interrupted section: the rest is in its file
             summary["problems"].append(f"section {section} incomplete: {_error(error)}")
+    if summary.get("mode") == "gpu" and junit.exists():  # a CUDA test skipped for want of one GPU: CUDA unseen
+        unseen = [c["test"] for c in tests["cases"] if c["outcome"] == "skipped" and "a CUDA device" in c["detail"]]
+        if unseen:
+            summary["problems"].append(f"CUDA tests skipped on the GPU machine: {unseen}")
     if summary.get("mode") == "dry-run":
         print("(a dry run: CPU, stand-in kernels, tiny sizes; its times say nothing about speed)")
     summary["ok"] = not summary["problems"]
