@@ -29,7 +29,7 @@ SCENARIO_S = 60
 SCENARIOS = """
 import errno, json, os, signal, sys, threading, time
 sys.path.insert(0, {tests!r})
-from _rank_probe import (environment_and_modules, killed_after_its_result, killed_in_a_collective,
+from _rank_probe import (aborted, environment_and_modules, killed_after_its_result, killed_in_a_collective,
                          killed_while_the_other_works, out_of_open_files)
 from bnsurgeon.checks import multiproc
 from bnsurgeon.checks.multiproc import RankPool, run_world
@@ -102,6 +102,30 @@ def start_refused(pids):  # the machine refuses the processes (EAGAIN: too many 
     finally:
         multiproc._start_all = real
 
+def with_open_files(limit, body):
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        return body()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+def too_few_files(pids):  # ulimit -n 20 and 3 ranks: refused before any process starts, no traceback
+    return with_open_files(20, lambda: RankPool(3))
+
+def aborted_few_files(pids):  # a rank aborts (as gloo does on EMFILE, from a thread) under ulimit -n 48
+    def body():
+        with RankPool(2) as pool:
+            pool_pids(pool, pids)
+            return pool.run(2, aborted)
+    return with_open_files(48, body)
+
+def aborted_plainly(pids):  # the same abort with the usual limit: a crash, a failed check, not the machine
+    with RankPool(2) as pool:
+        pool_pids(pool, pids)
+        return pool.run(2, aborted)
+
 def server_killed(pids):  # the fork server (400 MB: a likely victim of the out-of-memory killer) dies
     import multiprocessing.forkserver as forkserver
     os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
@@ -127,6 +151,9 @@ NAMES = [
     "killed_starting",
     "out_of_files",
     "start_refused",
+    "too_few_files",
+    "aborted_few_files",
+    "aborted_plainly",
     "server_killed",
     "killed_while_other_busy",
 ]
@@ -235,3 +262,21 @@ def test_a_fork_server_that_died_is_started_again_on_the_same_terms(deaths):
     outcome = _outcome(deaths, "server_killed")
     assert outcome["error"] is None and outcome["value"] == "True", outcome  # timm preloaded: the ranks ran
     assert not deaths["shadowed"], "the restarted fork server imported timm.py from the working directory"
+
+
+def test_an_open_file_limit_too_low_for_the_ranks_is_one_line_before_anything_starts(deaths):
+    """Under ulimit -n 24, starting 3 ranks made the fork server itself fail to receive their pipes: its
+    traceback, then the error. A limit below what rank 0 needs is refused first."""
+    outcome = _outcome(deaths, "too_few_files")
+    assert outcome["error"] == "HostFailureError", outcome
+    assert outcome["message"].startswith("the open-file limit (ulimit -n 20) is too low for 3 ranks"), outcome
+
+
+def test_a_rank_that_aborts_under_a_low_open_file_limit_is_said_to_be_out_of_files(deaths):
+    """gloo aborts a rank (SIGABRT, from a thread) when it cannot make a socket: under a low limit that is the
+    machine's doing; under the usual limit the same abort is a crash, a failed check (RankFailure)."""
+    outcome = _outcome(deaths, "aborted_few_files")
+    assert outcome["error"] == "HostFailureError", outcome
+    assert outcome["message"].startswith("rank 1 crashed with SIGABRT (out of open files? ulimit -n is 48)"), outcome
+    plain = _outcome(deaths, "aborted_plainly")
+    assert plain["error"] == "RankFailure" and plain["message"] == "rank 1 crashed with SIGABRT", plain

@@ -91,14 +91,31 @@ def exit_cause(rank: int, exitcode: int | None) -> tuple[str, str | None]:
     return f"rank {rank} exited (code {exitcode}) without reporting a result", None
 
 
-def _open_file_limit() -> str:
+def open_file_limit() -> int | None:
+    """This process's open-file limit (``ulimit -n``), which the ranks inherit; None where there is none."""
     try:
         import resource
 
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return f" (ulimit -n {soft})"
     except (ImportError, OSError, ValueError):
-        return ""
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _open_file_limit() -> str:
+    limit = open_file_limit()
+    return "" if limit is None else f" (ulimit -n {limit})"
+
+
+def files_needed(world_size: int) -> int:
+    """Open files a rank cannot do with fewer of: rank 0 holds the group's store and a socket per peer
+    (measured with torch 2.14: 24 + 2 W while a collective runs; the fork server about 11 + 1 per rank)."""
+    return 20 + 2 * world_size
+
+
+#: below this open-file limit, a rank that aborts (gloo aborts the process when a socket or pipe cannot be
+#: made, from a thread Python cannot catch it in) is taken to have run out of open files; 1024 is the usual
+FEW_FILES = 64
 
 
 def _quoted(error: BaseException) -> str:
@@ -433,6 +450,14 @@ class RankPool:
         self._drained: set[int] = set()  # ranks whose result pipe has closed: every result they sent is in
         self._holding: set[int] = set()  # ranks that reported a machine failure: stopped after the others
         self.task_seconds: list[float] = []  # per run: the slowest rank's time inside the task
+        limit = open_file_limit()
+        if limit is not None and limit < files_needed(size):
+            self._broken = "too few open files"
+            raise HostFailureError(
+                f"the open-file limit (ulimit -n {limit}) is too low for {size} ranks: rank 0 needs at least "
+                f"{files_needed(size)} open files",
+                FILES_HINT,
+            )
         try:
             context = forked_context()
             environment = dict(os.environ)
@@ -558,6 +583,9 @@ class RankPool:
             process = self._ranks[rank].process
             process.join(1.0)
             line, fix = exit_cause(rank, process.exitcode)
+            limit = open_file_limit()
+            if fix is None and process.exitcode == -signal.SIGABRT and limit is not None and limit < FEW_FILES:
+                line, fix = f"{line} (out of open files? ulimit -n is {limit})", FILES_HINT
             if allow_errors:
                 collected[rank] = ("died", line)
             elif fix is not None:
