@@ -336,10 +336,15 @@ def _map(value, function):
 
 
 def _to_meta(value):
+    """Tensors and devices, at any depth, on the meta device (for the shapes an op returns)."""
     if isinstance(value, torch.device):
         return torch.device("meta")
-    if isinstance(value, (list, tuple, dict)) or isinstance(value, torch.Tensor):
-        return _map(value, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
     return value
 
 

@@ -325,3 +325,12 @@ def test_the_device_assert_scan_finds_one(tmp_path):
     (package / "runtime" / "other.py").write_text("import torch\n\ntorch._assert_async(x, 'm')\n")
     (package / "third.py").write_text("from torch import _assert_async\n")
     assert direct_device_asserts(package) == ["bnsurgeon/runtime/other.py:3", "bnsurgeon/third.py:1"]
+
+
+def test_standin_capture_shapes_ops_whose_keyword_names_a_device(device):
+    """A cast with ``device=`` among its keywords (autocast's copies) is shaped on meta like any other op."""
+    a = torch.ones(3, dtype=torch.float64)
+    with device.capture() as graph:
+        b = a.to(dtype=torch.float32, device="cpu", copy=True)
+    graph.replay()
+    assert b.dtype == torch.float32 and torch.equal(b, torch.ones(3))

@@ -32,13 +32,13 @@ def _assert_ranks_match(ranks: list[dict], reference: dict) -> None:
 @pytest.mark.distributed
 def test_fsdp2_trains_exactly_like_one_process_on_the_whole_batch():
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.6")
-    ranks = run_world(2, fsdp2_rank, timeout=300)
+    ranks = run_world(2, fsdp2_rank, timeout=240)
     _assert_ranks_match(ranks, reference_state())
 
 
 @pytest.mark.distributed
 def test_ddp_no_sync_accumulation_trains_exactly_like_one_process():
-    ranks = run_world(2, no_sync_rank, timeout=300)
+    ranks = run_world(2, no_sync_rank, timeout=240)
     _assert_ranks_match(ranks, reference_state(micro_batches=MICRO))
 
 
