@@ -622,7 +622,8 @@ def recalibrate(
         "-d",
         metavar="DATA",
         help="A tensor file (.pt/.pth/.safetensors: one (N,C,H,W) tensor cut into batches, or a list of batches), "
-        "a folder of them, a folder of images (read with the model's timm preprocessing), or "
+        "a folder of them, a folder of images (a model directory's own preprocessor_config.json, else the model's timm "
+        "preprocessing; each image and batch bounded before it is decoded), or "
         "package.module:function returning an iterable of batches (RUNS ITS CODE).",
     ),
     output: Path = typer.Option(
