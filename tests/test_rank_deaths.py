@@ -1,13 +1,14 @@
 """However a rank dies, the rank harness (``checks.multiproc``) turns it into one error, soon, and the
 process then exits: a rank killed (SIGKILL, as the out-of-memory killer does) before, while or after it
 reads a task, while the parent is still writing a large task to it, right after it starts, while the
-other rank waits for it; a rank that runs out of open files; processes the machine refuses to start.
-The machine's doing is a ``HostFailureError`` (exit 16) naming the rank and the cause, not a failed
-check; and verify says so in one line.
+other rank waits for it; a rank that runs out of open files, or aborts under a low open-file limit; a
+limit too low to start; processes the machine refuses to start; the fork server killed. The machine's
+doing is a ``HostFailureError`` (exit 16) naming the rank and the cause, not a failed check; and verify
+says so in one line.
 
 The scenarios run in one fresh interpreter, as ``bnsurgeon verify`` does, because the hang this guards
 against came at interpreter exit (a task pickled into a dead rank's queue, the queue's feeder thread
-joined at exit); every test below fails when that process does not exit."""
+joined at exit); every scenario's test fails when that process does not exit."""
 
 from __future__ import annotations
 
