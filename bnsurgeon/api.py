@@ -2,7 +2,9 @@
 
 ``bnsurgeon.convert(module)`` is the surgery itself; ``convert_source`` is the whole
 ``bnsurgeon convert`` pipeline (resolve SOURCE, convert, check, write). Each step lives
-in its own module; nothing imports back from here.
+in its own module; nothing imports back from here. ``resolve_source`` resolves a SOURCE once; its
+``ResolvedSource`` is what ``inspect``, ``convert_source``, ``verify``, ``recalibrate_source`` and ``load`` take
+(a string is resolved on entry).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from bnsurgeon.files.conversion import save, write_reports  # noqa: F401
 from bnsurgeon.launch.script import ScriptRaised, run_script  # noqa: F401
 from bnsurgeon.loading.architecture import Architecture, LoadedSource  # noqa: F401
 from bnsurgeon.loading.rebuild import load, rebuild_from_checkpoint  # noqa: F401
+from bnsurgeon.loading.resolve import ResolvedSource, resolve_source  # noqa: F401
 from bnsurgeon.pipeline import ConvertOutcome, RecalibrateOutcome, convert_source, inspect, recalibrate_source, verify  # noqa: F401  # noqa: F401
 from bnsurgeon.surgery.walk import (  # noqa: F401
     ConvertResult,

@@ -26,7 +26,6 @@ from bnsurgeon.core.errors import (
     DataError,
     HookedModelError,
     NothingToConvertError,
-    SourceNotFoundError,
     UsageError,
     VerificationError,
 )
@@ -40,8 +39,9 @@ from bnsurgeon.files.writing import check_output_path
 from bnsurgeon.loading.architecture import LoadedSource
 from bnsurgeon.loading.rebuild import recipe
 from bnsurgeon.loading.recorded import read_recorded
-from bnsurgeon.loading.sources import load_source, looks_like_file, source_inputs, unwrap_data_parallel
-from bnsurgeon.loading.transformers_source import PREPROCESSOR_FILE, model_directory, read_preprocessor_text
+from bnsurgeon.loading.resolve import MODEL_DIRECTORY, ResolvedSource, resolve_source
+from bnsurgeon.loading.sources import load_source, unwrap_data_parallel
+from bnsurgeon.loading.transformers_source import PREPROCESSOR_FILE, read_preprocessor_text
 from bnsurgeon.surgery.inspection import Inspection, inspect_model
 from bnsurgeon.surgery.walk import ConvertResult, class_map, convert
 
@@ -52,9 +52,14 @@ if TYPE_CHECKING:
 
 
 def inspect(
-    source: "str | nn.Module", *, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (), **source_options: Any
+    source: "str | nn.Module | ResolvedSource",
+    *,
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
+    **source_options: Any,
 ) -> Inspection:
-    """Inspect a model object or a SOURCE string (timm names are built on the meta device).
+    """Inspect a model object or a SOURCE (a string, resolved once, or ``resolve_source``'s value; timm names are
+    built on the meta device).
 
     ``include``/``exclude`` (module-path globs, as for convert) add a note of what they select.
     """
@@ -78,34 +83,32 @@ def selection_note(result: Inspection, include, exclude) -> str:
     )
 
 
-def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
+def _inspect(source: "str | nn.Module | ResolvedSource", **source_options: Any) -> Inspection:
     from torch import nn
 
     if isinstance(source, nn.Module):
         model, wrapper = unwrap_data_parallel(source)
         return inspect_model(model, source=type(source).__name__ + wrapper)
-    check_source_name(source)
-    as_directory = model_directory(Path(source)) is not None and (
-        Path(source).is_dir() or Path(source).name == "config.json"
-    )
-    if not looks_like_file(source) or as_directory:
-        loaded, note = _load_for_inspection(source, **source_options)
+    resolved = resolve_source(source, model=source_options.get("model"))
+    if resolved.is_name or resolved.kind == MODEL_DIRECTORY:
+        loaded, note = _load_for_inspection(resolved, **source_options)
         result = inspect_model(loaded.model, source=loaded.description)
         result.notes += [note] if note else []
         return result
 
-    raw = read_checkpoint(source, trust_pickle=source_options.get("trust_pickle", False), mmap=True)
+    assert resolved.weights is not None  # a file: the one it names
+    raw = read_checkpoint(resolved.weights, trust_pickle=source_options.get("trust_pickle", False), mmap=True)
     contents = describe_checkpoint(raw)
     try:
-        loaded, note = _load_for_inspection(source, raw=raw, **source_options)
+        loaded, note = _load_for_inspection(resolved, raw=raw, **source_options)
     except ConfirmationError as error:
-        result = Inspection(source=str(source), parameters=0, checkpoint=contents)
+        result = Inspection(source=resolved.text, parameters=0, checkpoint=contents)
         result.notes.append(f"{error.message}: {error.hint}")
         return result
     except UsageError as error:
         if source_options.get("model") or isinstance(error, HookedModelError):
             raise
-        result = Inspection(source=str(source), parameters=0, checkpoint=contents)
+        result = Inspection(source=resolved.text, parameters=0, checkpoint=contents)
         result.notes.append(f"{error.message}: pass --model ARCH to list its BatchNorm modules")
         return result
     result = inspect_model(loaded.model, source=loaded.description)
@@ -116,15 +119,7 @@ def _inspect(source: "str | nn.Module", **source_options: Any) -> Inspection:
     return result
 
 
-def check_source_name(source: "str | os.PathLike", what: str = "SOURCE") -> None:
-    """A SOURCE the filesystem refuses as a name (too long, in a directory that cannot be searched) is named as
-    such, before any check of what it is."""
-    check_reachable(
-        source, what, SourceNotFoundError, "check the path (or name a timm model or package.module:function)"
-    )
-
-
-def _load_for_inspection(source: str, **options: Any) -> "tuple[LoadedSource, str | None]":
+def _load_for_inspection(source: ResolvedSource, **options: Any) -> "tuple[LoadedSource, str | None]":
     """On the meta device (no weights allocated) when the model allows it, else built for real.
 
     Factories that compute on their weights at init (torchvision RegNet, ultralytics YAML
@@ -207,7 +202,7 @@ class ConvertOutcome:
 
 
 def convert_source(
-    source: str,
+    source: "str | ResolvedSource",
     output: "str | Path | None",
     *,
     to: str = "sync",
@@ -247,10 +242,10 @@ def convert_source(
     timeout = verify_timeout_s() if verify_world_sizes else None
     example_file = example_input if isinstance(example_input, (str, os.PathLike)) else None
     example = None if isinstance(example_input, (str, os.PathLike)) else example_input
-    check_source_name(source)
+    resolved = resolve_source(source, model=model)
     if example_file is not None:
         check_reachable(example_file, "--example-input", UsageError, "pass a file of this machine with a shorter path")
-    inputs: list[Any] = [source, *source_inputs(source)] + (
+    inputs: list[Any] = [*resolved.inputs()] + (
         [(example_file, "the --example-input file")] if example_file is not None else []
     )
     directory_output = output is not None and is_directory_output(output)
@@ -268,9 +263,9 @@ def convert_source(
         from bnsurgeon.checks.check_input import load_example_input
 
         example = load_example_input(example_file)
-    phase(f"loading {source}")
+    phase(f"loading {resolved.text}")
     loaded = load_source(
-        source,
+        resolved,
         model=model,
         model_args=model_args,
         weights=weights,
@@ -406,8 +401,8 @@ def convert_source(
 
 
 def verify(
-    source: str,
-    converted: str,
+    source: "str | ResolvedSource",
+    converted: "str | ResolvedSource",
     *,
     world_sizes: tuple[int, ...] = (2,),
     input_shape: tuple[int, ...] | None = None,
@@ -453,15 +448,15 @@ def verify(
         )
     if atol is not None and not (math.isfinite(atol) and atol >= 0):  # inf would pass any difference
         raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
-    check_source_name(source)
-    check_source_name(converted, "CONVERTED")
+    resolved = resolve_source(source, model=model)
+    resolved_converted = resolve_source(converted, role="CONVERTED", model=converted_model)
     example = None if isinstance(example_input, (str, os.PathLike)) else example_input
     if isinstance(example_input, (str, os.PathLike)):  # as the CLI's --example-input: read (weights_only)
         from bnsurgeon.checks.check_input import load_example_input
 
         example = load_example_input(example_input)
     left = load_source(
-        source,
+        resolved,
         model=model,
         model_args=model_args,
         weights=weights,
@@ -469,7 +464,7 @@ def verify(
         accept_recorded_args=accept_recorded_args,
     )
     right = load_source(
-        converted,
+        resolved_converted,
         model=converted_model,
         model_args=converted_model_args,
         weights=converted_weights,
@@ -556,7 +551,7 @@ class RecalibrateOutcome:
 
 
 def recalibrate_source(
-    source: str,
+    source: "str | ResolvedSource",
     data: str,
     output: "str | Path | None",
     *,
@@ -594,20 +589,20 @@ def recalibrate_source(
         raise UsageError(f"--samples must be at least 1 (got {samples})", "pass --samples 1 or more")
     max_batch_bytes()  # every variable recalibrate reads is checked before any work
     rank, world, device = _torchrun_rank()
-    check_source_name(source)
+    resolved = resolve_source(source, model=model)
     check_reachable(
         data, "--data", DataError, "pass a tensor file, a folder of tensor files or images, or pkg.mod:function"
     )
-    inputs: list[Any] = [source, *source_inputs(source)] + [(file, "a --data file") for file in data_files(data)]
+    inputs: list[Any] = [*resolved.inputs()] + [(file, "a --data file") for file in data_files(data)]
     directory_output = output is not None and is_directory_output(output)
     out: Path | None = None
     if directory_output and output is not None:  # -o DIR: config.json + model.safetensors, as convert writes
         out = check_directory_output(Path(output), inputs, force=force)
     elif output is not None:
         out = check_output_path(output, inputs, force=force)
-    phase(f"loading {source}")
+    phase(f"loading {resolved.text}")
     loaded = load_source(
-        source,
+        resolved,
         model=model,
         model_args=model_args,
         weights=weights,
@@ -639,7 +634,7 @@ def recalibrate_source(
         world=world,
         dtype=parameter.dtype if parameter is not None else None,
         device=device,
-        model_directory=source_directory(source, loaded),
+        model_directory=source_directory(loaded),
     )
     phase(f"recalibrating on {stream.description}" + (f" (rank {rank} of {world})" if world > 1 else ""))
     report = recalibrate(
@@ -678,21 +673,18 @@ def recalibrate_source(
     from bnsurgeon.files.writing import report_paths
 
     if directory_output:
-        writers.update(directory_extras(out.parent, loaded, source_directory(source, loaded)))
+        writers.update(directory_extras(out.parent, loaded, source_directory(loaded)))
         write_into_directory(out.parent, writers, force=force)
         return RecalibrateOutcome(report, loaded, out.parent, report_paths(out), rank)
     write_recalibrated(writers, force=force)
     return RecalibrateOutcome(report, loaded, out, report_paths(out), rank)
 
 
-def source_directory(source: str, loaded: LoadedSource) -> "Path | None":
+def source_directory(loaded: LoadedSource) -> "Path | None":
     """The model directory SOURCE names (a Hugging Face model's, or one bnsurgeon wrote), or None."""
-    if loaded.architecture.kind != "transformers":
+    if loaded.architecture.kind != "transformers" or loaded.source is None:
         return None
-    try:
-        return model_directory(Path(source))
-    except OSError:
-        return None
+    return loaded.source.directory
 
 
 def directory_extras(directory: Path, loaded: LoadedSource, source: "Path | None") -> dict:

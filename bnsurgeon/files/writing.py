@@ -76,9 +76,9 @@ def _check_output_path(
             f"end it with one of {', '.join(OUTPUT_SUFFIXES)}, .pth.tar (or with / for a model directory)",
         )
     written = (out, *report_paths(out))  # the reports are outputs too: each is checked like the checkpoint
-    for source in inputs:
-        source, label = source if isinstance(source, tuple) else (source, "the input file")
-        source_path = Path(source)
+    for entry in inputs:  # the SOURCE as typed and every file it reads (``ResolvedSource.inputs``), other inputs
+        given, label = entry if isinstance(entry, tuple) else (entry, "the input file")
+        source_path = Path(given)
         for path in written:
             same = _resolved(source_path) == _resolved(path) or (
                 source_path.exists() and path.exists() and os.path.samefile(source_path, path)

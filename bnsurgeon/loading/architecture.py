@@ -18,6 +18,8 @@ from bnsurgeon.files.reading import RawCheckpoint
 if TYPE_CHECKING:
     from torch import nn
 
+    from bnsurgeon.loading.resolve import ResolvedSource
+
 SEED = 0
 
 
@@ -214,3 +216,4 @@ class LoadedSource:
     carried: dict[str, Any] = field(default_factory=dict)
     check_input: Any = None  # a CheckInput recorded in a bnsurgeon checkpoint (validated)
     history: list = field(default_factory=list)  # conversions a bnsurgeon checkpoint records (validated)
+    source: "ResolvedSource | None" = None  # the SOURCE it was loaded from, its kind told by the file read

@@ -14,7 +14,8 @@ from bnsurgeon.files.reading import RawCheckpoint, read_checkpoint
 from bnsurgeon.files.weights import check_fit, load_weights, materialize
 from bnsurgeon.loading.architecture import Architecture, LoadedSource, own_input_shape
 from bnsurgeon.loading.recorded import Recorded, apply_trainability, check_rebuilt, read_recorded, state_from_checkpoint
-from bnsurgeon.loading.transformers_source import CONFIG_NAME, bnsurgeon_weights_of, model_directory, read_config
+from bnsurgeon.loading.resolve import ResolvedSource, bnsurgeon_weights, resolve_source
+from bnsurgeon.loading.transformers_source import CONFIG_NAME, read_config
 from bnsurgeon.loading.trust import confirm_architecture
 from bnsurgeon.surgery.walk import name_sync_layers
 
@@ -89,7 +90,7 @@ def check_directory_config(raw: RawCheckpoint, recorded: Recorded) -> None:
 
 
 def load(
-    path: "str | Path",
+    path: "str | Path | ResolvedSource",
     *,
     model: "str | nn.Module | None" = None,
     model_args: dict[str, Any] | None = None,
@@ -107,14 +108,14 @@ def load(
     """
     from torch import nn
 
-    written = bnsurgeon_weights_of(Path(path))  # a model directory bnsurgeon wrote (-o DIR)
-    named_directory = Path(path).is_dir() or Path(path).name == "config.json"  # not a weights file in it
-    if written is None and named_directory and model_directory(Path(path)) is not None:
+    resolved = resolve_source(path, check_name=False)
+    written = bnsurgeon_weights(resolved)  # a model directory bnsurgeon wrote (-o DIR)
+    if written is None and resolved.names_directory:  # the directory or its config.json, not a weights file in it
         raise CheckpointError(
-            f"{path} is a Hugging Face model directory that bnsurgeon did not convert",
-            f"convert it first: bnsurgeon convert {path} -o OUT_DIR",
+            f"{resolved.text} is a Hugging Face model directory that bnsurgeon did not convert",
+            f"convert it first: bnsurgeon convert {resolved.text} -o OUT_DIR",
         )
-    path = written or path
+    path = written or resolved.text
     raw = read_checkpoint(path, mmap=mmap)
     if not raw.is_bnsurgeon:
         raise CheckpointError(

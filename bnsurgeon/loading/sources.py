@@ -1,14 +1,14 @@
-"""SOURCE string -> nn.Module: a timm name, ``pkg.module:factory``, or a checkpoint file.
+"""A resolved SOURCE -> nn.Module: a timm name, ``pkg.module:factory``, a checkpoint file, a model directory.
 
-Building a named architecture lives in ``architecture.py``, putting weights into it in
-``weights.py``, and rebuilding a bnsurgeon checkpoint in ``rebuild.py``; this module
-picks which one a SOURCE needs.
+What SOURCE is was decided once by ``resolve.py`` (the one door into this stage); building a named
+architecture lives in ``architecture.py``, putting weights into it in ``weights.py``, rebuilding a bnsurgeon
+checkpoint in ``rebuild.py``, a Hugging Face directory in ``transformers_source.py``; this module picks which
+one the resolved kind needs.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,8 +16,6 @@ if TYPE_CHECKING:
 
 from bnsurgeon.core.errors import FLAG_KEYWORDS, CheckpointError, UsageError
 from bnsurgeon.files.reading import (
-    SAFETENSORS_SUFFIXES,
-    TORCH_SUFFIXES,
     RawCheckpoint,
     entry_name,
     pick_weights,
@@ -30,13 +28,20 @@ from bnsurgeon.files.weights import check_fit, materialize
 from bnsurgeon.loading.architecture import Architecture, LoadedSource, own_input_shape, parse_architecture
 from bnsurgeon.loading.rebuild import rebuild_from_checkpoint
 from bnsurgeon.loading.recorded import MAX_NAME_CHARS, read_recorded
-from bnsurgeon.loading.transformers_source import (
-    bnsurgeon_weights_of,
-    directory_inputs,
-    is_bnsurgeon_file,
-    load_directory,
-    model_directory,
+from bnsurgeon.loading.resolve import (
+    BNSURGEON,
+    BNSURGEON_DIRECTORY,
+    DIRECTORY_WEIGHTS,
+    MODEL_DIRECTORY,
+    NAME_KINDS,
+    PICKLED_MODULE,
+    TRANSFORMERS_DIRECTORY,
+    ResolvedSource,
+    bnsurgeon_weights,
+    peek,
+    resolve_source,
 )
+from bnsurgeon.loading.transformers_source import load_directory
 from bnsurgeon.loading.trust import (
     TIMM_NAME_PATTERN,
     confirm_architecture,
@@ -48,30 +53,8 @@ from bnsurgeon.loading.trust import (
 TRAINING_ARG_NAMES = ("num_classes", "in_chans", "global_pool")
 
 
-def looks_like_file(source: str) -> bool:
-    path = Path(source)
-    return path.exists() or path.is_symlink() or path.suffix in SAFETENSORS_SUFFIXES + TORCH_SUFFIXES or "/" in source
-
-
-def source_inputs(source: "str | os.PathLike", label: str = "SOURCE") -> list[tuple[Path, str]]:
-    """Every file reading SOURCE may open, each with its label for messages: the file itself, and for a file
-    of a model directory (or the directory) every file of the model (config.json, weights, shards, index).
-    An output may be none of them, ``--force`` or not."""
-    path = Path(source)
-    if not looks_like_file(str(source)):
-        return []
-    files = [] if path.is_dir() else [path]
-    try:
-        directory = model_directory(path)
-    except OSError:  # a name the filesystem refuses: reading it fails with its own message
-        directory = None
-    if directory is not None:
-        files += directory_inputs(directory)
-    return [(file, f"a file {label} {path} reads") for file in dict.fromkeys(files)]
-
-
 def load_source(
-    source: str,
+    source: "ResolvedSource | str | os.PathLike",
     *,
     model: str | None = None,
     model_args: dict[str, Any] | None = None,
@@ -83,40 +66,72 @@ def load_source(
     flag: str = "--model",
     named_elsewhere: Architecture | None = None,
 ) -> LoadedSource:
-    """Resolve SOURCE to a model with its weights (or on the meta device when ``meta``).
+    """The model a resolved SOURCE names, with its weights (or on the meta device when ``meta``).
 
+    ``source`` is the value ``resolve.resolve_source`` gave (a string is resolved here, once).
     ``model``/``model_args`` are what the user typed for this SOURCE: they confirm what
     the file names (``trust.confirm_architecture``), and ``flag`` is how the user types
     them, for the messages. ``raw`` is the already-read file, when the caller has read it.
     ``named_elsewhere``: a model the user named for another argument of the same command
-    (``trust.confirm_architecture``).
+    (``trust.confirm_architecture``). The loaded source carries the value, its kind told by the file read.
     """
-    written = bnsurgeon_weights_of(Path(source)) if raw is None else None
-    if written is not None:  # a directory bnsurgeon wrote: its weights file describes the converted model
-        source = str(written)
-    else:
-        directory = model_directory(Path(source)) if not model else None
-        if directory is not None and not (raw.is_bnsurgeon if raw is not None else is_bnsurgeon_file(Path(source))):
-            return _load_model_directory(directory, meta)
-    if raw is not None or looks_like_file(source):
-        raw = raw or read_checkpoint(Path(source), trust_pickle=trust_pickle, mmap=meta)
-        return _load_file(raw, model, model_args, weights, meta, accept_recorded_args, flag, named_elsewhere)
-    if model:
-        raise UsageError(
-            f"--model is only for checkpoint files; {source!r} already names the model",
-            "drop --model, or pass a checkpoint file",
-        )
-    architecture = parse_architecture(source, model_args)
-    built = architecture.build(meta=meta)
-    return LoadedSource(built, architecture, architecture.describe(), own_input_shape(built))
+    resolved = resolve_source(source, model=model, check_name=False)
+    return _load(
+        resolved, model, model_args, weights, trust_pickle, meta, accept_recorded_args, raw, flag, named_elsewhere
+    )
 
 
-def _load_model_directory(directory: Path, meta: bool) -> LoadedSource:
+def _load(
+    resolved: ResolvedSource,
+    model,
+    model_args,
+    weights,
+    trust_pickle,
+    meta,
+    accept_recorded_args,
+    raw: RawCheckpoint | None,
+    flag,
+    named_elsewhere,
+) -> LoadedSource:
+    path = resolved.path
+    if raw is None and resolved.kind == MODEL_DIRECTORY:
+        written = bnsurgeon_weights(resolved)
+        if written is not None:  # a directory bnsurgeon wrote: its weights file describes the converted model
+            path = written
+        elif not model:
+            return _load_model_directory(resolved.as_transformers(), meta)
+    elif resolved.kind == DIRECTORY_WEIGHTS:  # its own metadata wins: a bnsurgeon file is read as one
+        told = peek(resolved, raw)
+        if told.kind == TRANSFORMERS_DIRECTORY:
+            return _load_model_directory(told, meta)
+    if resolved.kind in NAME_KINDS:
+        if model:
+            raise UsageError(
+                f"--model is only for checkpoint files; {resolved.text!r} already names the model",
+                "drop --model, or pass a checkpoint file",
+            )
+        architecture = parse_architecture(resolved.text, model_args)
+        built = architecture.build(meta=meta)
+        return LoadedSource(built, architecture, architecture.describe(), own_input_shape(built), source=resolved)
+    assert path is not None  # every kind but a name has one
+    raw = raw or read_checkpoint(path, trust_pickle=trust_pickle, mmap=meta)
+    return _load_file(
+        resolved.read_as(raw), raw, model, model_args, weights, meta, accept_recorded_args, flag, named_elsewhere
+    )
+
+
+def _load_model_directory(resolved: ResolvedSource, meta: bool) -> LoadedSource:
     """A Hugging Face model directory: transformers' own class, from local files (loading.transformers_source)."""
+    directory = resolved.directory
+    assert directory is not None  # a model directory kind has one
     model, name, config = load_directory(directory, meta=meta)
     architecture = Architecture("transformers", name, {"config": config})
     return LoadedSource(
-        model, architecture, f"{directory} ({architecture.describe()})", None if meta else own_input_shape(model)
+        model,
+        architecture,
+        f"{directory} ({architecture.describe()})",
+        None if meta else own_input_shape(model),
+        source=resolved,
     )
 
 
@@ -134,6 +149,7 @@ def unwrap_data_parallel(model: "nn.Module") -> "tuple[nn.Module, str]":
 
 
 def _load_file(
+    resolved: ResolvedSource,
     raw: RawCheckpoint,
     model,
     model_args,
@@ -143,13 +159,13 @@ def _load_file(
     flag,
     named_elsewhere: Architecture | None = None,
 ) -> LoadedSource:
-    from torch import nn
-
     path = raw.path
-    if isinstance(raw.obj, nn.Module):
+    if resolved.kind == PICKLED_MODULE:
         module, wrapper = unwrap_data_parallel(raw.obj)
-        return LoadedSource(module, Architecture("unknown", type(module).__name__), str(path) + wrapper, None, raw)
-    if raw.is_bnsurgeon:
+        return LoadedSource(
+            module, Architecture("unknown", type(module).__name__), str(path) + wrapper, None, raw, source=resolved
+        )
+    if resolved.kind in (BNSURGEON, BNSURGEON_DIRECTORY):
         architecture = confirm_architecture(
             read_recorded(raw).architecture,
             path,
@@ -159,7 +175,9 @@ def _load_file(
             flag=flag,
             named_elsewhere=named_elsewhere,
         )
-        return rebuild_from_checkpoint(raw, meta=meta, architecture=architecture, weights=weights)
+        loaded = rebuild_from_checkpoint(raw, meta=meta, architecture=architecture, weights=weights)
+        loaded.source = resolved
+        return loaded
 
     candidates = state_dict_candidates(raw.obj)
     if not candidates:
@@ -204,6 +222,7 @@ def _load_file(
         key or None,
         prefix,
         carried,
+        source=resolved,
     )
 
 

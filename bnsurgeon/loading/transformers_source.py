@@ -39,7 +39,6 @@ from bnsurgeon.core.json_text import (
     unique_keys,
 )
 from bnsurgeon.core.layout import shown
-from bnsurgeon.files.model_directory import WEIGHTS_FILE
 from bnsurgeon.files.reading import read_checkpoint
 
 if TYPE_CHECKING:
@@ -62,16 +61,6 @@ CLASS_PATTERN = re.compile(r"^[A-Z][A-Za-z0-9_]{0,99}$")
 MAX_LABELS = 100_000
 #: a config.json is a few KB; a bigger one is not a config
 MAX_CONFIG_BYTES = 1 << 20
-
-
-def model_directory(path: Path) -> Path | None:
-    """The model directory ``path`` names: itself (holding config.json), config.json's directory, or the
-    directory of a save_pretrained weights file; None otherwise."""
-    if path.is_dir():
-        return path if (path / CONFIG_NAME).is_file() else None
-    if path.name == CONFIG_NAME or path.name in WEIGHTS_NAMES or SHARD_PATTERN.match(path.name):
-        return path.parent if (path.parent / CONFIG_NAME).is_file() else None
-    return None
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -506,23 +495,6 @@ def check_loading_info(directory: Path, name: str, info: dict[str, Any]) -> None
                 f"{', ...' if len(keys) > 1 else ''}): from_pretrained would only warn",
                 "save the model again with save_pretrained, or check that config.json belongs to these weights",
             )
-
-
-def is_bnsurgeon_file(path: Path) -> bool:
-    """A bnsurgeon output saved inside a model directory describes itself: its own metadata wins."""
-    if path.is_dir() or path.name == CONFIG_NAME:
-        return False
-    return read_checkpoint(path, mmap=True).is_bnsurgeon
-
-
-def bnsurgeon_weights_of(path: Path) -> Path | None:
-    """The bnsurgeon-written weights of the model directory ``path`` names (``-o DIR`` wrote it), or None: such a
-    directory is the converted model, rebuilt from its metadata, not its config's class."""
-    directory = model_directory(path)
-    if directory is None or path.is_file() and path.name != CONFIG_NAME:
-        return None
-    weights = directory / WEIGHTS_FILE
-    return weights if weights.is_file() and is_bnsurgeon_file(weights) else None
 
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
