@@ -270,3 +270,16 @@ def test_the_finite_check_sees_one_bad_value_among_values_whose_sum_overflows(po
     values[17] = poison
     assert has_non_finite(values)
     assert has_non_finite(torch.tensor([1.0, poison]).half()) and not has_non_finite(torch.zeros(0))
+
+
+def test_metadata_json_with_nan_or_infinity_is_refused(good, tiny):
+    """bnsurgeon writes strict JSON (no NaN or Infinity); metadata holding them was not written by it, and a
+    NaN eps or momentum would shape the model: refused like any other invalid JSON."""
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        odd = edited(
+            good,
+            tiny / f"odd{constant}.safetensors",
+            raw_architecture='{"kind": "factory", "name": "tiny:build", "kwargs": {"eps": ' + constant + "}}",
+        )
+        result = run("convert", odd, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors")
+        one_line_failure(result, 4, "metadata bnsurgeon.architecture is not valid JSON", f"{constant} is not a JSON")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from bnsurgeon.core.anatomy import qualname
 from bnsurgeon.core.errors import CheckpointError, MetadataError
-from bnsurgeon.core.json_text import unique_keys
+from bnsurgeon.core.json_text import refuse_constant, unique_keys
 from bnsurgeon.core.layout import counted, shown
 from bnsurgeon.files.reading import (
     PREFIX,
@@ -73,7 +73,7 @@ def _field(raw: RawCheckpoint, key: str, default: Any = None) -> Any:
     if not isinstance(text, str):
         raise _bad(raw, key, f"is a {type(text).__name__}, not a JSON string")
     try:
-        return json.loads(text, object_pairs_hook=unique_keys)
+        return json.loads(text, object_pairs_hook=unique_keys, parse_constant=refuse_constant)
     except ValueError as error:
         raise _bad(raw, key, f"is not valid JSON ({error})") from None
     except RecursionError:  # ``[[[[...`` nested past the interpreter's limit
