@@ -23,7 +23,6 @@ from bnsurgeon.checks.eval_check import (
 )
 from bnsurgeon.core.errors import (
     ConfirmationError,
-    DataError,
     HookedModelError,
     NothingToConvertError,
     UsageError,
@@ -49,6 +48,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from bnsurgeon.checks.check_input import CheckInput
+    from bnsurgeon.loading.data import ResolvedData
 
 
 def inspect(
@@ -552,7 +552,7 @@ class RecalibrateOutcome:
 
 def recalibrate_source(
     source: "str | ResolvedSource",
-    data: str,
+    data: "str | ResolvedData",
     output: "str | Path | None",
     *,
     batches: int | None = None,
@@ -580,7 +580,7 @@ def recalibrate_source(
     """
     from bnsurgeon.calibration.recalibrate import recalibrate
     from bnsurgeon.files.recalibrated import check_output_format, recalibrated_writers, write_recalibrated
-    from bnsurgeon.loading.data import data_files, max_batch_bytes, open_data
+    from bnsurgeon.loading.data import max_batch_bytes, open_data, resolve_data
 
     phase = progress or (lambda text: None)
     if batches is not None and batches < 1:
@@ -590,10 +590,8 @@ def recalibrate_source(
     max_batch_bytes()  # every variable recalibrate reads is checked before any work
     rank, world, device = _torchrun_rank()
     resolved = resolve_source(source, model=model)
-    check_reachable(
-        data, "--data", DataError, "pass a tensor file, a folder of tensor files or images, or pkg.mod:function"
-    )
-    inputs: list[Any] = [*resolved.inputs()] + [(file, "a --data file") for file in data_files(data)]
+    resolved_data = resolve_data(data, check_name=True)
+    inputs: list[Any] = [*resolved.inputs()] + [(file, "a --data file") for file in resolved_data.files]
     directory_output = output is not None and is_directory_output(output)
     out: Path | None = None
     if directory_output and output is not None:  # -o DIR: config.json + model.safetensors, as convert writes
@@ -625,7 +623,7 @@ def recalibrate_source(
         loaded.model.to(device)
     parameter = next((p for p in loaded.model.parameters() if p.is_floating_point()), None)
     stream = open_data(
-        data,
+        resolved_data,
         model=loaded.model,
         batch_size=batch_size,
         max_batches=batches,

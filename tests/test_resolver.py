@@ -1,5 +1,6 @@
-"""A SOURCE is resolved once (``bnsurgeon/loading/resolve.py``): no other module asks a string what it is, the
-value lists every file reading it opens, and the steps below take the value."""
+"""A SOURCE is resolved once (``bnsurgeon/loading/resolve.py``), and DATA once (``loading/data.py``'s
+``resolve_data``): no other code asks a string what it is, the value lists every file reading it opens, and the
+steps below take the value."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "bnsurgeon"
 RESOLVER = "bnsurgeon/loading/resolve.py"
+#: DATA's resolver: one function of the module that reads DATA
+DATA_RESOLVER = ("bnsurgeon/loading/data.py", "resolve_data")
 #: the questions that tell what a SOURCE string is: asked (or defined) only by the resolver. What the resolver
 #: offers on the value it made (``bnsurgeon_weights(resolved)``, ``peek(resolved)``: what the file holds) is not one.
 QUESTIONS = {
@@ -21,9 +24,10 @@ QUESTIONS = {
     "bnsurgeon_weights_of",
     "source_inputs",
     "check_source_name",
+    "data_files",
 }
-#: the names a SOURCE string travels under: none is made a path outside the resolver
-SOURCE_NAMES = {"source", "converted"}
+#: the names a SOURCE or DATA string travels under: none is made a path outside the resolvers
+SOURCE_NAMES = {"source", "converted", "data", "spec"}
 PATH_CALLS = {"Path", "PurePath", "fspath", "exists", "isdir", "isfile", "lexists", "realpath", "stat"}
 
 
@@ -40,7 +44,14 @@ def source_questions(root: Path) -> list[str]:
         where = path.relative_to(root).as_posix()
         if where == RESOLVER:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        exempt: set[int] = set()  # the nodes of DATA's resolver
+        for node in ast.walk(tree):
+            if (where, getattr(node, "name", None)) == DATA_RESOLVER:
+                exempt |= {id(inner) for inner in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in exempt:
+                continue
             if isinstance(node, ast.Call):
                 name = _called(node)
                 if name in QUESTIONS:
@@ -109,6 +120,35 @@ def test_the_scan_catches_a_planted_question(tmp_path, planted, found, at):
     before = target.read_text() + "\n\n"
     target.write_text(before + planted)
     assert found.format(line=before.count("\n") + at) in source_questions(copy)
+
+
+def test_the_scan_catches_data_made_a_path_outside_its_resolver(tmp_path):
+    copy = tmp_path / "tree"
+    (copy / "bnsurgeon" / "loading").mkdir(parents=True)
+    data = (PACKAGE / "loading" / "data.py").read_text()
+    (copy / "bnsurgeon" / "loading" / "data.py").write_text(data)
+    assert source_questions(copy) == []
+    planted = "\n\ndef planted(spec):\n    return Path(spec).is_dir()\n"
+    (copy / "bnsurgeon" / "loading" / "data.py").write_text(data + planted)
+    line = (data + planted).count("\n")  # the planted call is the last line
+    assert source_questions(copy) == [f"bnsurgeon/loading/data.py:{line} makes spec a path (Path)"]
+
+
+def test_data_resolves_once_with_its_files(tmp_path):
+    import torch
+
+    from bnsurgeon.loading.data import open_data, resolve_data
+
+    folder = tmp_path / "batches"
+    folder.mkdir()
+    for index in range(2):
+        torch.save(torch.randn(4, 3), folder / f"{index}.pt")
+    resolved = resolve_data(str(folder))
+    assert resolved.kind == "tensor-folder" and resolved.files == (folder / "0.pt", folder / "1.pt")
+    assert resolve_data(resolved) is resolved
+    assert sum(len(batch) for batch in open_data(resolved)) == 8
+    assert resolve_data("mypkg.data:batches").kind == "function" and resolve_data("mypkg.data:batches").files == ()
+    assert resolve_data(str(tmp_path / "missing.pt")).kind == "nothing"
 
 
 def test_a_name_resolves_without_touching_files(tmp_path, monkeypatch):

@@ -89,8 +89,50 @@ class DataStream:
         return record
 
 
+@dataclass(frozen=True)
+class ResolvedData:
+    """DATA, resolved once (``resolve_data``): what it is and every file it reads (no output may be one of them)."""
+
+    text: str
+    #: "tensor-folder", "image-folder", "empty-folder" (neither), "file", "function" (code, run because named),
+    #: or "nothing" (no file, folder or package.module:function)
+    kind: str
+    path: Path
+    files: tuple[Path, ...] = ()
+
+
+def resolve_data(spec: "str | os.PathLike | ResolvedData", *, check_name: bool = False) -> ResolvedData:
+    """What DATA is, from the string and the filesystem, once: a folder's files are listed here (bounded), a file is
+    named (opened by ``open_data``), a function only named. A ``ResolvedData`` passes as it is. ``check_name``: a
+    name the filesystem refuses (too long, unsearchable) is refused first."""
+    from bnsurgeon.core.paths import check_reachable
+    from bnsurgeon.core.user_code import FACTORY_PATTERN
+
+    if isinstance(spec, ResolvedData):
+        return spec
+    text = os.fspath(spec)
+    if check_name:
+        check_reachable(
+            text, "--data", DataError, "pass a tensor file, a folder of tensor files or images, or pkg.mod:function"
+        )
+    path = Path(text)
+    try:
+        if path.is_dir():
+            tensors = _listed(path, TENSOR_SUFFIXES)
+            if tensors:
+                return ResolvedData(text, "tensor-folder", path, tuple(tensors))
+            images = _listed(path, IMAGE_SUFFIXES)
+            return ResolvedData(text, "image-folder" if images else "empty-folder", path, tuple(images))
+        if path.exists():
+            return ResolvedData(text, "file", path, (path,))
+        listed = (path,) if os.path.lexists(path) else ()
+    except OSError:  # open_data says what is wrong with it
+        listed = ()
+    return ResolvedData(text, "function" if FACTORY_PATTERN.match(text) else "nothing", path, listed)
+
+
 def open_data(
-    spec: str,
+    spec: "str | ResolvedData",
     *,
     model: "nn.Module | None" = None,
     batch_size: int | None = None,
@@ -102,38 +144,37 @@ def open_data(
     device: "torch.device | str | None" = None,
     model_directory: "Path | None" = None,
 ) -> DataStream:
-    """DATA as this rank's batches (see the module doc). Nothing is read until it is iterated. An image folder is read
-    with ``model_directory``'s own preprocessor_config.json where it has one, else with timm's data config."""
-    from bnsurgeon.core.user_code import FACTORY_PATTERN
-
+    """DATA (``resolve_data``'s value, or a string resolved here) as this rank's batches (see the module doc). Nothing
+    is read until it is iterated. An image folder is read with ``model_directory``'s own preprocessor_config.json where
+    it has one, else with timm's data config."""
     max_batch_bytes()  # a bad value is refused before anything is read
     if batch_size is not None and batch_size < 1:
         raise DataError(f"--batch-size must be at least 1 (got {batch_size})", "pass --batch-size 32, for example")
-    path = Path(spec)
-    if path.is_dir():
-        files = _listed(path, TENSOR_SUFFIXES)
-        if files:
-            stream = DataStream(f"{counted(len(files), 'tensor file')} in {path}", "tensor-folder")
-            batches: Iterator[Any] = (b for file in files for b in _file_batches(file, batch_size))
-        else:
-            images = _listed(path, IMAGE_SUFFIXES)
-            if not images:
-                raise DataError(f"--data {path} holds no tensor file ({', '.join(TENSOR_SUFFIXES)}) and no image")
-            transform, how, plan = image_transform(model, model_directory)
-            stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder", preprocessing=how)
-            batches = _image_batches(images, transform, batch_size or DEFAULT_BATCH_SIZE, plan)
-    elif path.exists():
+    data = resolve_data(spec)
+    path = data.path
+    if data.kind == "tensor-folder":
+        files = list(data.files)
+        stream = DataStream(f"{counted(len(files), 'tensor file')} in {path}", "tensor-folder")
+        batches: Iterator[Any] = (b for file in files for b in _file_batches(file, batch_size))
+    elif data.kind in ("image-folder", "empty-folder"):
+        images = list(data.files)
+        if not images:
+            raise DataError(f"--data {path} holds no tensor file ({', '.join(TENSOR_SUFFIXES)}) and no image")
+        transform, how, plan = image_transform(model, model_directory)
+        stream = DataStream(f"{counted(len(images), 'image')} in {path}", "image-folder", preprocessing=how)
+        batches = _image_batches(images, transform, batch_size or DEFAULT_BATCH_SIZE, plan)
+    elif data.kind == "file":
         _regular_file(path)
         if path.suffix not in TENSOR_SUFFIXES and not path.name.endswith(".pth.tar"):
             raise DataError(f"--data {path} is not a tensor file ({', '.join(TENSOR_SUFFIXES)}) or a folder")
         stream = DataStream(str(path), "tensor-file")
         batches = _file_batches(path, batch_size)
-    elif FACTORY_PATTERN.match(spec):
-        stream = DataStream(spec, "function")
-        batches = _function_batches(spec)
+    elif data.kind == "function":
+        stream = DataStream(data.text, "function")
+        batches = _function_batches(data.text)
     else:
         raise DataError(
-            f"--data {shown(spec, 200)} is no file, folder or package.module:function",
+            f"--data {shown(data.text, 200)} is no file, folder or package.module:function",
             "pass a tensor file, a folder of tensor files or images, or pkg.mod:function",
         )
     stream._hash = hashlib.sha256()
@@ -146,17 +187,6 @@ def max_batch_bytes() -> int:
     from bnsurgeon.core.environment import whole_number
 
     return whole_number(BATCH_BYTES_VARIABLE, MAX_BATCH_BYTES, low=1, high=2**62, unit="bytes")
-
-
-def data_files(spec: str) -> list[Path]:
-    """The files DATA names (the file, or those of the folder it reads): inputs, which no output may replace."""
-    path = Path(spec)
-    try:
-        if path.is_dir():
-            return _listed(path, TENSOR_SUFFIXES) or _listed(path, IMAGE_SUFFIXES)
-        return [path] if os.path.lexists(path) else []
-    except OSError:  # open_data says what is wrong with it
-        return []
 
 
 def _listed(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
