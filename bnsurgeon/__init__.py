@@ -17,6 +17,8 @@ _API = {
     "convert_source": ("bnsurgeon.api", "convert_source"),
     "inspect": ("bnsurgeon.api", "inspect"),
     "load": ("bnsurgeon.api", "load"),
+    "resolve_source": ("bnsurgeon.api", "resolve_source"),
+    "ResolvedSource": ("bnsurgeon.api", "ResolvedSource"),
     "save": ("bnsurgeon.api", "save"),
     "compare_eval": ("bnsurgeon.api", "compare_eval"),
     "Rule": ("bnsurgeon.rules", "Rule"),
@@ -31,6 +33,8 @@ _API = {
     "recalibrate_averaged": ("bnsurgeon.api", "recalibrate_averaged"),
     "RecalibrationReport": ("bnsurgeon.api", "RecalibrationReport"),
     "run_script": ("bnsurgeon.launch.script", "run_script"),
+    "ScriptRaised": ("bnsurgeon.launch.script", "ScriptRaised"),
+    "ScriptNotRunnable": ("bnsurgeon.launch.script", "ScriptNotRunnable"),
     # the errors a caller may catch: BnSurgeonError and its subclasses carry ``exit_code`` (the CLI's exit
     # status) and ``hint`` (the fix); the distributed ones are RuntimeErrors raised inside training
     "BnSurgeonError": ("bnsurgeon.core.errors", "BnSurgeonError"),
