@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,8 @@ def test_the_loaded_source_carries_the_value_its_file_told(tmp_path):
     convert_source("resnet18", state, check=False)
     loaded = load_source(resolve_source(str(state)), meta=True)
     assert loaded.source.kind == BNSURGEON and loaded.source.trust.recorded and loaded.source.weights == state
+    assert loaded.source.architecture == "timm:resnet18"  # what the file names, once read
+    assert pickle.loads(pickle.dumps(loaded.source)) == loaded.source  # a plain value: it can go to another process
     plain = tmp_path / "plain.pt"
     torch.save(timm.create_model("resnet18").state_dict(), plain)
     assert load_source(resolve_source(str(plain), model="resnet18"), model="resnet18").source.kind == STATE_DICT

@@ -135,6 +135,10 @@ class ResolvedSource:
             kind, trust = STATE_DICT, self.trust
         return replace(self, kind=kind, weights=Path(raw.path), trust=trust)
 
+    def naming(self, architecture: str) -> "ResolvedSource":
+        """The same SOURCE, with the architecture its file names (read from it: recorded, ``arch``, config.json)."""
+        return replace(self, architecture=architecture)
+
     def as_transformers(self) -> "ResolvedSource":
         """The same SOURCE, read as transformers' own model directory (its weights are not bnsurgeon's)."""
         return replace(self, kind=TRANSFORMERS_DIRECTORY, weights=None)

@@ -76,9 +76,12 @@ def load_source(
     (``trust.confirm_architecture``). The loaded source carries the value, its kind told by the file read.
     """
     resolved = resolve_source(source, model=model, check_name=False)
-    return _load(
+    loaded = _load(
         resolved, model, model_args, weights, trust_pickle, meta, accept_recorded_args, raw, flag, named_elsewhere
     )
+    if loaded.source is not None and loaded.source.architecture is None:  # the one the file names
+        loaded.source = loaded.source.naming(loaded.architecture.describe())
+    return loaded
 
 
 def _load(
