@@ -415,3 +415,25 @@ def test_inspect_and_verify_work_on_the_module_data_parallel_wraps(tmp_path):
     )
     assert result.checks and all(check.passed for check in result.checks)
     assert "DataParallel wraps" in result.source
+
+
+def test_a_copy_freed_by_the_cyclic_collector_while_the_lock_is_held_does_not_deadlock():
+    """A replica copy in a reference cycle is freed by the cyclic collector, which can run at any allocation,
+    including inside enrol's lock; its finalizer takes the same lock (a plain Lock deadlocked there)."""
+    import gc
+
+    from bnsurgeon.runtime import replicas
+
+    layer = bnsurgeon.convert(nn.Sequential(nn.BatchNorm2d(3)), "sync").model[0]
+    copy = layer._replicate_for_data_parallel()
+    copy.cycle = copy
+    del copy
+
+    def collect_holding_the_lock():
+        with replicas._forming_lock:
+            gc.collect()
+
+    thread = threading.Thread(target=collect_holding_the_lock, daemon=True)
+    thread.start()
+    thread.join(JOIN_S)
+    assert not thread.is_alive(), "the finalizer deadlocked on the replicas' lock"

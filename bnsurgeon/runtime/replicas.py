@@ -225,7 +225,8 @@ class ReplicaSlot:
 
 #: original layer -> the group its copies are joining during the current ``replicate`` call
 _forming: "weakref.WeakKeyDictionary[nn.Module, ReplicaGroup]" = weakref.WeakKeyDictionary()
-_forming_lock = threading.Lock()
+#: reentrant: a copy's finalizer (``_copy_gone``) takes it, and the cyclic collector may run one while it is held
+_forming_lock = threading.RLock()
 
 
 def enrol(original: nn.Module, replica: nn.Module, name: str) -> nn.Module:
