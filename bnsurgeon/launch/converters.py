@@ -91,7 +91,7 @@ class ConversionLog:
         if self.report_path is not None:
             from bnsurgeon.files.safewrite import write_files
 
-            path = numbered(self.report_path, len(self.conversions))
+            path = next_free(self.report_path)
             text = report.to_json() + "\n"
             write_files({path: lambda temp: temp.write_text(text)}, force=True)
 
@@ -101,9 +101,19 @@ def numbered(path: Path, count: int) -> Path:
     return path if count == 1 else path.with_name(f"{path.stem}.{count}{path.suffix}")
 
 
+def next_free(path: Path) -> Path:
+    """The first of PATH, NAME.2.json, ... that does not exist: the run removed (or refused) the earlier run's
+    before the script started, so those that exist are this run's, written by this process or by another
+    one of the run (a spawned rank 0, Lightning's), which keeps no count in common with this one."""
+    count = 1
+    while os.path.lexists(numbered(path, count)):
+        count += 1
+    return numbered(path, count)
+
+
 def summary(conversion: Conversion) -> str:
-    """The one line rank 0 prints for a conversion."""
-    from bnsurgeon.core.layout import counted
+    """The one line rank 0 prints for a conversion (a file name's control characters escaped)."""
+    from bnsurgeon.core.layout import counted, printable
     from bnsurgeon.surgery.report import short
 
     report = conversion.report
@@ -111,7 +121,7 @@ def summary(conversion: Conversion) -> str:
         f"{short(source)} -> {short(target)} {count}" for (source, target), count in report.class_changes().items()
     )
     what = "to bnsurgeon's exact sync BN" if report.target == "sync" else "back to their original classes"
-    return (
+    return printable(
         f"bnsurgeon run: {conversion.converter} at {conversion.called_at}: "
         f"{counted(len(report.changed), 'module')} {what}" + (f" ({classes})" if classes else "") + f"; "
         f"{len(report.kept)} kept, {len(report.unhandled)} unhandled"
@@ -137,24 +147,38 @@ def called_at() -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-def _scoped_registry(target: str, converts: Callable[[type], bool], reason: str) -> Any:
-    """The process-wide registry, except that for a class the original converter would leave alone
-    the ``target`` builder keeps the module (and the report says why)."""
+def _scoped_registry(target: str, converts: Callable[[Any], bool], reason: str) -> Any:
+    """The process-wide registry, except that for a module the original converter would leave alone
+    the ``target`` builder keeps it (and the report says why). Under ``sync``, a layer that is already
+    bnsurgeon's takes the process group given, ``None`` (the default group) included: torch's and
+    timm's converters rebuild every ``_BatchNorm``, an ``nn.SyncBatchNorm`` too, with the group given."""
     from dataclasses import replace
 
     from bnsurgeon.rules import Registry, default_registry
+    from bnsurgeon.runtime.layers import SyncBatchNorm
 
     base = default_registry()
 
-    def keep(module: Any, context: Any) -> Any:
-        return context.keep(module, reason)
+    def regroup(module: Any, context: Any) -> Any:
+        if module.process_group is context.process_group:
+            return context.keep(module, "already bnsurgeon's sync BN over the process group given")
+        module.process_group = context.process_group
+        return context.keep(module, "already bnsurgeon's sync BN; now syncs over the process group given")
 
     class Scoped(Registry):
+        def __bool__(self) -> bool:  # it holds no rules of its own: empty, it would read as "no registry given"
+            return True
+
         def lookup(self, cls: type) -> Any:
             rule = base.lookup(cls)
-            if rule is None or converts(cls):
+            if rule is None or target not in rule.targets:
                 return rule
-            return replace(rule, targets={**rule.targets, target: keep})
+            build = regroup if target == "sync" and issubclass(cls, SyncBatchNorm) else rule.targets[target]
+
+            def scoped(module: Any, context: Any) -> Any:
+                return build(module, context) if converts(module) else context.keep(module, reason)
+
+            return replace(rule, targets={**rule.targets, target: scoped})
 
     return Scoped()
 
@@ -164,7 +188,7 @@ def _surgery(
     converter: str,
     module: Any,
     target: str,
-    converts: Callable[[type], bool],
+    converts: Callable[[Any], bool],
     *,
     process_group: Any = None,
     allow_unhandled: bool,
@@ -198,18 +222,49 @@ def _sync(log: ConversionLog, converter: str, module: Any, process_group: Any, b
         converter,
         module,
         "sync",
-        lambda cls: issubclass(cls, batch_norm),
+        lambda layer: isinstance(layer, batch_norm),
         process_group=process_group,
         allow_unhandled=log.allow_unhandled,
     )
 
 
+def _converted_by_us(layer: Any) -> bool:
+    """A bnsurgeon sync layer made from a class that is not sync itself: the layers a sync converter
+    made under ``bnsurgeon run``. One the model built as ``nn.SyncBatchNorm`` (or timm's act variant)
+    is not: the original revert treats it as it treats that class."""
+    from bnsurgeon.runtime.layers import SyncBatchNorm
+
+    if not isinstance(layer, SyncBatchNorm) or layer.bnsurgeon_origin is None:
+        return False
+    return not layer.bnsurgeon_origin.rsplit(".", 1)[-1].startswith("SyncBatchNorm")
+
+
 def _plain(log: ConversionLog, converter: str, module: Any) -> Any:
     """bnsurgeon's sync layers back to their exact original classes; nothing else touched (after
     training, a class no rule claims is left as it is rather than stopping the script)."""
-    from bnsurgeon.runtime.layers import SyncBatchNorm
+    return _surgery(log, converter, module, "plain", _converted_by_us, allow_unhandled=True)
 
-    return _surgery(log, converter, module, "plain", lambda cls: issubclass(cls, SyncBatchNorm), allow_unhandled=True)
+
+def _as_timm_layers(module: Any, timm_sync_act: Any) -> Any:
+    """``module`` with each bnsurgeon ``SyncBatchNormAct`` shown as the timm ``SyncBatchNormAct`` that timm's
+    converter would have built (the same Parameters, buffers, activation and dropout), for a timm function that
+    tells layers apart by timm's classes: ``freeze_batch_norm_2d`` replaces every one of them. In place for
+    children; the root returned."""
+    from bnsurgeon.runtime.layers import SyncBatchNormAct
+
+    def shown(layer: Any) -> Any:
+        if not isinstance(layer, SyncBatchNormAct):
+            return layer
+        shell = timm_sync_act.__new__(timm_sync_act)
+        shell.__dict__.update(layer.__dict__)
+        return shell
+
+    root = shown(module)
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, SyncBatchNormAct):
+                setattr(parent, name, shown(child))
+    return root
 
 
 _local = threading.local()
@@ -291,10 +346,25 @@ def _batch_norm_class() -> type:
 
 
 def _patch_timm(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
+    """timm's converter, and its ``freeze_batch_norm_2d``, which knows the act variant only as timm's class:
+    bnsurgeon's would become torchvision's ``FrozenBatchNorm2d``, its activation dropped."""
+    freeze_original = module.freeze_batch_norm_2d
+    timm_sync_act = module.SyncBatchNormAct
+
     def convert_sync_batchnorm(module: Any, process_group: Any = None) -> Any:
         return _sync(log, TIMM, module, process_group, _batch_norm_class())
 
-    return swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm, fresh=fresh)
+    def freeze_batch_norm_2d(module: Any) -> Any:
+        return freeze_original(_as_timm_layers(module, timm_sync_act))
+
+    undo_convert = swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm, fresh=fresh)
+    undo_freeze = swap_function(module, "freeze_batch_norm_2d", freeze_batch_norm_2d, fresh=fresh)
+
+    def undo() -> None:
+        undo_freeze()
+        undo_convert()
+
+    return undo
 
 
 def _patch_lightning(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
@@ -381,25 +451,29 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         self._names = frozenset(names)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self._names:
+        searching = _local.__dict__.setdefault("searching", set())
+        if fullname not in self._names or (id(self), fullname) in searching:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
+        searching.add((id(self), fullname))  # another run's finder (a run_script inside a run) asks this one too
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            searching.discard((id(self), fullname))
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _PatchingLoader(spec.loader, functools.partial(self._patch, fullname))
         return spec
 
 
-@contextlib.contextmanager
-def patched_converters(log: ConversionLog) -> Iterator[ConversionLog]:
-    """Every converter in ``PATCHES`` replaced while the block runs (those already imported at once,
-    the others when imported); all restored afterwards."""
+def install(log: ConversionLog) -> Callable[[], None]:
+    """Every converter in ``PATCHES`` replaced from now on (those already imported at once, the others
+    when imported); returns the function that restores them all."""
     undo: list[Callable[[], None]] = []
     done: set[str] = set()
 
@@ -410,13 +484,24 @@ def patched_converters(log: ConversionLog) -> Iterator[ConversionLog]:
 
     finder = _PatchOnImport(patch, list(PATCHES))
     sys.meta_path.insert(0, finder)
-    try:
-        for name in PATCHES:
-            if name in sys.modules:
-                patch(name, sys.modules[name], fresh=False)
-        yield log
-    finally:
+    for name in PATCHES:
+        if name in sys.modules:
+            patch(name, sys.modules[name], fresh=False)
+
+    def restore() -> None:
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(finder)
         for step in reversed(undo):
             step()
+
+    return restore
+
+
+@contextlib.contextmanager
+def patched_converters(log: ConversionLog) -> Iterator[ConversionLog]:
+    """Every converter in ``PATCHES`` replaced while the block runs; all restored afterwards."""
+    restore = install(log)
+    try:
+        yield log
+    finally:
+        restore()
