@@ -253,7 +253,7 @@ def test_a_replica_that_raises_before_the_layer_stops_the_others_at_once(cpu_rep
     assert isinstance(results[1], RuntimeError) and "bad" in str(results[1])
     assert isinstance(results[0], ReplicaFailedError), results[0]
     message = str(results[0])
-    assert "replica 1 raised before reaching this layer" in message and "this replica's data is bad" in message
+    assert "replica 1 failed in its forward" in message and "this replica's data is bad" in message
     # the next forward replicates again: a fresh group, unaffected
     x, grad = _batch(2, 4)
     got = data_parallel_step(model, x, grad, (2, 2), cpu_replicate)
@@ -437,3 +437,28 @@ def test_a_copy_freed_by_the_cyclic_collector_while_the_lock_is_held_does_not_de
     thread.start()
     thread.join(JOIN_S)
     assert not thread.is_alive(), "the finalizer deadlocked on the replicas' lock"
+
+
+class _Unprintable(RuntimeError):
+    def __str__(self):
+        raise ValueError("no message")
+
+
+class _RaisesUnprintable(nn.Module):
+    def forward(self, x):
+        if torch.isnan(x.flatten()[0]):
+            raise _Unprintable()
+        return x
+
+
+def test_a_replica_failing_with_an_unprintable_error_still_stops_the_others(cpu_replicate, monkeypatch):
+    """The hook words the failure for the peers; an error whose message cannot be made must not break it."""
+    monkeypatch.setenv("BNSURGEON_DIST_TIMEOUT", "600")  # if they waited, JOIN_S would fail the test
+    _, converted = _pair(2)
+    model = nn.Sequential(_RaisesUnprintable(), converted)
+    x, _ = _batch(2, 4)
+    x[2, 0, 0, 0] = float("nan")
+    replicas = cpu_replicate(model, [0, 1])
+    results = _in_threads(lambda i, piece: replicas[i](piece), x.split([2, 2]))
+    assert isinstance(results[1], _Unprintable)
+    assert isinstance(results[0], ReplicaFailedError) and "_Unprintable" in str(results[0]), type(results[0])

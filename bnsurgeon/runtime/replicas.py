@@ -50,7 +50,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bnsurgeon.core.errors import DistributedMismatchError, DistributedTimeoutError, ReplicaFailedError, UsageError
+from bnsurgeon.core.errors import (
+    DistributedMismatchError,
+    DistributedTimeoutError,
+    ReplicaFailedError,
+    UsageError,
+    first_line,
+)
 from bnsurgeon.runtime.device_checks import device_assert, short_name
 from bnsurgeon.runtime.kernels import GenericKernels
 from bnsurgeon.runtime.recompute import may_be_recomputed, recomputing
@@ -270,14 +276,17 @@ def _after_replica_forward(module: nn.Module, args: Any, output: Any) -> None:
     error = sys.exc_info()[1]
     if error is None or isinstance(error, (DistributedTimeoutError, ReplicaFailedError, DistributedMismatchError)):
         return
+    try:
+        said = first_line(error, "")
+    except Exception:  # noqa: BLE001 - a message that cannot be made must not hide the failure
+        said = "(its message cannot be shown)"
     for inner in module.modules():
         slot = inner.__dict__.get(SLOT_ATTRIBUTE)
-        if slot is not None:
+        if slot is not None:  # it may have passed this layer already: the others stop wherever they wait
             slot.group.fail(
                 ReplicaFailedError(
-                    f"sync batch norm '{slot.group.name}': DataParallel replica {slot.index} raised before reaching "
-                    f"this layer, so the others stop instead of waiting for it: {type(error).__name__}: "
-                    f"{str(error).splitlines()[0][:300] if str(error) else ''}"
+                    f"sync batch norm '{slot.group.name}': DataParallel replica {slot.index} failed in its forward, "
+                    f"so the others stop instead of waiting for it: {type(error).__name__}: {said}"
                 )
             )
 
