@@ -8,8 +8,13 @@ and layer classes to OUT/SECTION.rankR.pt. The tests load this file as a module 
 model, the data and the one-process reference.
 
 usage: case.py OUT SECTION...   (SECTION: torch, timm, lightning)
+
+Without torchrun, ``case.py OUT spawn lightning`` starts the ranks as users do without it: ``spawn``
+runs the torch section in 2 workers of the script's own ``torch.multiprocessing.spawn``, ``lightning``
+lets Lightning's launcher start rank 1 as ``python case.py ...`` (that rank skips ``spawn``).
 """
 
+import os
 import sys
 
 import torch
@@ -140,11 +145,40 @@ def lightning_section(rank, world):
         enable_model_summary=False,
     )
     trainer.fit(module)
-    return {"layers": seen["layers"], "after_fit": layers(module.net), "stats": statistics(module.net)}
+    return {
+        "layers": seen["layers"],
+        "after_fit": layers(module.net),
+        "stats": statistics(module.net),
+        "rank": trainer.global_rank,
+    }
+
+
+def spawn_worker(rank, out, port):
+    """A worker of the script's own torch.multiprocessing.spawn: a fresh interpreter, not bnsurgeon run."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.save(torch_section(rank, 2), f"{out}/spawn.rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def without_torchrun(out, sections):
+    if "spawn" in sections and "LOCAL_RANK" not in os.environ:  # not in the rank Lightning's launcher started
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        mp.spawn(spawn_worker, args=(out, port), nprocs=2)
+    if "lightning" in sections:
+        result = lightning_section(None, 2)
+        torch.save(result, f"{out}/launcher.rank{result['rank']}.pt")
 
 
 def main():
     out, sections = sys.argv[1], sys.argv[2:]
+    if "spawn" in sections or "RANK" not in os.environ:
+        return without_torchrun(out, sections)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for section in sections:

@@ -3,7 +3,10 @@
 One torchrun launch (2 CPU gloo ranks, different data per rank, DDP with buffer broadcast off)
 runs tests/_run_cases.py through ``-m bnsurgeon run``: torch's classmethod with a process group,
 timm's function imported by name at the top of the script, and a Lightning Trainer with
-``sync_batchnorm=True``. The other tests run scripts in one process (most import nothing heavy).
+``sync_batchnorm=True``. One launch without torchrun runs the same script as ``bnsurgeon run train.py
+OUT spawn lightning``: its own torch.multiprocessing.spawn workers, then a Lightning Trainer(devices=2)
+whose launcher starts rank 1 as plain ``python train.py``; both must inherit the replaced converters.
+The other tests run scripts in one process or in short subprocesses (most import nothing heavy).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ from typer.testing import CliRunner
 
 from bnsurgeon.cli.commands import app
 from bnsurgeon.launch.converters import ConversionLog, patched_converters
-from bnsurgeon.launch.script import ScriptRaised, run_script
+from bnsurgeon.launch.script import ScriptRaised, put_back, run_script
 from bnsurgeon.runtime.layers import SyncBatchNorm, SyncBatchNormAct
 
 CASES = Path(__file__).with_name("_run_cases.py")
@@ -86,6 +90,45 @@ def launched(tmp_path_factory):
         for section in SECTIONS
     }
     return results, done.stderr, out
+
+
+@pytest.fixture(scope="module")
+def children_launched(tmp_path_factory):
+    """bnsurgeon run --report ... train.py OUT spawn lightning, without torchrun: the ranks are processes the
+    script (or Lightning) starts, not bnsurgeon run."""
+    work = tmp_path_factory.mktemp("children")
+    shutil.copy(CASES, work / "train.py")
+    out = work / "out"
+    out.mkdir()
+    sections = ["spawn"] + (["lightning"] if HAS_LIGHTNING else [])
+    command = ["-m", "bnsurgeon", "run", "--report", str(out / "report.json"), "train.py", str(out), *sections]
+    done = _python(*command, cwd=work, timeout=LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr, out
+
+
+@pytest.mark.distributed
+def test_processes_the_script_starts_inherit_the_converters(children_launched):
+    """torch.multiprocessing.spawn workers and the rank Lightning's launcher starts as `python train.py` convert
+    with bnsurgeon's layers (torch's refuse CPU tensors: the run would fail), train synchronized and exact; the
+    reports of all the run's processes are numbered in the order written."""
+    stderr, out = children_launched
+    reference = _case()["reference"]()
+    for name in ["spawn"] + (["launcher"] if HAS_LIGHTNING else []):
+        ranks = [torch.load(out / f"{name}.rank{rank}.pt", weights_only=True) for rank in range(2)]
+        assert (
+            ranks[0]["layers"] == ranks[1]["layers"] == ["SyncBatchNormAct/ReLU", "SyncBatchNorm", "FrozenBatchNorm2d"]
+        )
+        for key, expected in reference.items():
+            assert torch.equal(ranks[0]["stats"][key], ranks[1]["stats"][key]), (name, key)
+            torch.testing.assert_close(ranks[0]["stats"][key], expected, rtol=1e-12, atol=1e-12, msg=key)
+    names = ["report.json", *(f"report.{n}.json" for n in range(2, len(list(out.glob("report*"))) + 1))]
+    sources = [json.loads((out / name).read_text())["source"] for name in names]
+    expected = ["torch.nn.SyncBatchNorm.convert_sync_batchnorm at train.py"]  # spawn's rank 0
+    if HAS_LIGHTNING:
+        expected += ["torch.nn.SyncBatchNorm.convert_sync_batchnorm at layer_sync.py", "Lightning TorchSyncBatchNorm"]
+    assert len(sources) == len(expected) and all(s.startswith(e) for s, e in zip(sources, expected)), sources
+    assert len([line for line in stderr.splitlines() if line.startswith("bnsurgeon run:")]) == len(expected)
 
 
 @pytest.mark.distributed
@@ -191,16 +234,17 @@ UNHANDLED = """
 """
 
 
-def test_an_unhandled_bn_class_stops_the_run_before_training(tmp_path):
+def test_an_unhandled_bn_class_stops_the_run_before_training(tmp_path, cli):
     script = tmp_path / "unhandled.py"
     script.write_text(textwrap.dedent(UNHANDLED))
     marker = tmp_path / "stepped"
-    result = CliRunner().invoke(app, ["run", str(script), str(marker)])
+    result = cli.invoke(app, ["run", str(script), str(marker)])
     assert result.exit_code == 7, result.output
     assert "MyBN" in result.output and "unhandled.py:" in result.output and "--allow-unhandled" in result.output
     assert not marker.exists()
     # opted in, as with convert: the run goes on, the class left as it was and listed in the report
-    result = CliRunner().invoke(
+    put_back()
+    result = cli.invoke(
         app, ["run", "--allow-unhandled", "--report", str(tmp_path / "r.json"), str(script), str(marker)]
     )
     assert result.exit_code == 0, result.output
@@ -226,7 +270,19 @@ def test_the_scripts_traceback_and_exit_code_come_through_unchanged(tmp_path):
     (tmp_path / "says.py").write_text("import sys\nsys.exit('no data found')\n")
     (tmp_path / "broken.py").write_text("x = (\n")  # no traceback at all, as python prints it
     (tmp_path / "interrupted.py").write_text("raise KeyboardInterrupt\n")  # python dies by SIGINT
-    cases = (("raises.py", 1), ("exits.py", 3), ("says.py", 1), ("broken.py", 1), ("interrupted.py", -2))
+    (tmp_path / "unprintable.py").write_text(  # python prints "<exception str() failed>"
+        "class E(Exception):\n    def __str__(self):\n        raise RuntimeError\n\nraise E()\n"
+    )
+    (tmp_path / "no_main").mkdir()  # python: "can't find '__main__' module in ..."
+    cases = (
+        ("raises.py", 1),
+        ("exits.py", 3),
+        ("says.py", 1),
+        ("broken.py", 1),
+        ("interrupted.py", -2),
+        ("unprintable.py", 1),
+        ("no_main", 1),
+    )
     for name, code in cases:
         script = str(tmp_path / name)
         plain = _python(script, cwd=tmp_path)
@@ -234,18 +290,36 @@ def test_the_scripts_traceback_and_exit_code_come_through_unchanged(tmp_path):
         assert plain.returncode == ran.returncode == code, ran.stderr
         assert (ran.stdout, ran.stderr) == (plain.stdout, plain.stderr)
         assert "bnsurgeon" not in ran.stderr and "runpy" not in ran.stderr
+    # -m: a package without __main__ is python's one line; a package whose __init__ fails to import something
+    # is its traceback, exit 1 (only a module that does not exist is bnsurgeon's "no module named", exit 2)
+    (tmp_path / "no_main_pkg").mkdir()
+    (tmp_path / "no_main_pkg" / "__init__.py").write_text("")
+    (tmp_path / "broken_pkg").mkdir()
+    (tmp_path / "broken_pkg" / "__init__.py").write_text("import a_module_that_is_not_there\n")
+    (tmp_path / "broken_pkg" / "mod.py").write_text("print('ran')\n")
+    for name in ("no_main_pkg", "broken_pkg.mod"):
+        plain = _python("-m", name, cwd=tmp_path)
+        ran = _python("-m", "bnsurgeon", "run", "-m", name, cwd=tmp_path)
+        assert plain.returncode == ran.returncode == 1, ran.stderr
+        assert ran.stderr.splitlines()[-1] == plain.stderr.splitlines()[-1], ran.stderr
+    assert "broken_pkg/__init__.py" in ran.stderr and "Traceback" in ran.stderr
+    missing = _python("-m", "bnsurgeon", "run", "-m", "no_such_pkg.mod", cwd=tmp_path)
+    assert missing.returncode == 2 and "no module named 'no_such_pkg.mod'" in missing.stderr
 
 
 PROBE = """
     import json, sys
-    print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0],
-                      "main": sys.modules["__main__"].__file__, "torch": "torch" in sys.modules}))
+    print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "path": sys.path,
+                      "main": sys.modules["__main__"].__file__, "torch": "torch" in sys.modules,
+                      "package": __package__, "loader": type(__loader__).__name__,
+                      "hook": sys.excepthook is sys.__excepthook__}))
 """
 
 
 def test_the_script_sees_what_python_gives_it(tmp_path):
-    """__name__, __file__, sys.argv, sys.path[0] (the script's real directory), sys.modules['__main__'];
-    arguments that look like options (--help, -m) belong to the script. Nothing imports torch for it."""
+    """__name__, __file__, __package__, __loader__, sys.argv, sys.path (the script's real directory first, not
+    bnsurgeon's, --rules or not), sys.modules['__main__'], python's sys.excepthook (not Typer's); arguments that
+    look like options (--help, -m) belong to the script. Nothing imports torch for it."""
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "probe.py").write_text(textwrap.dedent(PROBE))
     (tmp_path / "pkg").mkdir()
@@ -255,9 +329,13 @@ def test_the_script_sees_what_python_gives_it(tmp_path):
     plain = json.loads(_python(script, *args, cwd=tmp_path).stdout)
     ran = json.loads(_python("-m", "bnsurgeon", "run", script, *args, cwd=tmp_path).stdout)
     assert ran == plain and plain["name"] == "__main__" and plain["argv"][1:] == args and not ran["torch"]
+    assert plain["package"] is None and plain["loader"] == "SourceFileLoader" and plain["hook"]
+    (tmp_path / "my_rules.py").write_text("RULES = []\n")
+    ran = _python("-m", "bnsurgeon", "run", "--rules", "my_rules:RULES", script, *args, cwd=tmp_path)
+    assert {**json.loads(ran.stdout), "torch": False} == plain, ran.stderr  # registering rules imports torch
     plain = json.loads(_python("-m", "pkg.probe", *args, cwd=tmp_path).stdout)
     ran = json.loads(_python("-m", "bnsurgeon", "run", "-m", "pkg.probe", *args, cwd=tmp_path).stdout)
-    assert ran == plain and plain["path0"] == str(tmp_path)
+    assert ran == plain and plain["path"][0] == str(tmp_path) and plain["package"] == "pkg"
 
 
 def test_run_script_raises_the_scripts_exception_without_bnsurgeon_frames(tmp_path):
@@ -329,3 +407,136 @@ def test_the_package_ships_a_py_typed_marker():
     assert (ROOT / "bnsurgeon" / "py.typed").is_file()
     package_data = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["package-data"]
     assert "py.typed" in package_data["bnsurgeon"]
+
+
+@pytest.fixture
+def cli():
+    """CliRunner for `run`: the command leaves the script's state in place (its process ends with it); put back."""
+    try:
+        yield CliRunner()
+    finally:
+        put_back()
+
+
+def test_a_second_call_a_models_own_sync_bn_and_timms_freeze_keep_the_originals_semantics():
+    """torch's converter rebuilds every _BatchNorm with the group given (None: the default group), so a second
+    call regroups bnsurgeon's layers; Lightning's revert turns a model's own nn.SyncBatchNorm into _BatchNormXd
+    (not BatchNorm2d: it runs on (N, C) input); timm's freeze_batch_norm_2d keeps the act variant's activation."""
+    import timm.layers
+
+    group = object()  # a stand-in: the layers only hold it until a forward
+    with patched_converters(ConversionLog(quiet=True)):
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), process_group=group)
+        assert model[0].process_group is group
+        assert nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=None)[0].process_group is None
+        built = _case()["build_model"]()
+        frozen = timm.layers.freeze_batch_norm_2d(timm.layers.convert_sync_batchnorm(built))
+        assert type(frozen[1]) is timm.layers.FrozenBatchNormAct2d and type(frozen[1].act) is nn.ReLU
+        assert type(frozen[3]).__name__ == "FrozenBatchNorm2d"
+        if HAS_LIGHTNING:
+            from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+            layer_sync = TorchSyncBatchNorm()
+            own = layer_sync.revert(layer_sync.apply(nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4))))
+            assert type(own[1]).__name__ == "_BatchNormXd"
+            assert own.eval()(torch.randn(5, 3)).shape == (5, 4)
+
+
+AFTER_MAIN = """
+    import atexit, pickle, sys, threading, time
+    from torch import nn
+
+    class Checkpoint:
+        pass
+
+    def later():
+        time.sleep(0.3)
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(2)))
+        print("thread:", type(model[0]).__module__, flush=True)
+
+    atexit.register(lambda: print("atexit:", len(pickle.dumps(Checkpoint())) > 0, sys.argv[1:], flush=True))
+    threading.Thread(target=later).start()
+"""
+
+
+def test_threads_and_atexit_handlers_run_after_the_script_in_its_state(tmp_path):
+    """A non-daemon thread converting after the main body gets bnsurgeon's converter; an atexit handler pickles a
+    class of the script's __main__ and sees its sys.argv, as under python."""
+    script = _write(tmp_path, "after.py", textwrap.dedent(AFTER_MAIN))
+    ran = _python("-m", "bnsurgeon", "run", "-q", script, "arg", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == ["thread: bnsurgeon.runtime.layers", "atexit: True ['arg']"]
+
+
+CONVERTS = """
+    import os, sys
+    import torch
+    from torch import nn
+
+    os.chdir(sys.argv[1])  # as Hydra does
+    for _ in range(int(sys.argv[2])):
+        torch.nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)))
+    open("ran", "w").close()
+"""
+
+
+def test_the_report_path_is_checked_before_the_script_starts(tmp_path, monkeypatch, cli):
+    """A relative --report is the start's working directory's; existing reports need --force, which removes them
+    all (no report of an earlier run reads as this run's); never the script; an unwritable place or a directory
+    stops the run before the script's first line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    script = _write(tmp_path, "train.py", textwrap.dedent(CONVERTS))
+    elsewhere, marker = str(tmp_path / "elsewhere"), tmp_path / "elsewhere" / "ran"
+
+    def run(*options: str, conversions: int) -> Any:
+        result = cli.invoke(app, ["run", *options, script, elsewhere, str(conversions)])
+        put_back()
+        os.chdir(tmp_path)  # the script's chdir is the process's
+        return result
+
+    result = run("--report", "run.json", conversions=2)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "run.json").is_file() and (tmp_path / "run.2.json").is_file()
+    assert not list((tmp_path / "elsewhere").glob("*.json")) and marker.exists()
+    marker.unlink()
+    for refused in (
+        ["--report", "run.json"],  # exists
+        ["--report", "train.py", "--force"],  # the script itself
+        ["--report", "/proc/run.json"],  # a directory where no file can be created
+        ["--report", "elsewhere"],  # a directory
+    ):
+        result = run(*refused, conversions=1)
+        assert result.exit_code == 8 and not marker.exists(), (refused, result.output)
+    assert (tmp_path / "train.py").read_text() == textwrap.dedent(CONVERTS)
+    result = run("--report", "run.json", "--force", conversions=0)
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "run.json").exists() and not (tmp_path / "run.2.json").exists()
+    assert "no converter was called" in result.output
+
+
+def test_a_broken_rules_module_is_one_line_with_the_other_commands_exit_code(tmp_path, monkeypatch, cli):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken_rules_for_run.py").write_text("raise RuntimeError('rules module broken')\n")
+    script = _write(tmp_path, "noop.py", "")
+    ran = cli.invoke(app, ["run", "--rules", "broken_rules_for_run:RULES", script])
+    other = CliRunner().invoke(app, ["inspect", "resnet18", "--rules", "broken_rules_for_run:RULES"])
+    assert ran.exit_code == other.exit_code != 1 and "Traceback" not in ran.output, ran.output
+    assert ran.output.startswith("error:") and "rules module broken" in ran.output
+
+
+def test_the_summary_line_escapes_control_characters_of_the_file_name(tmp_path, capsys):
+    script = _write(
+        tmp_path,
+        "ev\x1b[31mil\r.py",
+        "import torch\ntorch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm2d(2))\n",
+    )
+    run_script(script)
+    err = capsys.readouterr().err
+    assert "ev\\x1b[31mil\\r.py:2" in err and "\x1b" not in err and "\r" not in err
+
+
+def test_script_raised_is_public():
+    import bnsurgeon
+
+    assert bnsurgeon.ScriptRaised is ScriptRaised and "ScriptRaised" in bnsurgeon.__all__

@@ -730,7 +730,14 @@ def run(
         "--report",
         metavar="PATH",
         help="Write each conversion's JSON report (the document convert writes as OUT.report.json) to PATH; "
-        "a second conversion's to NAME.2.json, and so on (rank 0).",
+        "a second conversion's to NAME.2.json, and so on (rank 0). Checked before the script starts; a relative "
+        "PATH is the working directory's at the start.",
+    ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Replace reports an earlier run left at PATH, NAME.2.json, ... (removed before the script starts; "
+        "never the script itself).",
     ),
     allow_unhandled: bool = typer.Option(
         False,
@@ -756,16 +763,38 @@ def run(
     class no rule claims stops the run where it converts, before training, with exit 7 (see
     --allow-unhandled). Rank 0 prints one summary line per conversion on stderr.
 
+    Python processes the script starts inherit the replaced converters: the ranks Lightning's
+    Trainer(devices=N) starts without torchrun (strategy="ddp" or "ddp_spawn"), a script's own
+    torch.multiprocessing.spawn workers (through PYTHONPATH and BNSURGEON_RUN, as coverage.py does).
+
     Not covered: a model that builds torch.nn.SyncBatchNorm itself, with no converter call (detectron2
     norm="SyncBN", OpenMMLab norm_cfg=dict(type="SyncBN")): call bnsurgeon.convert(model, "sync",
     inplace=True) in the script for those.
     """
-    from bnsurgeon.launch.script import ScriptRaised, run_script
+    import sys
 
+    from bnsurgeon.launch.script import ScriptNotRunnable, ScriptRaised, run_script
+
+    if rules:  # as every command loads them: a module that fails to import is bnsurgeon's error, not the script's
+        saved_path = list(sys.path)
+        handle_errors(_use_rules)(rules)
+        sys.path[:] = saved_path  # the working directory it added is not the script's to import from
     try:
-        if rules:
-            _use_rules(rules)
-        run_script(script, args or [], module=module, allow_unhandled=allow_unhandled, report=report, quiet=quiet)
+        # restore=False: the script's __main__, sys.argv and converters stay for its threads and atexit handlers
+        run_script(
+            script,
+            args or [],
+            module=module,
+            allow_unhandled=allow_unhandled,
+            report=report,
+            force=force,
+            quiet=quiet,
+            rules=rules or [],
+            restore=False,
+        )
+    except ScriptNotRunnable as refused:  # a directory without __main__.py, a package without __main__
+        print(f"{sys.executable}: {refused}", file=sys.stderr)
+        raise SystemExit(1) from None
     except ScriptRaised as raised:  # the script's own exception: shown and exited as python does
         raised.show()
         if raised.interrupted:

@@ -1,26 +1,35 @@
 """Run a script, or a module, as ``__main__`` the way ``python SCRIPT`` / ``python -m MODULE`` does,
-with every known sync-BN converter replaced by bnsurgeon's (``converters.py``).
+with every known sync-BN converter replaced by bnsurgeon's (``converters.py``), in this process and in
+the Python processes the script starts (``children.py``).
 
-What the script sees is what ``python`` gives it: ``__name__ == "__main__"``, ``__file__`` (absolute,
-as Python 3.9+ sets it), ``sys.argv`` (the script and its arguments), ``sys.path[0]`` (the script's
-real directory, or the working directory for ``-m``; untouched under ``python -P``) and
-``sys.modules["__main__"]``, through the standard library's ``runpy``. Its exit is its own: a
-``SystemExit`` passes through unchanged, and any other exception comes back as ``ScriptRaised``,
-whose traceback starts at the script's first frame (bnsurgeon's and runpy's are cut off).
-Differences from ``python``: ``sys.argv[0]`` is the script's absolute path (runpy sets it to the path
-it runs), and ``python -m``'s two ``<frozen runpy>`` frames are not in a module's traceback.
+What the script sees is what ``python`` gives it: a fresh ``__main__`` module in ``sys.modules`` with
+``__file__`` (absolute, as Python 3.9+ sets it), ``__loader__`` and ``__package__`` as python sets them
+(``__spec__`` for ``-m``), ``sys.argv`` (the script as given, or the module's file, and its arguments),
+``sys.path[0]`` (the script's real directory, or the working directory for ``-m``; untouched under
+``python -P``). Its exit is its own: a ``SystemExit`` passes through unchanged, and any other exception
+comes back as ``ScriptRaised``, whose traceback starts at the script's first frame (bnsurgeon's and
+runpy's are cut off). A target python would refuse (a directory without ``__main__.py``, a package
+without ``__main__``) is ``ScriptNotRunnable`` with python's message. One difference: ``python -m``'s
+two ``<frozen runpy>`` frames are not in a module's traceback.
+
+``restore=False`` (the command line) leaves the script's ``__main__``, ``sys.argv`` and the replaced
+converters in place when it returns: the process ends after the script's non-daemon threads and atexit
+handlers, which see what they would under ``python``. ``run_script`` called from Python restores all.
 """
 
 from __future__ import annotations
 
+import builtins
 import os
+import re
 import runpy
 import sys
+import types
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from bnsurgeon.core.errors import OutputError, UsageError
-from bnsurgeon.launch.converters import ConversionLog, patched_converters
+from bnsurgeon.launch.converters import ConversionLog, install, rank
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _RUNPY = os.path.abspath(runpy.__file__)
@@ -31,8 +40,15 @@ class ScriptRaised(Exception):
     exception, and exits as Python would."""
 
     def __init__(self, error: BaseException) -> None:
-        super().__init__(f"{type(error).__name__}: {error}")
+        super().__init__(type(error).__name__)
         self.error = error
+
+    def __str__(self) -> str:
+        try:
+            text = str(self.error)
+        except Exception:  # an exception whose __str__ raises: python prints it as this
+            text = "<exception str() failed>"
+        return f"{type(self.error).__name__}: {text}" if text else type(self.error).__name__
 
     @property
     def interrupted(self) -> bool:
@@ -43,6 +59,11 @@ class ScriptRaised(Exception):
         """The traceback through ``sys.excepthook``, as Python prints it (a hook the script set is used)."""
         error = self.error
         sys.excepthook(type(error), error, error.__traceback__)
+
+
+class ScriptNotRunnable(Exception):
+    """python would not run the target either (a directory or zip without ``__main__.py``, a package without
+    ``__main__``, a module whose spec cannot be found): the message is python's, which exits 1 with it."""
 
 
 def _ours(filename: str) -> bool:
@@ -58,14 +79,149 @@ def without_our_frames(error: BaseException) -> BaseException:
     return error.with_traceback(tb)
 
 
-def _module_found(name: str) -> bool:
-    """Whether ``python -m name`` would find it (imports its parent packages, as ``python -m`` does)."""
-    import importlib.util
+def _missing(error: ScriptNotRunnable, name: str) -> bool:
+    """Whether runpy refused ``name`` because no such module or package exists (not a package without
+    ``__main__``, not a package whose ``__init__`` failed)."""
+    cause = error.__cause__
+    if isinstance(cause, ModuleNotFoundError) and cause.name is not None:
+        return name == cause.name or name.startswith(cause.name + ".")
+    return str(error) == f"No module named {name}"
 
+
+def _code_of_file(path: str) -> Any:
+    """The code of a script file, source or compiled, as python reads it."""
+    import io
+    from pkgutil import read_code
+
+    with io.open_code(path) as file:
+        code = read_code(file)
+    if code is None:
+        with io.open_code(path) as file:
+            code = compile(file.read(), path, "exec", dont_inherit=True)
+    return code
+
+
+def _prepare(target: str, module: bool) -> tuple[Any, dict[str, Any], str]:
+    """(code, the ``__main__`` globals python sets, ``sys.argv[0]``) of a script, directory, zip or module;
+    ``sys.path[0]`` set as python sets it. Runs the parent packages' ``__init__`` for ``-m``, as python does."""
+    import importlib.machinery
+    import pkgutil
+
+    safe_path = getattr(sys.flags, "safe_path", False)
+    if module:
+        if not safe_path and sys.path:
+            sys.path[0] = os.getcwd()
+        try:
+            _, spec, code = runpy._get_module_details(target, ScriptNotRunnable)  # type: ignore[attr-defined]
+        except ScriptNotRunnable as error:
+            if _missing(error, target):
+                raise UsageError(
+                    f"no module named {target!r}", "check the name, and run from the directory that holds it"
+                ) from None
+            raise
+        return code, {"__spec__": spec}, spec.origin or target
+    if pkgutil.get_importer(target) is None:  # a file: run its code directly
+        path = os.path.abspath(target)
+        if not safe_path and sys.path:
+            sys.path[0] = os.path.dirname(os.path.realpath(target))
+        code = _code_of_file(path)
+        loader_class = (
+            importlib.machinery.SourcelessFileLoader if path.endswith(".pyc") else importlib.machinery.SourceFileLoader
+        )
+        names = {
+            "__file__": path,
+            "__cached__": None,
+            "__loader__": loader_class("__main__", path),
+            "__package__": None,
+        }
+        return code, names, target
+    location = os.path.abspath(target)  # a directory or zip: its __main__ module, found on it, as python does
+    if sys.path and not safe_path:
+        sys.path[0] = location
+    else:
+        sys.path.insert(0, location)
+    _, spec, code = runpy._get_main_module_details(ScriptNotRunnable)  # type: ignore[attr-defined]
+    return code, {"__spec__": spec}, target
+
+
+def _execute(code: Any, names: dict[str, Any]) -> None:
+    """``code`` in a fresh ``__main__`` module, left in ``sys.modules`` (the caller restores the old one)."""
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    spec = names.get("__spec__")
+    if spec is not None:  # runpy's _run_code sets __file__, __cached__, __loader__, __package__ from the spec
+        runpy._run_code(code, main.__dict__, None, "__main__", spec)  # type: ignore[attr-defined]
+        return
+    main.__dict__.update(names, __spec__=None)
+    exec(code, main.__dict__)
+
+
+def report_names(report: Path) -> list[Path]:
+    """The report files a run may write: PATH, then NAME.2.SUFFIX, NAME.3.SUFFIX, ... (those that exist)."""
+    pattern = re.compile(re.escape(report.stem) + r"\.([2-9]|[1-9]\d+)" + re.escape(report.suffix))
     try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
+        numbered_names = [entry for entry in report.parent.iterdir() if pattern.fullmatch(entry.name)]
+    except OSError:
+        numbered_names = []
+    return [report, *sorted(numbered_names)]
+
+
+def check_report(report: str | os.PathLike, inputs: Sequence[str], *, force: bool, first: bool) -> Path:
+    """``--report``, absolute (a script that changes directory writes it where it was asked for), checked
+    before the script starts: never an input (the script), a directory whose files can be created, not a
+    directory itself; existing reports (PATH, NAME.2.SUFFIX, ...) only with ``force``, and then removed, so that a
+    report left by an earlier run never reads as this run's. ``first``: this process writes the reports (rank 0
+    of a torchrun launch): only it looks at existing ones."""
+    import tempfile
+
+    path = Path(os.path.abspath(report))
+    pattern = re.compile(re.escape(path.stem) + r"(\.\d+)?" + re.escape(path.suffix))
+    for given in inputs:
+        entry = Path(os.path.realpath(given))
+        if entry.parent == Path(os.path.realpath(path.parent)) and pattern.fullmatch(entry.name):
+            raise OutputError(
+                f"--report {path} would write over the script {given}",
+                "choose another report path; bnsurgeon never overwrites an input, --force or not",
+            )
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a directory" if os.path.lexists(parent) else "does not exist"
+        raise OutputError(f"--report {path}: the directory {str(parent)!r} {what}", "create it first")
+    if path.is_dir():
+        raise OutputError(f"--report {path} is a directory", "give a file path such as run.json")
+    try:
+        probe, probe_path = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(probe)
+        os.unlink(probe_path)
+    except OSError as error:
+        raise OutputError(
+            f"--report {path}: cannot create a file in {parent} ({error.strerror or error})",
+            "choose a directory you can write to",
+        ) from None
+    if not first:
+        return path
+    existing = [name for name in report_names(path) if os.path.lexists(name)]
+    if existing and not force:
+        raise OutputError(
+            f"--report {path}: {existing[0]} already exists",
+            "pass --force to replace the reports of an earlier run, or choose another path",
+        )
+    for name in existing:
+        if name.is_dir():
+            raise OutputError(f"--report {path}: {name} is a directory", "move it away, or choose another path")
+        name.unlink()
+    return path
+
+
+#: how to undo each ``run_script(restore=False)``, for a caller that goes on after it (tests): ``put_back()``
+LEFT_IN_PLACE: list[Callable[[], None]] = []
+
+
+def put_back() -> None:
+    """Undo every ``run_script(restore=False)`` of this process, the latest first."""
+    while LEFT_IN_PLACE:
+        LEFT_IN_PLACE.pop()()
 
 
 def run_script(
@@ -74,8 +230,12 @@ def run_script(
     *,
     module: bool = False,
     allow_unhandled: bool = False,
-    report: Path | None = None,
+    report: str | os.PathLike | None = None,
+    force: bool = False,
     quiet: bool = False,
+    rules: Sequence[str] = (),
+    children: bool = True,
+    restore: bool = True,
 ) -> ConversionLog:
     """Run ``target`` (a script path, or a module name with ``module=True``) with ``args`` as ``__main__``,
     every known sync-BN converter doing bnsurgeon's exact conversion while it runs.
@@ -83,47 +243,74 @@ def run_script(
     Returns the log of the conversions when the script ends normally. Raises what the script
     raises as ``ScriptRaised`` (``SystemExit`` unchanged); a converter's refusal (a BN-like class no
     rule claims, unless ``allow_unhandled``; an uninitialized lazy BN) as the ``BnSurgeonError`` it
-    is; ``UsageError`` for a script or module that does not exist, ``OutputError`` for a ``report``
-    path whose directory does not exist. On rank 0, each conversion prints one summary line on
-    stderr (unless ``quiet``) and writes its JSON report to ``report`` (the second to
-    ``NAME.2.json``, ...).
+    is; ``UsageError`` for a script or module that does not exist, ``ScriptNotRunnable`` for one python
+    would not run (its message is python's), ``OutputError`` for a ``report`` path that cannot or must
+    not be written (checked before the script starts; existing reports are replaced only with ``force``).
+    On rank 0, each conversion prints one summary line on stderr (unless ``quiet``) and writes its JSON
+    report to ``report`` (the second to ``NAME.2.json``, ...). ``rules``: ``--rules`` specs, registered
+    here and in the children. ``children``: Python processes the script starts (Lightning's launcher,
+    ``torch.multiprocessing.spawn``) get the same converters. The script starts with Python's own
+    ``sys.excepthook``. ``restore=False`` leaves the script's ``__main__``, ``sys.argv``, hook, environment and
+    converters in place (for a process that ends with the script: its threads and atexit handlers see them);
+    ``put_back()`` undoes it.
     """
     if not module and not os.path.exists(target):
         raise UsageError(f"cannot open the script {target!r}: no such file or directory", "check the path")
-    if report is not None and not Path(report).parent.is_dir():
-        raise OutputError(
-            f"--report {report}: the directory {str(Path(report).parent)!r} does not exist", "create it first"
-        )
-    log = ConversionLog(allow_unhandled=allow_unhandled, report_path=report, quiet=quiet)
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [target, *args]
-    runs_a_file = not module and os.path.isfile(target)
-    if not getattr(sys.flags, "safe_path", False) and sys.path:  # python -P (3.11+) adds no directory
-        if module:
-            sys.path[0] = os.getcwd()
-        elif runs_a_file:
-            sys.path[0] = os.path.dirname(os.path.realpath(target))
-        else:  # a directory or zip with __main__.py: runpy puts the path itself first, as python does
-            del sys.path[0]
-    found = True
-    try:
-        with patched_converters(log):
-            try:
-                if module:
-                    found = _module_found(target)
-                    if found:
-                        runpy.run_module(target, run_name="__main__", alter_sys=True)
-                else:
-                    runpy.run_path(os.path.abspath(target) if runs_a_file else target, run_name="__main__")
-            except SystemExit:
-                raise
-            except BaseException as error:  # noqa: B036 - the script's own, KeyboardInterrupt included: shown as python does
-                if error is log.refusal:
-                    raise
-                raise ScriptRaised(without_our_frames(error)) from None
-    finally:
+    if rules:
+        from bnsurgeon.rules import use_rules
+
+        use_rules(list(rules))
+    path = None if report is None else Path(os.path.abspath(report))  # before the script changes directory
+    log = ConversionLog(allow_unhandled=allow_unhandled, report_path=path, quiet=quiet)
+    saved_argv, saved_path, saved_main, saved_hook = (
+        sys.argv,
+        list(sys.path),
+        sys.modules.get("__main__"),
+        sys.excepthook,
+    )
+    undo: list[Callable[[], None]] = []
+
+    def put_back() -> None:
+        for step in reversed(undo):
+            step()
         sys.argv = saved_argv
         sys.path[:] = saved_path
-    if not found:
-        raise UsageError(f"no module named {target!r}", "check the name, and run from the directory that holds it")
+        sys.excepthook = saved_hook
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+
+    if not restore:
+        LEFT_IN_PLACE.append(put_back)
+    sys.excepthook = sys.__excepthook__  # python's, not the caller's (Typer's): the script may set its own
+    try:
+        if children:
+            from bnsurgeon.launch.children import child_environment
+
+            undo.append(child_environment(log, rules))
+        undo.append(install(log))  # before a package's __init__ runs for -m, as it is part of what runs
+        sys.argv = [target, *args]
+        try:
+            code, names, sys.argv[0] = _prepare(target, module)
+        except (ScriptNotRunnable, UsageError, SystemExit):
+            raise
+        except BaseException as error:  # noqa: B036 - the script's (a SyntaxError, a package's __init__ that raised)
+            raise ScriptRaised(without_our_frames(error)) from None
+        if path is not None:
+            inputs = [target] if not module else [origin for origin in [names["__spec__"].origin] if origin]
+            check_report(path, inputs, force=force, first=rank() == 0)
+        try:
+            _execute(code, names)
+        except SystemExit:
+            raise
+        except BaseException as error:  # noqa: B036 - the script's own, KeyboardInterrupt included: shown as python does
+            if error is log.refusal:
+                raise
+            raise ScriptRaised(without_our_frames(error)) from None
+    finally:
+        if restore:
+            put_back()
+    if path is not None and not quiet and rank() == 0 and not os.path.lexists(path):
+        from bnsurgeon.core.layout import printable
+
+        print(printable(f"bnsurgeon run: no converter was called: no report written to {path}"), file=sys.stderr)
     return log

@@ -1,0 +1,1 @@
+"""The directory ``bnsurgeon run`` puts on PYTHONPATH: see ``bnsurgeon/launch/children.py``."""
