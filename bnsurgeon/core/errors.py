@@ -333,8 +333,12 @@ class GraphCaptureError(RuntimeError):
 
 def first_line(error: "BaseException | str", default: str = "no message") -> str:
     """The first line of an exception's (or a text's) message, at most 200 characters: what a one-line
-    error quotes of a third party's message."""
-    text = str(error).strip()
+    error quotes of a third party's message. A message that cannot be made (a ``__str__`` that raises) is
+    said so, never a second error that hides the first."""
+    try:
+        text = str(error).strip()
+    except Exception:  # noqa: BLE001 - third-party code: whatever it raises, the caller's one line goes on
+        return f"({type(error).__name__}'s message cannot be shown)"
     return (text.splitlines()[0] if text else default)[:200]
 
 

@@ -276,10 +276,7 @@ def _after_replica_forward(module: nn.Module, args: Any, output: Any) -> None:
     error = sys.exc_info()[1]
     if error is None or isinstance(error, (DistributedTimeoutError, ReplicaFailedError, DistributedMismatchError)):
         return
-    try:
-        said = first_line(error, "")
-    except Exception:  # noqa: BLE001 - a message that cannot be made must not hide the failure
-        said = "(its message cannot be shown)"
+    said = first_line(error, "")
     for inner in module.modules():
         slot = inner.__dict__.get(SLOT_ATTRIBUTE)
         if slot is not None:  # it may have passed this layer already: the others stop wherever they wait
