@@ -540,3 +540,22 @@ def test_script_raised_is_public():
     import bnsurgeon
 
     assert bnsurgeon.ScriptRaised is ScriptRaised and "ScriptRaised" in bnsurgeon.__all__
+
+
+CHILD = """
+    import subprocess, sys
+    probe = "import os, sys, sitecustomize; print(sitecustomize.MARK, any('launch/_child' in p for p in sys.path), 'BNSURGEON_RUN' in os.environ)"
+    print(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip())
+"""
+
+
+def test_a_child_runs_the_users_own_sitecustomize_and_the_environment_is_put_back(tmp_path, monkeypatch, capsys):
+    """The bootstrap chains to the sitecustomize it hides and leaves the child's sys.path; run_script puts
+    PYTHONPATH and BNSURGEON_RUN back as they were."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("MARK = 'theirs'\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.delenv("BNSURGEON_RUN", raising=False)
+    run_script(_write(tmp_path, "child.py", textwrap.dedent(CHILD)))
+    assert capsys.readouterr().out.strip() == "theirs False True"
+    assert os.environ["PYTHONPATH"] == str(tmp_path / "site") and "BNSURGEON_RUN" not in os.environ

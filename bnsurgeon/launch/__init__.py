@@ -2,6 +2,7 @@
 
 ``script.py`` runs the script (or module) as ``__main__`` the way ``python`` does;
 ``converters.py`` swaps every known sync-BN converter (torch's, timm's, Lightning's and
-mmengine's) for bnsurgeon's exact conversion while it runs. Nothing here imports torch
-until the script does.
+mmengine's) for bnsurgeon's exact conversion while it runs; ``children.py`` (with the
+``sitecustomize.py`` in ``_child/``) gives the same to the Python processes the script starts.
+Nothing here imports torch until the script does.
 """
