@@ -76,3 +76,21 @@ def test_user_code_that_exits_anywhere_in_a_command_is_a_failure_not_success(wor
         assert not (work / "r.safetensors").exists()
     finally:
         sys.modules.pop("quits47", None)
+
+
+def test_user_code_that_raises_while_imported_is_the_users_error_not_a_bug(work):
+    """A factory module or a --rules module whose import raises (not ImportError) was exit 70, "a bug in
+    bnsurgeon"; it is the user's code: one line naming the module and its error, the import's exit code."""
+    (work / "raises47.py").write_text("raise RuntimeError('config missing')\ndef build():\n    pass\nRULES = []\n")
+    runner = CliRunner()
+    try:
+        for command in (
+            ["convert", "raises47:build", "-o", "x.safetensors", "--input-shape", "2,3,8,8"],
+            ["inspect", "good47:build", "--rules", "raises47:RULES"],
+        ):
+            result = runner.invoke(app, command, env={"COLUMNS": "200"})
+            assert result.exit_code == 3, (command, result.output)
+            assert "importing raises47 raised RuntimeError: config missing" in result.output, result.output
+            assert "bug" not in result.output and "Traceback" not in result.output
+    finally:
+        sys.modules.pop("raises47", None)

@@ -25,8 +25,8 @@ def check_factory_spec(spec: str) -> None:
 
 def import_named_module(spec: str):
     """(module, attribute name) of a ``package.module:name`` the user named; the working directory
-    is importable too, as for ``python -m``. Raises ImportError for the caller to word (a module that
-    calls ``sys.exit`` while it is imported too)."""
+    is importable too, as for ``python -m``. Raises ImportError for the caller to word: a module that
+    calls ``sys.exit`` or raises anything while it is imported too (the user's code failed, not bnsurgeon)."""
     import importlib
     import sys
     from pathlib import Path
@@ -39,6 +39,12 @@ def import_named_module(spec: str):
         return importlib.import_module(module_name), attribute
     except SystemExit as stop:  # exit 0 would read as success: a check passed, a file written, when none was
         raise ImportError(f"importing {module_name} called sys.exit({stop.code!r})") from None
+    except ImportError:
+        raise
+    except Exception as error:  # the module's own code raised: worded as the user's error, never "a bug" (exit 70)
+        from bnsurgeon.core.errors import first_line
+
+        raise ImportError(f"importing {module_name} raised {type(error).__name__}: {first_line(error)}") from None
 
 
 #: the directories put first on the import path for the user's code (the working directory), for shadowing_error
