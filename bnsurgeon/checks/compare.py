@@ -1,6 +1,8 @@
-"""How two models' outputs are compared, for every check verify runs: a tolerance (bit-identical, or absolute and
-relative), tensors within it (masks and indices exactly), tensors within a share of their norm (float32 sums in
-another order), outputs field by field by name, and the first module whose output differs."""
+"""How two models' outputs are compared, for every check verify runs (one process or N ranks): what is compared
+(the model's output, or a submodule's with ``compare_at``; BN in train mode and all else in eval), a tolerance
+(bit-identical, or absolute and relative), tensors within it (masks and indices exactly), tensors within a share of
+their norm (float32 sums in another order), outputs field by field by name, the first module whose output differs,
+and the outcome of a check (``CheckOutcome``; vacuous where the outputs hold no values)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,36 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bnsurgeon.checks.check_input import clone_value
+from bnsurgeon.checks.eval_check import vacuous_reason
 from bnsurgeon.checks.outputs import flatten_tensors, named_tensors
+from bnsurgeon.core.anatomy import is_bn_like
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+#: the seed of every check's input, perturbation and output gradient
+SEED = 0
+
+
+@dataclass
+class CheckOutcome:
+    name: str
+    passed: bool | None  # None: not applicable (skipped, with the reason in detail)
+    max_abs_diff: float = 0.0
+    detail: str = ""
+    first_divergence: str | None = None
+    seconds: float = 0.0  # wall time of this check in the verifying process
+    values: int = 0  # how many values the check compared: 0 is a check that proved nothing
+
+
+def only_bn_trains(model: "nn.Module") -> "nn.Module":
+    """BN-family modules in train mode, all else in eval: dropout/drop-path stay out of the comparison."""
+    model.train()
+    for module in model.modules():
+        if not is_bn_like(module):
+            module.training = False
+    return model
 
 
 def max_diff(expected: list, actual: list) -> tuple[float, bool]:
@@ -188,3 +215,66 @@ def first_divergent_module(
         run_hooked(source, record)
         run_hooked(converted, compare)
     return first[0][1] if first else None
+
+
+class _Reached(Exception):
+    """Raised by the --compare-at hook: the output is captured, the rest of the forward is not needed."""
+
+
+def run_model(model: "nn.Module", x, compare_at: str | None = None):
+    """``model(x)``, or the output of submodule ``compare_at`` (the forward stops there)."""
+    if compare_at is None:
+        return model(x)
+    from bnsurgeon.core.errors import UsageError
+
+    captured: list = []
+    normalized: list = []  # BN-family modules that ran before the output was captured
+
+    def capture(module, args, output):
+        captured.append(output)
+        raise _Reached
+
+    handles = [
+        module.register_forward_pre_hook(lambda m, args: normalized.append(m) if not normalized else None)
+        for module in model.modules()
+        if is_bn_like(module)
+    ]
+    handles.append(model.get_submodule(compare_at).register_forward_hook(capture))
+    try:
+        model(x)
+    except _Reached:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not captured:
+        raise UsageError(
+            f"--compare-at {compare_at}: the forward never reached that module",
+            "name a module the forward runs (see the model's named_modules())",
+        )
+    if not normalized:  # the compared output is computed before any BN: every check would pass vacuously
+        raise UsageError(
+            f"--compare-at {compare_at}: no BatchNorm-family module runs before that module's output, "
+            "so comparing there tests nothing the conversion changed",
+            "name a module that contains or follows the BN layers (e.g. backbone)",
+        )
+    return captured[0]
+
+
+def vacuous_outcome(label: str, outputs: list, detail: str = "") -> CheckOutcome | None:
+    reason = vacuous_reason(outputs)
+    if reason is None:
+        return None
+    return CheckOutcome(
+        label,
+        False,
+        float("nan"),
+        f"vacuous, not a pass: {reason}"
+        + (f" ({detail})" if detail else "")
+        + "; compare where values exist (--compare-at MODULE, e.g. backbone)",
+    )
+
+
+def count_values(tensors: list) -> int:
+    """The values a comparison of ``tensors`` looks at."""
+    return sum(t.numel() for t in tensors)

@@ -4,15 +4,14 @@ Every check runs twice: on the models as given, and with the BN statistics and a
 parameters of both perturbed identically (seeded by module path). Freshly initialized
 BN is close to the identity and hides lost behaviour; a perturbed one does not. The
 N-rank check runs in float64, so any difference above rounding is a bug. How two outputs are
-compared (tolerances, field by field, the first divergent module) is ``compare.py``'s.
+compared (tolerances, field by field, the first divergent module) is ``compare.py``'s; the N-rank
+check itself (the model shipped to the ranks, the reference, the comparison) is ``ranks.py``'s.
 """
 
 from __future__ import annotations
 
 import copy
 import glob
-import io
-import re
 import time
 import zlib
 from contextlib import nullcontext
@@ -20,42 +19,39 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
-from bnsurgeon.checks.check_input import CheckInput, clone_value, leaves
+from bnsurgeon.checks.check_input import CheckInput, clone_value
 from bnsurgeon.checks.compare import (
     EXACT,
     FLOAT64_AGREEMENT,
+    SEED,
+    CheckOutcome,
     Tolerance,
     compare_outputs,
+    count_values,
     first_divergent_module,
+    only_bn_trains,
+    run_model,
+    vacuous_outcome,
 )
 from bnsurgeon.checks.compare import within as _within
-from bnsurgeon.checks.compare import within_norm as _within_norm
-from bnsurgeon.checks.eval_check import vacuous_reason
-from bnsurgeon.checks.outputs import flatten_tensors, per_sample
+from bnsurgeon.checks.outputs import flatten_tensors
+from bnsurgeon.checks.ranks import (  # noqa: F401  (rank_batch, RankReference, ship_model: verify's API as before)
+    RankReference,
+    check_ranks,
+    has_sync_layers,
+    rank_batch,
+    rank_reference,
+    ship_model,
+    uneven_splits,
+)
 from bnsurgeon.core.anatomy import is_bn_like
-from bnsurgeon.core.errors import UnshippableModelError, first_line
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-SEED = 0
 VERIFY_SCHEMA_VERSION = 1
-DIST_RTOL = 1e-6
 INEXACT_RTOL = 1e-4
-#: the N-rank check of a model that only runs in float32: relative to each tensor's norm
-FLOAT32_NORM_RTOL = 1e-3
-
-
-@dataclass
-class CheckOutcome:
-    name: str
-    passed: bool | None  # None: not applicable (skipped, with the reason in detail)
-    max_abs_diff: float = 0.0
-    detail: str = ""
-    first_divergence: str | None = None
-    seconds: float = 0.0  # wall time of this check in the verifying process
-    values: int = 0  # how many values the check compared: 0 is a check that proved nothing
 
 
 @dataclass
@@ -84,15 +80,6 @@ class Verification:
         data.update(asdict(self))
         data["passed"] = self.passed
         return data
-
-
-def only_bn_trains(model: "nn.Module") -> "nn.Module":
-    """BN-family modules in train mode, all else in eval: dropout/drop-path stay out of the comparison."""
-    model.train()
-    for module in model.modules():
-        if not is_bn_like(module):
-            module.training = False
-    return model
 
 
 def perturb_bn(model: "nn.Module", seed: int = SEED, strength: float = 1.0) -> "nn.Module":
@@ -127,50 +114,6 @@ def _input(shape, model, seed: int, dtype=None):
     reference = next(iter(model.parameters()), None)
     dtype = dtype or (reference.dtype if reference is not None and reference.is_floating_point() else torch.float32)
     return CheckInput.of_shape(shape).make(seed=seed, dtype=dtype)
-
-
-class _Reached(Exception):
-    """Raised by the --compare-at hook: the output is captured, the rest of the forward is not needed."""
-
-
-def run_model(model: "nn.Module", x, compare_at: str | None = None):
-    """``model(x)``, or the output of submodule ``compare_at`` (the forward stops there)."""
-    if compare_at is None:
-        return model(x)
-    from bnsurgeon.core.errors import UsageError
-
-    captured: list = []
-    normalized: list = []  # BN-family modules that ran before the output was captured
-
-    def capture(module, args, output):
-        captured.append(output)
-        raise _Reached
-
-    handles = [
-        module.register_forward_pre_hook(lambda m, args: normalized.append(m) if not normalized else None)
-        for module in model.modules()
-        if is_bn_like(module)
-    ]
-    handles.append(model.get_submodule(compare_at).register_forward_hook(capture))
-    try:
-        model(x)
-    except _Reached:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    if not captured:
-        raise UsageError(
-            f"--compare-at {compare_at}: the forward never reached that module",
-            "name a module the forward runs (see the model's named_modules())",
-        )
-    if not normalized:  # the compared output is computed before any BN: every check would pass vacuously
-        raise UsageError(
-            f"--compare-at {compare_at}: no BatchNorm-family module runs before that module's output, "
-            "so comparing there tests nothing the conversion changed",
-            "name a module that contains or follows the BN layers (e.g. backbone)",
-        )
-    return captured[0]
 
 
 def check_compare_at(compare_at: str | None, *models: "nn.Module") -> None:
@@ -244,26 +187,6 @@ def _holds_values(output: Any, batch: int) -> bool:
     )
 
 
-def _vacuous(label: str, outputs: list, detail: str = "") -> CheckOutcome | None:
-    reason = vacuous_reason(outputs)
-    if reason is None:
-        return None
-    return CheckOutcome(
-        label,
-        False,
-        float("nan"),
-        f"vacuous, not a pass: {reason}"
-        + (f" ({detail})" if detail else "")
-        + "; compare where values exist (--compare-at MODULE, e.g. backbone)",
-    )
-
-
-def _has_sync_layers(model: "nn.Module") -> bool:
-    from bnsurgeon.runtime import SyncBatchNorm
-
-    return any(isinstance(m, SyncBatchNorm) for m in model.modules())
-
-
 def _is_frozen_model(model: "nn.Module") -> bool:
     from bnsurgeon.runtime import FrozenBatchNorm
 
@@ -295,12 +218,9 @@ def check_eval(
             "; the outputs are detections: top-k and NMS can turn a rounding-level difference into "
             "different boxes, so compare before the head (--compare-at backbone)"
         )
-    return _vacuous(label, expected) or CheckOutcome(label, ok, diff, detail, where, values=_count(expected))
-
-
-def _count(tensors: list) -> int:
-    """The values a comparison of ``tensors`` looks at."""
-    return sum(t.numel() for t in tensors)
+    return vacuous_outcome(label, expected) or CheckOutcome(
+        label, ok, diff, detail, where, values=count_values(expected)
+    )
 
 
 def _judged_in_float64(source, converted, x, compare_at) -> str:
@@ -373,13 +293,13 @@ def check_train(
         + (f"; {fields}" if fields else "")
         + ("" if stats_ok else "; running statistics differ")
     )
-    return _vacuous(label, expected) or CheckOutcome(
+    return vacuous_outcome(label, expected) or CheckOutcome(
         label,
         ok and stats_ok,
         max(diff, stats_diff),
         detail,
         where,
-        values=_count(expected) + _count(list(stats_expected.values())),
+        values=count_values(expected) + count_values(list(stats_expected.values())),
     )
 
 
@@ -404,296 +324,13 @@ def check_frozen(
         raw = run_model(source, clone_value(x), compare_at)
         expected = flatten_tensors(raw)
         ok, diff, fields = compare_outputs(raw, run_model(converted, clone_value(x), compare_at), tol)
-    return _vacuous(label, expected) or CheckOutcome(
+    return vacuous_outcome(label, expected) or CheckOutcome(
         label,
         ok,
         diff,
         f"{tol.describe()}; frozen BN ignores batch statistics" + (f"; {fields}" if fields else ""),
-        values=_count(expected),
+        values=count_values(expected),
     )
-
-
-def _loss(samples: list, grads: list):
-    """sum(output * grad) over every floating output tensor of every sample."""
-    terms = [
-        (o * g).sum()
-        for sample, sample_grads in zip(samples, grads, strict=True)
-        for o, g in zip(sample, sample_grads, strict=True)
-        if o.is_floating_point()
-    ]
-    return sum(terms) if terms else None
-
-
-def _rank_model(bundle: dict) -> "nn.Module":
-    """The converted model in float64: as sent, or built here from its recipe and given the sent tensors."""
-    if "converted" in bundle:
-        return bundle["converted"]
-    model = bundle["rebuild"]().to(bundle["dtype"])
-    model.load_state_dict(bundle["state"], strict=True)
-    return model
-
-
-def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], seed: int) -> dict:
-    import torch
-
-    torch.set_num_threads(1)
-    bundle = torch.load(io.BytesIO(payload), weights_only=False)  # written by this process's parent
-    model = only_bn_trains(_rank_model(bundle))
-    check_input: CheckInput = bundle["input"]
-    first = sum(splits[:rank])
-    xs = clone_value(check_input.split(bundle["x"], splits)[rank])
-    for leaf in leaves(xs):
-        leaf.requires_grad_()
-    samples = per_sample(run_model(model, xs, bundle["compare_at"]), splits[rank])
-    if samples is None:
-        raise RuntimeError("the converted model's outputs are not per sample")
-    loss = _loss(samples, bundle["grad"][first : first + splits[rank]])
-    if loss is not None and loss.requires_grad:
-        loss.backward()
-    return {
-        "outputs": [[o.detach() for o in sample] for sample in samples],
-        "input_grad": [leaf.grad for leaf in leaves(xs)],
-        "param_grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
-        "stats": {
-            n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var", "num_batches_tracked"))
-        },
-    }
-
-
-def rank_batch(world_sizes) -> int:
-    """One batch for every world size checked: 3 + 2 per extra rank of the largest (5 for 2 ranks, 7 for 3)."""
-    return 3 + 2 * (max(world_sizes) - 1)
-
-
-def uneven_splits(batch: int, world_size: int) -> list[int]:
-    """``batch`` rows over the ranks, never all equal: counts must weight the merge (7 -> [4, 3] or [3, 2, 2])."""
-    share, extra = divmod(batch, world_size)
-    splits = [share + 1] * extra + [share] * (world_size - extra)
-    if extra == 0 and world_size > 1:
-        splits[0], splits[-1] = splits[0] + 1, splits[-1] - 1
-    return splits
-
-
-@dataclass
-class RankReference:
-    """What W ranks must reproduce: the source in float64 on the whole batch, per sample.
-
-    Computed once per model pair and shared by every world size (the float64
-    forward/backward of the source is the parent's largest cost), with the bytes each
-    rank loads: the converted model in float64, the batch, its CheckInput and the output
-    gradient. ``problem`` (not per sample, or vacuous) makes every N-rank check fail with it.
-    """
-
-    batch: int
-    payload: bytes
-    samples: list
-    input_grads: list
-    param_grads: dict
-    stats: dict
-    check_input: "CheckInput | None" = None
-    x: Any = None
-    problem: "tuple[float, str] | None" = None
-    why_float32: str = ""  # why the reference is float32, not float64 (the model does not run in float64)
-
-
-def ship_model(model: "nn.Module", rebuild: "Callable[[], nn.Module] | None", rest: dict) -> bytes:
-    """The bytes each rank loads: the model pickled with ``rest``, or, where the model does not pickle,
-    its recipe (``rebuild``, built in the rank) and its tensors.
-
-    Pickling sends the very object that was checked, so it is the first choice. Models whose Python
-    objects are not picklable (transformers 5 installs output-capturing hooks that are local closures,
-    and a fresh process also needs transformers' per-instance capture registry) are built in each rank
-    by the same code that built them here, then given exactly these tensors.
-    """
-    import torch
-
-    buffer = io.BytesIO()
-    try:
-        torch.save({"converted": model, **rest}, buffer)
-        return buffer.getvalue()
-    except Exception as error:  # pickle, AttributeError on local objects, RuntimeError on parametrized modules
-        if rebuild is None:
-            raise UnshippableModelError(
-                f"the converted model cannot be sent to the rank processes ({type(error).__name__}: "
-                f"{first_line(error)}) and was not built from a recipe bnsurgeon can repeat in them"
-            ) from None
-    buffer = io.BytesIO()
-    torch.save({"rebuild": rebuild, "state": model.state_dict(), **rest}, buffer)
-    return buffer.getvalue()
-
-
-def rank_reference(
-    source,
-    converted,
-    shape,
-    batch: int,
-    *,
-    seed=SEED,
-    compare_at: str | None = None,
-    rebuild: "Callable[[], nn.Module] | None" = None,
-) -> RankReference:
-    """In float64; in float32 for a model that does not run in float64 (one that makes float32 tensors of
-    its own, as DAB-DETR's sine position embedding does), judged then within rounding (``check_ranks``)."""
-    import torch
-
-    try:
-        return _rank_reference(source, converted, shape, batch, seed, compare_at, rebuild, torch.float64)
-    except RuntimeError as error:
-        if not re.search(r"dtype|Double|double|Float\b|float\b", str(error)):
-            raise
-        reference = _rank_reference(source, converted, shape, batch, seed, compare_at, rebuild, torch.float32)
-        reference.why_float32 = f"{type(error).__name__}: {first_line(error)[:160]}"
-        return reference
-
-
-def _rank_reference(source, converted, shape, batch: int, seed, compare_at, rebuild, dtype) -> RankReference:
-    import torch
-
-    check_input = CheckInput.of_shape(shape).with_batch(batch, uniform=True)  # same-size images: same padding
-    source64 = only_bn_trains(copy.deepcopy(source).to(dtype))
-    converted64 = copy.deepcopy(converted).to(dtype)
-    generator = torch.Generator().manual_seed(seed)
-    x = check_input.make(generator=generator, dtype=dtype)
-    xr = clone_value(x)
-    for leaf in leaves(xr):
-        leaf.requires_grad_()
-    samples = per_sample(run_model(source64, xr, compare_at), batch)
-    if samples is None:
-        return RankReference(
-            batch,
-            b"",
-            [],
-            [],
-            {},
-            {},
-            check_input,
-            x,
-            problem=(
-                float("inf"),
-                "the outputs are not per sample (neither batch-first tensors nor one result per "
-                "image), so ranks cannot be lined up; compare at a submodule (--compare-at MODULE)",
-            ),
-        )
-    vacuous = _vacuous("", [t for sample in samples for t in sample])
-    if vacuous is not None:
-        return RankReference(batch, b"", [], [], {}, {}, check_input, x, problem=(vacuous.max_abs_diff, vacuous.detail))
-    grad = [[torch.randn(o.shape, generator=generator, dtype=dtype) for o in sample] for sample in samples]
-    loss = _loss(samples, grad)
-    if loss is not None and loss.requires_grad:
-        loss.backward()
-    payload = ship_model(
-        converted64, rebuild, {"x": x, "grad": grad, "input": check_input, "compare_at": compare_at, "dtype": dtype}
-    )
-    input_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves(xr)]
-    return RankReference(
-        batch,
-        payload,
-        [[o.detach() for o in sample] for sample in samples],
-        input_grads,
-        {n: p.grad for n, p in source64.named_parameters() if p.grad is not None},
-        {
-            n: b.double()
-            for n, b in source64.named_buffers()
-            if n.endswith(("running_mean", "running_var", "num_batches_tracked"))
-        },
-        check_input,
-        x,
-    )
-
-
-def check_ranks(
-    source,
-    converted,
-    shape,
-    world_size: int,
-    *,
-    seed=SEED,
-    timeout: float = 600.0,
-    label: str | None = None,
-    pool=None,
-    reference: RankReference | None = None,
-    collective_timeout: float = 120.0,
-    compare_at: str | None = None,
-    rebuild: "Callable[[], nn.Module] | None" = None,
-) -> CheckOutcome:
-    """W gloo ranks of the converted model on slices == the source on the whole batch (float64).
-
-    Outputs are compared per sample: a batch-first tensor is cut along its first dimension,
-    a detector's list of per-image results is taken image by image, so ranks holding 3 and
-    2 images line up with the source's 5. ``pool`` (a ``multiproc.RankPool`` of at least
-    W processes) runs the ranks in processes that are already started; without one, W
-    processes are started for this check alone. ``reference`` (from ``rank_reference``)
-    is reused when given. ``rebuild`` builds the converted model's structure again in a rank where the
-    model itself does not pickle (``ship_model``).
-    """
-    import torch
-
-    from bnsurgeon.checks.multiproc import RankFailure, RankPool
-
-    label = label or f"{world_size} ranks"
-    if not _has_sync_layers(converted):
-        return CheckOutcome(label, None, detail="not applicable: the converted model has no sync layers")
-    if reference is None:
-        reference = rank_reference(
-            source, converted, shape, rank_batch([world_size]), seed=seed, compare_at=compare_at, rebuild=rebuild
-        )
-    if reference.problem is not None:
-        diff, detail = reference.problem
-        return CheckOutcome(label, False, diff, detail)
-    splits = uneven_splits(reference.batch, world_size)
-    own_pool = RankPool(world_size, collective_timeout=collective_timeout) if pool is None else nullcontext(pool)
-    try:
-        with own_pool as ranks_pool:
-            ranks = ranks_pool.run(world_size, _rank_worker, reference.payload, splits, seed, timeout=timeout)
-    except RankFailure as error:
-        return CheckOutcome(label, False, float("inf"), f"ranks failed: {str(error).splitlines()[0]}")
-
-    problems, worst, values = [], 0.0, 0
-
-    tolerance = Tolerance(rtol=DIST_RTOL)
-
-    def compare(name, expected, actual):
-        nonlocal worst, values
-        values += _count(expected)
-        ok, diff = (
-            _within_norm(expected, actual, FLOAT32_NORM_RTOL)
-            if reference.why_float32
-            else _within(expected, actual, tolerance)
-        )
-        worst = max(worst, diff)
-        if not ok:
-            problems.append(name)
-
-    rank_samples = [sample for r in ranks for sample in r["outputs"]]
-    for index, (expected, actual) in enumerate(zip(reference.samples, rank_samples, strict=True)):
-        compare(f"output of sample {index}", expected, actual)
-    check_input, x = reference.check_input, reference.x
-    assert check_input is not None, "the reference run records its check input"
-    grad_value = (
-        reference.input_grads[0]
-        if check_input.kind == "tensor"
-        else (reference.input_grads if check_input.kind == "list" else dict(zip(x, reference.input_grads, strict=True)))
-    )
-    for rank, (piece, r) in enumerate(zip(check_input.split(grad_value, splits), ranks, strict=True)):
-        theirs = [
-            g if g is not None else torch.zeros_like(e) for g, e in zip(r["input_grad"], leaves(piece), strict=True)
-        ]
-        compare(f"input gradient (rank {rank})", leaves(piece), theirs)
-    for name, grad in reference.param_grads.items():
-        summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
-        compare(f"grad {name}", [grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(grad)])
-    for name, buf in reference.stats.items():
-        compare(name, [buf], [ranks[0]["stats"][name].double()])
-    precision = (
-        f"float32, each tensor within {FLOAT32_NORM_RTOL:g} of its norm or 1 (the model does not run in "
-        f"float64: {reference.why_float32})"
-        if reference.why_float32
-        else "float64"
-    )
-    detail = f"splits {splits}, {precision}, per sample" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
-    return CheckOutcome(
-        label, not problems, worst, detail, values=values
-    )  # what differs: a tensor (detail), not a module
 
 
 def _timed(check: Callable[[], CheckOutcome], on_check: Callable[[CheckOutcome], None] | None) -> CheckOutcome:
@@ -767,7 +404,7 @@ def verify_models(
         compare_at_why=why,
     )
     frozen = _is_frozen_model(converted)
-    distributed = bool(world_sizes) and not frozen and _has_sync_layers(converted)
+    distributed = bool(world_sizes) and not frozen and has_sync_layers(converted)
     pool = RankPool(max(world_sizes), collective_timeout=collective_timeout) if distributed and share_work else None
     at = {"compare_at": compare_at}
 
