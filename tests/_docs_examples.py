@@ -256,8 +256,12 @@ def run_command(command: str) -> tuple[int, str]:
         from typer.testing import CliRunner
 
         from bnsurgeon.cli.commands import app
+        from bnsurgeon.launch.script import put_back
 
-        result = CliRunner().invoke(app, tokens[1:], env={"COLUMNS": None, **env})
+        try:
+            result = CliRunner().invoke(app, tokens[1:], env={"COLUMNS": None, **env})
+        finally:
+            put_back()  # `bnsurgeon run` leaves the script's state in place for its process's exit: not this one's
         return result.exit_code, result.output
     if tokens[:2] == ["python", "-c"] and len(tokens) == 3:
         buffer = io.StringIO()

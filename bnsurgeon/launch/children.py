@@ -35,7 +35,7 @@ def child_environment(log: ConversionLog, rules: Sequence[str]) -> Callable[[], 
         "quiet": log.quiet,
         "rules": list(rules),
     }
-    os.environ[ENV] = json.dumps(settings)
+    os.environ[ENV] = json.dumps(settings, allow_nan=False)
     path = saved["PYTHONPATH"]
     entries = [] if not path else path.split(os.pathsep)
     if BOOTSTRAP not in entries:
