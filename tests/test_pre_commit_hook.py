@@ -274,11 +274,11 @@ def test_without_bnsurgeon_on_path_this_pythons_runs_with_the_working_directory_
 @pytest.mark.parametrize(
     "args, said",
     [
-        (["--source"], "--source: expected one argument"),
+        (["--source"], "--source: options (the hook's and verify's) must be ended by \"--\""),
         (["--source", "--", "a.safetensors"], "--source: expected one argument"),
-        (["--allow-factory"], "--allow-factory: expected one argument"),
-        (["-w", "2", "a.safetensors"], "not an option of the hook; options for bnsurgeon verify go in"),
-        (["--allow-factroy", "x:y", "a.safetensors"], "--allow-factroy: not an option of the hook"),
+        (["--allow-factory"], "--allow-factory: options (the hook's and verify's) must be ended by \"--\""),
+        (["-w", "2", "a.safetensors"], "-w: options (the hook's and verify's) must be ended by \"--\""),
+        (["--allow-factroy", "x:y", "a.safetensors"], "--allow-factroy: options (the hook's and verify's) must be"),
         (["--bogus", "--", "a.safetensors"], "bnsurgeon verify refuses the options --bogus: No such option: --bogus"),
         (["--help", "--", "a.safetensors"], "verify would print its help and check nothing"),
     ],
@@ -310,3 +310,39 @@ def test_require_report_fails_a_checkpoint_whose_report_was_left_out(repo):
     assert code == 4 and "no_report.safetensors: no no_report.safetensors.report.json" in output, output
     assert "--require-report" in output and ["verify", "--", "resnet18", "good.safetensors"] in verified(repo)
     one_line_each(output, 2)
+
+
+def test_without_dashes_a_file_named_like_an_option_is_never_taken_for_one(repo):
+    """pre-commit appends the files to the args: with args of the user's not ended by "--", a pull request's file
+    named --source=x.pt was parsed as the hook's --source (and x.pt, its pickle, became every file's SOURCE; a
+    --require-report was bypassed). Anything option-shaped without "--" is refused now, nothing verified."""
+    checkpoint(repo, "tampered.safetensors", None)
+    checkpoint(repo, "--source=x.pt", None)
+    checkpoint(repo, "x.pt", None)
+    code, output = hook(repo, "--require-report", "tampered.safetensors", "--source=x.pt", "x.pt")
+    assert code == 2 and 'must be ended by "--"' in output, output
+    assert verified(repo) == []
+    code, output = hook(repo, "tampered.safetensors", "--source=x.pt")
+    assert code == 2 and verified(repo) == [], output
+    code, output = hook(repo, "x.pt")  # plain names without "--" are files, as before
+    assert code == 0 and "skipped" in output, output
+
+
+def test_a_report_naming_source_twice_or_with_a_newline_is_refused(repo):
+    """Readers disagree on which of two "source" entries counts, and "resnet18\n" is no timm name."""
+    checkpoint(repo, "twice.safetensors", '{"source": "evilmod:make", "source": "resnet18"}')
+    checkpoint(repo, "newline.safetensors", json.dumps({"source": "resnet18\n"}))
+    code, output = hook(repo, "--", "twice.safetensors", "newline.safetensors")
+    assert code == 4 and "names source twice" in output, output
+    assert "newline.safetensors" in output and verified(repo) == [], output
+
+
+def test_a_bnsurgeon_on_path_that_cannot_be_executed_is_one_line_exit_127(repo, tmp_path):
+    """A bad interpreter line made the options pre-check raise OSError: a traceback, exit 1, later files unchecked."""
+    bad = tmp_path / "badbin"
+    bad.mkdir()
+    (bad / "bnsurgeon").write_text("#!/nonexistent/python\n")
+    (bad / "bnsurgeon").chmod(0o755)
+    checkpoint(repo, "a.safetensors", json.dumps({"source": "resnet18"}))
+    code, output = hook(repo, "--", "a.safetensors", path=str(bad))
+    assert code == 127 and "cannot run" in output and "Traceback" not in output, output
