@@ -113,6 +113,33 @@ def test_numpy_numbers_are_written_as_numbers_and_their_infinities_by_the_conven
     assert strict_json(capsys.readouterr().out) == {"diff": "Infinity", "mean": 1.5, "count": 3}
 
 
+def test_a_file_name_that_is_not_utf8_is_written_as_well_formed_unicode(small, tmp_path):
+    """A name's undecodable byte is a lone surrogate in Python (U+DCFF); written as a \\udcff escape, serde and
+    jiter refused the whole document and jq replaced it. It is written as the byte escaped, in --json, the
+    report and the checkpoint's metadata."""
+    import os
+
+    from safetensors import safe_open
+
+    from bnsurgeon.core.json_text import well_formed
+
+    assert well_formed("a\udcffb") == "a\\xffb" and well_formed("plain é") == "plain é"
+    name = os.fsdecode(b"src\xff.pt")
+    torch.save(__import__("small").build().state_dict(), tmp_path / name)
+    output = tmp_path / "out.safetensors"
+    result = run(
+        "convert", tmp_path / name, "--model", "small:build", "-o", output, "--json", "--input-shape", "2,3,8,8"
+    )
+    assert result.exit_code == 0, result.output
+    documents = [result.stdout, (tmp_path / "out.safetensors.report.json").read_text(encoding="utf-8")]
+    with safe_open(str(output), "pt") as opened:
+        documents += [v for k, v in opened.metadata().items() if k.startswith("bnsurgeon.")]
+    for text in documents:
+        assert "\\udc" not in text.lower(), text[:300]
+        strict_json(text) if text.lstrip().startswith(("{", "[")) else None
+    assert any("src\\\\xff.pt" in text for text in documents), documents[0][:300]
+
+
 def test_the_convert_report_is_strict_json_when_a_check_saw_infinity():
     from bnsurgeon.surgery.report import CheckResult, Report
 

@@ -36,6 +36,23 @@ NON_FINITE = {float("inf"): "Infinity", float("-inf"): "-Infinity"}
 NAN_TEXT = "NaN"
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def well_formed(text: str) -> str:
+    """``text`` as Unicode every JSON reader takes: a lone surrogate (a file name's undecodable byte, which
+    Python keeps as U+DC80-U+DCFF) is written as its byte escaped (``\\xff``, as the messages show it) instead
+    of a ``\\udcff`` escape that serde and jiter refuse and jq replaces."""
+    if not _SURROGATE.search(text):
+        return text
+    return _SURROGATE.sub(_escaped, text)
+
+
+def _escaped(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
+
+
 def strict(value: Any) -> Any:
     """``value`` with every float JSON cannot hold (inf, -inf, nan; a dict key too) written as its string
     (``NON_FINITE``, ``NAN_TEXT``); a numpy or other real number as the float or int it is (not its ``str``);
@@ -44,8 +61,12 @@ def strict(value: Any) -> Any:
         value = int(value) if isinstance(value, numbers.Integral) else float(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else NON_FINITE.get(value, NAN_TEXT)
+    if isinstance(value, str):
+        return well_formed(value)
     if isinstance(value, dict):
-        return {strict(key) if isinstance(key, numbers.Real) else key: strict(item) for key, item in value.items()}
+        return {
+            strict(key) if isinstance(key, (numbers.Real, str)) else key: strict(item) for key, item in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return [strict(item) for item in value]
     return value
