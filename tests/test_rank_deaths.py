@@ -35,12 +35,8 @@ from _rank_probe import (aborted, environment_and_modules, killed_after_its_resu
 from bnsurgeon.checks import multiproc
 from bnsurgeon.checks.multiproc import RankPool, run_world
 
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def alive(pid):  # a zombie is not running: an orphaned rank's is reaped by whoever adopted it, when it does
+    return multiproc.running(pid)
 
 def scenario(name, body):
     started, pids, outcome = time.monotonic(), [], {{"error": None, "message": ""}}
@@ -135,6 +131,17 @@ def server_killed(pids):  # the fork server (400 MB: a likely victim of the out-
         pool_pids(pool, pids)
         return pool.run(2, environment_and_modules, "X")[0][1]
 
+def server_killed_under_ranks(pids):  # the fork server dies while its ranks live: they cannot be watched any more
+    import multiprocessing.forkserver as forkserver
+    with RankPool(2) as pool:
+        pool_pids(pool, pids)
+        pool.run(2, environment_and_modules, "X")
+        os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+        time.sleep(multiproc.LAST_RESULT_S + 1.0)  # their status pipes closed: seen as ended, exit 255
+        pool.run(2, environment_and_modules, "X")  # they still run: the check goes on (was: a failed check)
+        os.kill(pids[1], signal.SIGKILL)  # and one dies with no server to say how: the machine's doing
+        return pool.run(2, environment_and_modules, "X")
+
 def killed_while_other_busy(pids):  # run_world: rank 0 busy for 300 s, rank 1 killed: do not wait for rank 0
     return run_world(2, killed_while_the_other_works, 300.0, timeout=400)
 
@@ -156,6 +163,7 @@ NAMES = [
     "aborted_few_files",
     "aborted_plainly",
     "server_killed",
+    "server_killed_under_ranks",
     "killed_while_other_busy",
 ]
 
@@ -281,3 +289,13 @@ def test_a_rank_that_aborts_under_a_low_open_file_limit_is_said_to_be_out_of_fil
     assert outcome["message"].startswith("rank 1 crashed with SIGABRT (out of open files? ulimit -n is 48)"), outcome
     plain = _outcome(deaths, "aborted_plainly")
     assert plain["error"] == "RankFailure" and plain["message"] == "rank 1 crashed with SIGABRT", plain
+
+
+def test_a_fork_server_killed_under_its_ranks_is_a_host_failure_not_a_failed_check(deaths):
+    """Killed while its ranks lived, the server can no longer report how they end: multiprocessing said exit 255
+    for each, which read as a failed check (exit 1, "max |diff| inf" in verify) though they still worked. Now
+    they are watched by their pid: the check goes on, a rank that then dies is the machine's doing (exit 16),
+    and none is left running."""
+    outcome = _outcome(deaths, "server_killed_under_ranks")
+    assert outcome["error"] == "HostFailureError", outcome
+    assert "rank 1 ended after the fork server that started it was killed" in outcome["message"], outcome

@@ -216,6 +216,30 @@ def forked_context():
 
 
 _server_started = False
+#: the exit code multiprocessing gives a forked rank whose fork server it can no longer ask (the server died)
+LOST_SERVER = 255
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and (where /proc tells) is not a zombie waiting to be reaped."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def fork_server_lost() -> bool:
+    """Whether the ranks come from a fork server that is no longer running (killed under them)."""
+    if "forkserver" not in mp.get_all_start_methods():  # spawned ranks (Windows): no server to lose
+        return False
+    from multiprocessing import forkserver
+
+    return not _server_alive(forkserver)
 
 
 def _server_alive(forkserver) -> bool:
@@ -408,6 +432,19 @@ class _Rank:
     def kill(self) -> None:
         if self.process.pid is not None and self.process.exitcode is None:
             self.process.kill()
+        elif self.orphaned():  # multiprocessing thinks it ended (exit 255) and would not kill it
+            try:
+                os.kill(cast(int, self.process.pid), signal.SIGKILL)
+            except OSError:
+                pass
+
+    def orphaned(self) -> bool:
+        """Whether this rank still runs though its fork server was killed: multiprocessing then reports it as
+        ended (exit 255), having lost the only process that could say how it ends."""
+        pid = self.process.pid
+        if pid is None or self.process.exitcode != LOST_SERVER or not fork_server_lost():
+            return False
+        return running(pid)
 
     def reap(self, seconds: float) -> None:
         if self.process.pid is not None:
@@ -426,6 +463,8 @@ class _Rank:
 
 #: after a rank's process ends, how long its result may still be in the pipe on its way to the parent
 LAST_RESULT_S = 2.0
+#: how often a rank whose fork server was killed is looked at (nothing signals its end)
+ORPHAN_POLL_S = 0.2
 
 
 class RankPool:
@@ -468,12 +507,14 @@ class RankPool:
                 r.listen(self._events)
             sentinels = {r.process.sentinel: r.rank for r in self._ranks}
             threading.Thread(target=_watch, args=(sentinels, self._events), name="bnsurgeon-watch", daemon=True).start()
-        except (OSError, RuntimeError) as error:  # pipes, processes or threads refused: the machine's limits
+        except (OSError, RuntimeError, EOFError) as error:  # pipes, processes or threads refused: the machine's limits
             self._broken = type(error).__name__
             self.close()
             if isinstance(error, RuntimeError) and "thread" not in str(error):
                 raise
             cause = machine_cause(error)
+            if isinstance(error, EOFError):  # the fork server's pipe closed under it: the server died while starting
+                cause = ("the fork server that starts them died while starting (killed: out of memory?)", KILLED_HINT)
             raise HostFailureError(
                 f"the ranks could not be started: {cause[0] if cause else f'{type(error).__name__}: {first_line(error)}'}",
                 cause[1] if cause else START_HINT,
@@ -548,11 +589,13 @@ class RankPool:
         """Take what the ranks' threads posted (waiting up to ``wait_s`` for the first), then judge the ranks
         whose process ended; the longest task time among the results taken."""
         seconds = 0.0
-        pending_deaths = [
-            t for r, t in self._exited.items() if r < world_size and r not in self._drained and r not in collected
-        ]
+        waiting = [r for r in self._exited if r < world_size and r not in self._drained and r not in collected]
+        orphans = {r for r in waiting if self._ranks[r].orphaned()}  # still running: their results may come
+        pending_deaths = [self._exited[r] for r in waiting if r not in orphans]
         if pending_deaths:  # wake up when a dead rank's last result is overdue
             wait_s = min(wait_s, max(0.0, min(pending_deaths) + LAST_RESULT_S - time.monotonic()))
+        if orphans:  # no sentinel tells when they end: look again soon
+            wait_s = min(wait_s, ORPHAN_POLL_S)
         while True:
             try:
                 kind, rank, data = self._events.get(timeout=wait_s) if wait_s > 0 else self._events.get_nowait()
@@ -580,9 +623,17 @@ class RankPool:
                 continue
             if rank not in self._drained and now - when < LAST_RESULT_S:
                 continue  # its result may still be on its way
+            if self._ranks[rank].orphaned():
+                continue  # it works on without its fork server: the run's deadline bounds the wait
             process = self._ranks[rank].process
             process.join(1.0)
             line, fix = exit_cause(rank, process.exitcode)
+            if fix is None and process.exitcode == LOST_SERVER and fork_server_lost():
+                line, fix = (
+                    f"rank {rank} ended after the fork server that started it was killed (out of memory?); how it "
+                    "ended was lost with the server",
+                    KILLED_HINT,
+                )
             limit = open_file_limit()
             if fix is None and process.exitcode == -signal.SIGABRT and limit is not None and limit < FEW_FILES:
                 line, fix = f"{line} (out of open files? ulimit -n is {limit})", FILES_HINT
@@ -607,12 +658,20 @@ class RankPool:
                     _close_quietly(r.tasks)
             for r in started:
                 r.reap(10)
+            for r in started:  # told to finish, but no server says when they have: wait briefly, then kill below
+                deadline = time.monotonic() + 5.0
+                while r.orphaned() and time.monotonic() < deadline:
+                    time.sleep(0.05)
         first = [r for r in reversed(started) if r.rank not in self._holding]
         for group in (first, [r for r in started if r.rank in self._holding]):
+            orphans = [r for r in group if r.orphaned()]
             for r in group:
                 r.kill()
             for r in group:
                 r.reap(10)
+            deadline = time.monotonic() + 10.0
+            while any(running(cast(int, r.process.pid)) for r in orphans) and time.monotonic() < deadline:
+                time.sleep(0.05)  # not our children: nothing to join, so wait until they are gone
         for r in self._ranks:
             r.close()
 
