@@ -94,3 +94,17 @@ def test_user_code_that_raises_while_imported_is_the_users_error_not_a_bug(work)
             assert "bug" not in result.output and "Traceback" not in result.output
     finally:
         sys.modules.pop("raises47", None)
+
+
+def test_a_library_that_cannot_be_mapped_is_a_memory_limit_not_a_bug(monkeypatch):
+    """Under ``ulimit -v`` torch itself fails to load ("failed to map segment from shared object"): that was
+    exit 70, "a bug in bnsurgeon"; it is the machine's limit, exit 9 as any out-of-memory, in one line."""
+    from bnsurgeon.cli import catalog
+
+    def unloadable():
+        raise ImportError("libtorch_cpu.so: failed to map segment from shared object")
+
+    monkeypatch.setattr(catalog, "describe_rules", unloadable)
+    result = CliRunner().invoke(app, ["rules"], env={"COLUMNS": "200"})
+    assert result.exit_code == 9, result.output
+    assert "failed to map segment" in result.output and "ulimit -v" in result.output and "bug" not in result.output

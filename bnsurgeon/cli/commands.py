@@ -129,6 +129,10 @@ OUT_OF_MEMORY = re.compile(
 )
 
 
+#: loading a shared library (torch's) failed for want of address space: a machine limit, not a bug
+LIBRARY_OUT_OF_MEMORY = re.compile(r"failed to map segment|cannot allocate memory|cannot map zero-fill", re.I)
+
+
 def _out_of_memory(error: Exception) -> bool:
     return isinstance(error, MemoryError) or (
         isinstance(error, RuntimeError) and bool(OUT_OF_MEMORY.search(str(error)))
@@ -202,6 +206,15 @@ def handle_errors(command: Callable) -> Callable:
                 _fail(shadowed.message, shadowed.hint, shadowed.exit_code)
             if _out_of_memory(error):
                 _memory_failure(error)
+            if isinstance(error, (ImportError, OSError)) and LIBRARY_OUT_OF_MEMORY.search(str(error)):
+                from bnsurgeon.core.errors import first_line
+
+                _fail(
+                    f"a library could not be loaded within this process's memory (a limit such as ulimit -v, or "
+                    f"the machine's memory): {first_line(error)}",
+                    "raise the memory limit (ulimit -v) or free memory, and run again; nothing was written",
+                    9,
+                )
             _internal_error(error, bool(kwargs.get("verbose")))
 
     return wrapper
