@@ -28,7 +28,10 @@ if [ -n "$FAKE_BROKEN" ]; then echo "ModuleNotFoundError: No module named 'torch
 for arg in "$@"; do printf '%s\\n' "$arg" >> "$BNSURGEON_LOG"; done
 echo . >> "$BNSURGEON_LOG"
 for arg in "$@"; do case "$arg" in --bogus) echo "Error: No such option: --bogus" >&2; exit 2;; bad*) exit 4;; esac; done
-exit 0
+for arg in "$@"; do [ "$arg" = "--help" ] && exit 0; done  # as Click: --help is eager, values are not judged
+for arg in "$@"; do case "$arg" in abc) echo "Error: Invalid value for '-w': abc" >&2; exit 2;; esac; done
+for arg in "$@"; do [ "$arg" = "--" ] && exit 0; done
+echo "Error: Missing argument 'SOURCE'." >&2; exit 2
 """
 
 
@@ -91,8 +94,9 @@ def calls(repo: Path) -> list[list[str]]:
 
 
 def verified(repo: Path) -> list[list[str]]:
-    """The calls that verified a file: without the one that lets verify's parser judge the options first."""
-    return [call for call in calls(repo) if call[1:2] != ["--help"]]
+    """The calls that verified a file (SOURCE and FILE after "--"): not the one that lets verify's parser judge
+    the options first."""
+    return [call for call in calls(repo) if "--" in call]
 
 
 def one_line_each(output: str, count: int) -> None:
@@ -155,7 +159,7 @@ def test_a_timm_source_and_the_file_follow_the_separator_after_verifys_options(r
     code, output = hook(repo, "-w", "2", "--", "m.safetensors")
     assert code == 0, output
     # the first call is verify's parser judging the options (--help first: it stops there), then the file
-    assert calls(repo) == [["verify", "--help", "-w", "2"], ["verify", "-w", "2", "--", "resnet18", "m.safetensors"]]
+    assert calls(repo) == [["verify", "-w", "2"], ["verify", "-w", "2", "--", "resnet18", "m.safetensors"]]
     assert "$ bnsurgeon verify -w 2 -- resnet18 m.safetensors" in output
 
 
@@ -346,3 +350,13 @@ def test_a_bnsurgeon_on_path_that_cannot_be_executed_is_one_line_exit_127(repo, 
     checkpoint(repo, "a.safetensors", json.dumps({"source": "resnet18"}))
     code, output = hook(repo, "--", "a.safetensors", path=str(bad))
     assert code == 127 and "cannot run" in output and "Traceback" not in output, output
+
+
+def test_a_bad_option_value_for_verify_is_one_line_exit_2_before_any_file(repo):
+    """verify --help OPTIONS stopped at --help (Click's eager option) before judging -w abc: every file then ran
+    verify, which refused it, and the hook said "verify exited 2" once per file with exit 1."""
+    checkpoint(repo, "a.safetensors", json.dumps({"source": "resnet18"}))
+    checkpoint(repo, "b.safetensors", json.dumps({"source": "resnet18"}))
+    code, output = hook(repo, "-w", "abc", "--", "a.safetensors", "b.safetensors")
+    assert code == 2 and "Invalid value for '-w'" in output and verified(repo) == [], output
+    one_line_each(output, 1)
