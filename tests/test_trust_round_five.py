@@ -218,6 +218,9 @@ def preprocessor(directory: Path, **fields) -> Path:
         ({"image_std": [0.5, 0, 0.5]}, "image_std is [0.5, 0, 0.5]"),
         ({"rescale_factor": -1}, "rescale_factor is -1"),
         ({"do_resize": "yes"}, "do_resize is 'yes'"),
+        # valid numbers whose preprocessed pixels no statistic holds: was exit 14, blamed on the data
+        ({"rescale_factor": 1e308}, "rescale_factor is 1e+308"),
+        ({"image_std": [5e-324, 5e-324, 5e-324]}, "image_std is [5e-324, 5e-324, 5e-324]"),
     ],
 )
 def test_a_bad_preprocessor_field_is_named_with_its_file_not_blamed_on_an_image(

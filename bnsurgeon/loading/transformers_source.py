@@ -626,6 +626,13 @@ def check_preprocessor(config: dict[str, Any], path: Path) -> None:
     rescale = config.get("rescale_factor")
     if rescale is not None and not (number(rescale) and rescale > 0):
         raise refuse("rescale_factor", "a number above 0 (1/255 for 8-bit images)")
+    largest = _largest_pixel(config)
+    if not largest <= MAX_PREPROCESSED:  # a pixel the statistics could not hold: the config's doing, not the data's
+        raise refuse(
+            "rescale_factor" if (rescale or 0) > 1 else "image_std",
+            f"values that keep a preprocessed pixel, (255 x rescale_factor + |image_mean|) / image_std, within "
+            f"{MAX_PREPROCESSED:.0e} (these make {largest:.3g})",
+        )
     for name in SWITCHES:
         if config.get(name) is not None and not isinstance(config[name], bool):
             raise refuse(name, "true or false")
@@ -634,6 +641,26 @@ def check_preprocessor(config: dict[str, Any], path: Path) -> None:
         isinstance(resample, int) and not isinstance(resample, bool) and 0 <= resample <= 5
     ):
         raise refuse("resample", "one of Pillow's resampling filters, 0 to 5")
+
+
+#: the largest magnitude a preprocessed pixel may reach: its square, summed over a batch, stays finite in float32
+MAX_PREPROCESSED = 1e15
+
+
+def _largest_pixel(config: dict) -> float:
+    """How large a preprocessed 8-bit pixel can get under ``config`` (fields already checked as numbers)."""
+
+    def values(name: str, default: float) -> list[float]:
+        value = config.get(name, default)
+        return [float(item) for item in (value if isinstance(value, list) else [value])]
+
+    rescale = float(config.get("rescale_factor", 1 / 255)) if config.get("do_rescale", True) else 1.0
+    if not config.get("do_normalize", True):
+        return 255 * rescale
+    try:
+        return (255 * rescale + max(abs(m) for m in values("image_mean", 0.5))) / min(values("image_std", 0.5))
+    except (OverflowError, ZeroDivisionError):
+        return float("inf")
 
 
 def image_processor(directory: Path) -> "tuple[Any, str] | None":
