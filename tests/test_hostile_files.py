@@ -283,3 +283,17 @@ def test_metadata_json_with_nan_or_infinity_is_refused(good, tiny):
         )
         result = run("convert", odd, "--model", "tiny:build", "--to", "plain", "-o", tiny / "o.safetensors")
         one_line_failure(result, 4, "metadata bnsurgeon.architecture is not valid JSON", f"{constant} is not a JSON")
+
+
+def test_a_safetensors_file_whose_name_is_not_utf8_is_named_as_the_problem(tmp_path):
+    """The safetensors library opens only UTF-8 paths: the file itself is fine, so the advice to re-download a
+    'truncated or corrupt' file misstated what is on disk. The name is the problem, and the message says so."""
+    import os
+
+    from safetensors.torch import save_file
+
+    name = os.fsdecode(b"weights\xff.safetensors")
+    save_file({"w": torch.zeros(2)}, str(tmp_path / name))
+    result = run("inspect", tmp_path / name, "--model", "resnet18")
+    one_line_failure(result, 4, "its name is not UTF-8", "rename the file")
+    assert "corrupt" not in result.output

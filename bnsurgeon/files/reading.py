@@ -165,6 +165,13 @@ def _read_safetensors(path: Path, mmap: bool) -> RawCheckpoint:
     from safetensors import SafetensorError, safe_open
 
     try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:  # safetensors opens paths as UTF-8 only: the name is at fault, not the file
+        raise CheckpointError(
+            f"{shown(str(path), 200)}: its name is not UTF-8, and the safetensors library opens only UTF-8 paths",
+            "rename the file (its contents were not read, and are not at fault)",
+        ) from None
+    try:
         with safe_open(str(path), framework="pt") as handle:  # validates the header and offsets
             metadata = handle.metadata() or {}
             header = _safetensors_header(path)
