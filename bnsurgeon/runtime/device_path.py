@@ -95,7 +95,6 @@ def forward(
     group,
     world_size: int,
     identity,
-    remember: bool,
     replay: bool,
 ):
     """(y, GlobalStats) of the synchronized batch norm of ``x`` (a CUDA tensor in its memory format).
@@ -103,7 +102,7 @@ def forward(
     ``momentum``: a float, or a device tensor holding the factor (``momentum=None``: the cumulative
     average, 1 / num_batches_tracked, never read on the host). ``replay`` (a checkpoint recompute)
     synchronizes again with the last call's header and leaves the running statistics alone: a device
-    layer stashes nothing (recompute.py), so ``remember`` has no effect here.
+    layer stashes nothing for a recompute (recompute.py).
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0

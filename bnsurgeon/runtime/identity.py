@@ -127,21 +127,28 @@ class LayerIdentity:
         """
         key = (device, stats_dtype, input_dtype, channels)
         header = self._headers.get(key)
-        if header is None or (advance and (device, stats_dtype) not in _STEPS):
-            if device_checks.capturing(device):
-                raise GraphCaptureError(
-                    f"bnsurgeon: sync layer '{self.name}' met a new input kind ({channels} channels, {input_dtype}) "
-                    "inside CUDA graph capture, where its device constants would be recorded instead of made; run "
-                    "one eager training step with the same inputs before capturing (torch.cuda.graph's warm-up)"
-                )
         if header is None:
+            self._refuse_inside_capture(device, f"a new input kind ({channels} channels, {input_dtype})")
             slots = [(self.id >> shift) & 0xFFFF for shift in (48, 32, 16, 0)]
             slots += [channels % _SLOT_LIMIT, _dtype_code(input_dtype), 0, FORWARD]
             header = filled_on_device(slots, stats_dtype, device)
             self._headers[key] = header
         if advance:
-            header.add_(_call_step(device, stats_dtype))
+            step = _STEPS.get((device, stats_dtype))
+            if step is None:
+                self._refuse_inside_capture(device, f"a new device or dtype ({device}, {stats_dtype})")
+                step = _call_step(device, stats_dtype)
+            header.add_(step)
         return header
+
+    def _refuse_inside_capture(self, device: torch.device, what: str) -> None:
+        """A device constant is about to be made: not inside CUDA graph capture, where it would be recorded."""
+        if device_checks.capturing(device):
+            raise GraphCaptureError(
+                f"bnsurgeon: sync layer '{self.name}' met {what} inside CUDA graph capture, where its device "
+                "constants would be recorded instead of made; run one eager training step with the same inputs "
+                "before capturing (torch.cuda.graph's warm-up)"
+            )
 
 
 def filled_on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

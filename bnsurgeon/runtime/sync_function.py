@@ -90,19 +90,20 @@ class SyncBatchNormFunction(torch.autograd.Function):
         # ``remember``: keep this forward's statistics for an activation-checkpointing recompute until
         # its backward runs (recompute.py). Inside a Function's forward grad mode is always off, so
         # this cannot tell a checkpointed forward from another: by default every synced forward is
-        # kept (at most STASH_LIMIT per layer), which is what recognises every checkpoint mode.
-        if remember is None:
-            remember = may_be_recomputed()
+        # kept (at most STASH_LIMIT per layer), which is what recognises every checkpoint mode. A device
+        # layer keeps nothing (recompute.py), so the question is only asked on the host path.
         ctx.identity = identity
         if uses_device_path(x):
             x = x.contiguous(memory_format=_memory_format(x))
             replay = identity is not None and recomputing()
             y, stats = device_path.forward(
-                x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity, remember, replay
+                x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity, replay
             )
             ctx.save_for_backward(x, weight, stats.mean, stats.invstd, stats.total)
             ctx.stats, ctx.group, ctx.on_device = stats, group, True
             return y
+        if remember is None:
+            remember = may_be_recomputed()
         with statistics_precision(x):
             y, saved_x, stats = sync_forward(
                 x, weight, bias, running_mean, running_var, eps, momentum, group, world_size, identity, remember
