@@ -357,12 +357,20 @@ def _patch_timm(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable
     def freeze_batch_norm_2d(module: Any) -> Any:
         return freeze_original(_as_timm_layers(module, timm_sync_act))
 
-    undo_convert = swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm, fresh=fresh)
-    undo_freeze = swap_function(module, "freeze_batch_norm_2d", freeze_batch_norm_2d, fresh=fresh)
+    return _swap_functions(
+        module,
+        {"convert_sync_batchnorm": convert_sync_batchnorm, "freeze_batch_norm_2d": freeze_batch_norm_2d},
+        fresh,
+    )
+
+
+def _swap_functions(home: ModuleType, replacements: dict[str, Callable], fresh: bool) -> Callable[[], None]:
+    """``swap_function`` for each name, in order; the undo puts them back in the reverse order."""
+    undos = [swap_function(home, name, replacement, fresh=fresh) for name, replacement in replacements.items()]
 
     def undo() -> None:
-        undo_freeze()
-        undo_convert()
+        for step in reversed(undos):
+            step()
 
     return undo
 
@@ -401,14 +409,11 @@ def _patch_mmengine(module: ModuleType, log: ConversionLog, fresh: bool) -> Call
         with _pass_through():
             return revert_original(module)
 
-    undo_convert = swap_function(module, "convert_sync_batchnorm", convert_sync_batchnorm, fresh=fresh)
-    undo_revert = swap_function(module, "revert_sync_batchnorm", revert_sync_batchnorm, fresh=fresh)
-
-    def undo() -> None:
-        undo_revert()
-        undo_convert()
-
-    return undo
+    return _swap_functions(
+        module,
+        {"convert_sync_batchnorm": convert_sync_batchnorm, "revert_sync_batchnorm": revert_sync_batchnorm},
+        fresh,
+    )
 
 
 #: module whose execution defines the converter -> how to replace it (given whether the module has just
