@@ -7,7 +7,11 @@ broadcast off on 2 CPU ranks whose data differ, and saves each rank's BN running
 and layer classes to OUT/SECTION.rankR.pt. The tests load this file as a module too, for the
 model, the data and the one-process reference.
 
-usage: case.py OUT SECTION...   (SECTION: torch, timm, lightning)
+usage: case.py OUT SECTION...   (SECTION: torch, timm, lightning, built)
+
+``built`` calls no converter: its models build torch's ``nn.SyncBatchNorm`` themselves, as OpenMMLab's registry
+(``norm_cfg=dict(type='SyncBN')``), detectron2's ``get_norm("SyncBN")`` and a model's own ``__init__`` do, one
+more is unpickled whole, and one trains without DDP; each optimizer is built before DDP wraps the model.
 
 Without torchrun, ``case.py OUT spawn lightning`` starts the ranks as users do without it: ``spawn``
 runs the torch section in 2 workers of the script's own ``torch.multiprocessing.spawn``, ``lightning``
@@ -151,6 +155,93 @@ def lightning_section(rank, world):
         "stats": statistics(module.net),
         "rank": trainer.global_rank,
     }
+
+
+#: a registry that captured the classes when the script was imported, as mmcv's MODELS registry does
+NORM_LAYERS = {"BN": nn.BatchNorm2d, "SyncBN": nn.SyncBatchNorm}
+
+
+def get_norm(norm, channels):
+    """detectron2's ``get_norm``: a name -> a norm layer built on the spot."""
+    return {"BN": nn.BatchNorm2d, "SyncBN": lambda c: nn.SyncBatchNorm(c)}[norm](channels)
+
+
+def norm_layer(how, channels):
+    if how == "constructor":
+        return nn.SyncBatchNorm(channels)
+    if how == "registry":
+        return NORM_LAYERS["SyncBN"](channels)
+    if how == "get_norm":
+        return get_norm("SyncBN", channels)
+    return nn.BatchNorm2d(channels)  # "plain": the one-process reference
+
+
+class Built(nn.Module):
+    """A model that builds its own norm layers (conv -> norm -> relu -> conv -> norm -> frozen BN)."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(3, 4, 3, bias=False)
+        self.bn1 = norm_layer(how, 4)
+        self.conv2 = nn.Conv2d(4, 4, 1)
+        self.bn2 = norm_layer(how, 4)
+        self.frozen = FrozenBatchNorm2d(4)
+
+    def forward(self, x):
+        return self.frozen(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+BUILT = ["constructor", "registry", "get_norm", "unpickled", "without_ddp"]
+
+
+def built_model(how):
+    if how == "unpickled":  # a whole module saved with torch.save and loaded back, as a script loads one
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(Built("constructor").double(), buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+    return Built("constructor" if how == "without_ddp" else how).double()
+
+
+def built_reference():
+    """One process, BatchNorm2d, the whole batch."""
+    model = Built("plain").double().train()
+    train(model, *data(), world=1)
+    return statistics(model)
+
+
+def built_section(rank, world):
+    results = {}
+    x, g = data()
+    for how in BUILT:
+        model = built_model(how)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)  # before DDP: it must keep training them
+        params = [id(p) for p in model.parameters()]
+        if how == "without_ddp":  # synchronized gradients by hand; the layers run under the process group
+            net = model
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            net = DistributedDataParallel(model, broadcast_buffers=False)
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            ((net(x[rank::world]) * g[rank::world]).sum() * world / N).backward()
+            if how == "without_ddp":
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            optimizer.step()
+        results[how] = {
+            "stats": statistics(model),
+            "layers": layers(model),
+            "isinstance": all(isinstance(m, nn.SyncBatchNorm) for m in (model.bn1, model.bn2)),
+            "same_params": params == [id(p) for p in model.parameters()],
+            "keys": sorted(model.state_dict()),
+        }
+    return results
 
 
 def spawn_worker(rank, out, port):

@@ -34,7 +34,8 @@ from bnsurgeon.runtime.layers import SyncBatchNorm, SyncBatchNormAct
 CASES = Path(__file__).with_name("_run_cases.py")
 ROOT = Path(__file__).resolve().parent.parent
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
-SECTIONS = ["torch", "timm"] + (["lightning"] if HAS_LIGHTNING else [])
+CONVERTERS = ["torch", "timm"] + (["lightning"] if HAS_LIGHTNING else [])
+SECTIONS = [*CONVERTERS, "built"]
 #: torchrun starts 3 interpreters that import torch (and Lightning): generous for a busy 2-core machine
 LAUNCH_TIMEOUT = 300
 
@@ -132,7 +133,7 @@ def test_processes_the_script_starts_inherit_the_converters(children_launched):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("section", SECTIONS)
+@pytest.mark.parametrize("section", CONVERTERS)
 def test_each_converter_trains_synchronized_and_exact(launched, section):
     """The ranks see different data and DDP does not broadcast buffers, so only synchronized BN makes
     their running statistics equal: bit-identical between ranks, and the whole batch's in one process."""
@@ -164,6 +165,7 @@ def test_rank_zero_prints_one_line_per_conversion_and_writes_reports(launched):
     expected = ["torch.nn.SyncBatchNorm.convert_sync_batchnorm at train.py", "timm.layers.convert_sync_batchnorm at"]
     if HAS_LIGHTNING:  # Lightning's apply is torch's classmethod; its revert after fit goes back to plain
         expected += ["torch.nn.SyncBatchNorm.convert_sync_batchnorm at layer_sync.py", "TorchSyncBatchNorm.revert"]
+    expected += [*["adopted at DistributedDataParallel at train.py:"] * 4, "adopted at their first forward"]
     assert len(lines) == len(expected), lines  # rank 0 only: two ranks would print each twice
     for line, text in zip(lines, expected):
         assert text in line
@@ -174,6 +176,42 @@ def test_rank_zero_prints_one_line_per_conversion_and_writes_reports(launched):
     assert documents[1]["source"].startswith("timm.layers.convert_sync_batchnorm")
     assert {c["from_class"].rsplit(".", 1)[1] for c in documents[0]["changed"]} == {"BatchNormAct2d", "BatchNorm2d"}
     assert [k["cls"].rsplit(".", 1)[1] for k in documents[0]["kept"]] == ["FrozenBatchNorm2d"]
+
+
+@pytest.mark.distributed
+def test_sync_batchnorm_a_model_builds_itself_trains_synchronized_and_exact(launched):
+    """No converter is called: torch's nn.SyncBatchNorm built by a constructor call, a registry that captured the
+    class on import (mmcv's), detectron2's get_norm, an unpickled module, and one trained without DDP. Each trains
+    as bnsurgeon's layer in place: ranks bit-identical, the whole batch's statistics in one process, the same
+    Parameter objects the optimizer was built with, torch's isinstance and state_dict keys. (Without the run
+    each stops at DDP, or at its first forward, with torch's 'SyncBatchNorm layers only work with GPU modules'.)"""
+    results, _, out = launched
+    case = _case()
+    reference = case["built_reference"]()
+    keys = sorted(case["Built"]("plain").state_dict())
+    for how in case["BUILT"]:
+        ranks = [results["built"][rank][how] for rank in range(2)]
+        for name, expected in reference.items():
+            assert torch.equal(ranks[0]["stats"][name], ranks[1]["stats"][name]), (how, name)
+            torch.testing.assert_close(ranks[0]["stats"][name], expected, rtol=1e-12, atol=1e-12, msg=(how, name))
+        assert ranks[0]["layers"] == ["SyncBatchNorm", "SyncBatchNorm", "FrozenBatchNorm2d"], how
+        assert ranks[0]["isinstance"] and ranks[0]["same_params"] and ranks[0]["keys"] == keys, how
+    count = len(list(out.glob("report*.json")))
+    documents = [json.loads((out / f"report{'' if n == 1 else f'.{n}'}.json").read_text()) for n in range(1, count + 1)]
+    adopted = [d for d in documents if "the model built" in d["source"]]
+    assert len(adopted) == 5
+    wrapped = adopted[0]
+    assert [c["path"] for c in wrapped["changed"]] == ["bn1", "bn2"]
+    assert {c["from_class"] for c in wrapped["changed"]} == {"torch.nn.modules.batchnorm.SyncBatchNorm"}
+    assert [c["cls"] for c in wrapped["kept"]] == ["torchvision.ops.misc.FrozenBatchNorm2d"]
+    built_at = [c["notes"][0] for d in adopted for c in d["changed"]]
+    assert built_at[:2] == [f"built at train.py:{_line_of('return nn.SyncBatchNorm(channels)')}"] * 2, built_at
+    assert built_at[4] == f"built at train.py:{_line_of('lambda c: nn.SyncBatchNorm(c)')}"  # get_norm's
+    assert built_at[6].startswith("unpickled or copied at train.py:"), built_at
+
+
+def _line_of(text: str) -> int:
+    return next(n for n, line in enumerate(CASES.read_text().splitlines(), 1) if text in line)
 
 
 def test_the_case_fails_without_the_patches():

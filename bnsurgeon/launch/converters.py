@@ -14,6 +14,10 @@ Lightning's ``TorchSyncBatchNorm.revert``,                 ``convert(module, "pl
                                                            original for any other SyncBatchNorm
 =========================================================  =============================================
 
+A model that builds torch's ``nn.SyncBatchNorm`` itself (a registry's ``'SyncBN'``, detectron2's ``get_norm``,
+its own ``__init__``) calls no converter: torch's class and DDP's check adopt those layers in place
+(``built.py``), patched here with torch's classmethod.
+
 Only what the original would convert is converted: each replacement runs the surgery with a
 registry in which the classes the original leaves alone are kept (torch's, timm's and
 mmengine's converters take ``_BatchNorm`` subclasses: frozen BN stays frozen; the reverts take
@@ -29,122 +33,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
-import os
 import sys
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
+from bnsurgeon.core.after_import import after_import
 from bnsurgeon.core.errors import BnSurgeonError
+from bnsurgeon.launch import built
+from bnsurgeon.launch.log import ConversionLog, called_at
 
-if TYPE_CHECKING:
-    from bnsurgeon.surgery.report import Report
+__all__ = ["PATCHES", "ConversionLog", "install", "patched_converters", "swap_function"]
 
 TORCH = "torch.nn.SyncBatchNorm.convert_sync_batchnorm"
 TIMM = "timm.layers.convert_sync_batchnorm"
 LIGHTNING_REVERT = "Lightning TorchSyncBatchNorm.revert"
 MMENGINE = "mmengine.model.utils.convert_sync_batchnorm"
 MMENGINE_REVERT = "mmengine.model.utils.revert_sync_batchnorm"
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-@dataclass
-class Conversion:
-    """One call of a converter: which, from where, and the surgery's report."""
-
-    converter: str
-    called_at: str
-    report: "Report"
-
-
-@dataclass
-class ConversionLog:
-    """The options every replaced converter uses, and what the calls did.
-
-    ``refusal`` is the error a replaced converter raised (an unhandled BN-like class, an
-    uninitialized lazy BN): the runner tells it from the script's own exceptions by identity.
-    """
-
-    allow_unhandled: bool = False
-    report_path: Path | None = None
-    quiet: bool = False
-    conversions: list[Conversion] = field(default_factory=list)
-    refusal: BnSurgeonError | None = None
-
-    def record(self, converter: str, called_at: str, report: "Report") -> None:
-        """Keep the call; on rank 0, print its summary line and write its report."""
-        from bnsurgeon import __version__
-
-        report.source = f"{converter} at {called_at}"
-        report.tool_version = report.tool_version or __version__
-        conversion = Conversion(converter, called_at, report)
-        self.conversions.append(conversion)
-        if rank() != 0:
-            return
-        if not self.quiet:
-            print(summary(conversion), file=sys.stderr, flush=True)
-        if self.report_path is not None:
-            from bnsurgeon.files.safewrite import write_files
-
-            path = next_free(self.report_path)
-            text = report.to_json() + "\n"
-            write_files({path: lambda temp: temp.write_text(text)}, force=True)
-
-
-def numbered(path: Path, count: int) -> Path:
-    """``--report run.json``: the first conversion's report there, the second's in ``run.2.json``, ..."""
-    return path if count == 1 else path.with_name(f"{path.stem}.{count}{path.suffix}")
-
-
-def next_free(path: Path) -> Path:
-    """The first of PATH, NAME.2.json, ... that does not exist: the run removed (or refused) the earlier run's
-    before the script started, so those that exist are this run's, written by this process or by another
-    one of the run (a spawned rank 0, Lightning's), which keeps no count in common with this one."""
-    count = 1
-    while os.path.lexists(numbered(path, count)):
-        count += 1
-    return numbered(path, count)
-
-
-def summary(conversion: Conversion) -> str:
-    """The one line rank 0 prints for a conversion (a file name's control characters escaped)."""
-    from bnsurgeon.core.layout import counted, printable
-    from bnsurgeon.surgery.report import short
-
-    report = conversion.report
-    classes = ", ".join(
-        f"{short(source)} -> {short(target)} {count}" for (source, target), count in report.class_changes().items()
-    )
-    what = "to bnsurgeon's exact sync BN" if report.target == "sync" else "back to their original classes"
-    return printable(
-        f"bnsurgeon run: {conversion.converter} at {conversion.called_at}: "
-        f"{counted(len(report.changed), 'module')} {what}" + (f" ({classes})" if classes else "") + f"; "
-        f"{len(report.kept)} kept, {len(report.unhandled)} unhandled"
-    )
-
-
-def rank() -> int:
-    """This process's rank: the default group's when it exists, else torchrun's RANK, else 0."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
-def called_at() -> str:
-    """``file:line`` of the first caller outside bnsurgeon (the script, or the framework that converts)."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame = frame.f_back
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def _scoped_registry(target: str, converts: Callable[[Any], bool], reason: str) -> Any:
@@ -326,6 +231,7 @@ def swap_function(home: ModuleType, name: str, replacement: Callable, *, fresh: 
 
 
 def _patch_torch(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
+    """torch's classmethod; and torch's class adopts the layers a model builds itself (built.py)."""
     sync_class = module.SyncBatchNorm
     original = sync_class.__dict__["convert_sync_batchnorm"]
     batch_norm = module._BatchNorm
@@ -336,7 +242,17 @@ def _patch_torch(module: ModuleType, log: ConversionLog, fresh: bool) -> Callabl
 
     functools.update_wrapper(convert_sync_batchnorm, original.__func__)
     sync_class.convert_sync_batchnorm = classmethod(convert_sync_batchnorm)
-    return lambda: setattr(sync_class, "convert_sync_batchnorm", original)
+    undo_built = built.patch_sync_class(module, log)
+
+    def undo() -> None:
+        undo_built()
+        sync_class.convert_sync_batchnorm = original
+
+    return undo
+
+
+def _patch_ddp(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
+    return built.patch_ddp(module, log)
 
 
 def _batch_norm_class() -> type:
@@ -420,60 +336,12 @@ def _patch_mmengine(module: ModuleType, log: ConversionLog, fresh: bool) -> Call
 #: executed; returns how to undo it)
 PATCHES: dict[str, Callable[[ModuleType, ConversionLog, bool], Callable[[], None]]] = {
     "torch.nn.modules.batchnorm": _patch_torch,
+    "torch.nn.parallel.distributed": _patch_ddp,
     "timm.layers.norm_act": _patch_timm,
     "lightning.pytorch.plugins.layer_sync": _patch_lightning,
     "pytorch_lightning.plugins.layer_sync": _patch_lightning,
     "mmengine.model.utils": _patch_mmengine,
 }
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    """The module's own loader, then the patch; the module keeps its own loader afterwards."""
-
-    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]) -> None:
-        self._loader = loader
-        self._patch = patch
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        module.__loader__ = self._loader
-        self._loader.exec_module(module)
-        self._patch(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_data, is_package, ...: the real loader's
-        return getattr(self._loader, name)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds the converters' modules with the other finders, and patches each once it has executed."""
-
-    def __init__(self, patch: Callable[[str, ModuleType], None], names: Sequence[str]) -> None:
-        self._patch = patch
-        self._names = frozenset(names)
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        searching = _local.__dict__.setdefault("searching", set())
-        if fullname not in self._names or (id(self), fullname) in searching:
-            return None
-        searching.add((id(self), fullname))  # another run's finder (a run_script inside a run) asks this one too
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-            else:
-                return None
-        finally:
-            searching.discard((id(self), fullname))
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader, functools.partial(self._patch, fullname))
-        return spec
 
 
 def install(log: ConversionLog) -> Callable[[], None]:
@@ -487,15 +355,10 @@ def install(log: ConversionLog) -> Callable[[], None]:
             done.add(name)
             undo.append(PATCHES[name](module, log, fresh))
 
-    finder = _PatchOnImport(patch, list(PATCHES))
-    sys.meta_path.insert(0, finder)
-    for name in PATCHES:
-        if name in sys.modules:
-            patch(name, sys.modules[name], fresh=False)
+    stop_watching = after_import(list(PATCHES), patch, already=functools.partial(patch, fresh=False))
 
     def restore() -> None:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
+        stop_watching()
         for step in reversed(undo):
             step()
 

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from bnsurgeon.core.errors import OutputError, UsageError
-from bnsurgeon.launch.converters import ConversionLog, install, rank
+from bnsurgeon.launch.converters import install
+from bnsurgeon.launch.log import ConversionLog, rank
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _RUNPY = os.path.abspath(runpy.__file__)

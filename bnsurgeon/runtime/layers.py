@@ -23,6 +23,7 @@ from torch import nn
 from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, attach_stats, read_fields
 from bnsurgeon.runtime import replicas
 from bnsurgeon.runtime.identity import LayerIdentity, default_name
+from bnsurgeon.runtime.outside_compile import outside_compile
 from bnsurgeon.runtime.recompute import recomputing
 from bnsurgeon.runtime.sync_function import SyncBatchNormFunction, cumulative_factor
 
@@ -35,15 +36,6 @@ def _describe_group(group) -> str:
         return f"the process group of ranks {dist.get_process_group_ranks(group)}"
     except Exception:  # not initialized here, or an older torch
         return "a process group other than the default one"
-
-
-def _outside_compile(reason: str):
-    """``torch.compiler.disable`` with the reason dynamo quotes when it refuses the break
-    (the ``reason`` argument is newer than torch 2.4, the oldest torch supported)."""
-    try:
-        return torch.compiler.disable(reason=reason)
-    except TypeError:
-        return torch.compiler.disable
 
 
 def _norm_act_children(module: nn.Module, act_layer, act_kwargs, apply_act: bool, inplace: bool, drop_layer) -> None:
@@ -73,7 +65,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     #: True on the copies nn.DataParallel makes each forward (torch's replicate sets it on the copy)
     _is_replica = False
     __jit_unused_properties__ = ["layer_name"]
-    __jit_ignored_attributes__ = ["bnsurgeon_origin", "_identity", "_pickled_group"]
+    __jit_ignored_attributes__ = ["bnsurgeon_origin", "_identity", "_pickled_group", "_adopted_from"]
 
     def __init__(
         self,
@@ -119,6 +111,32 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         from bnsurgeon.surgery.walk import convert
 
         return convert(module, "sync", process_group=process_group, inplace=True).model
+
+    @classmethod
+    def adopt(cls, module: nn.Module, name: Optional[str] = None) -> "SyncBatchNorm":
+        """``module``, a torch ``nn.SyncBatchNorm`` (or a subclass converted as torch's), made this class in place.
+
+        The same object: its Parameters (an optimizer built before keeps training them), buffers,
+        ``state_dict`` keys, hooks, ``requires_grad`` and training flag are untouched, and
+        ``isinstance(module, nn.SyncBatchNorm)`` stays true. It pickles as the class it was built as
+        (``__reduce_ex__``), so a whole model saved while it trains loads without bnsurgeon.
+        """
+        origin = type(module)
+        module.__class__ = cls
+        module.bnsurgeon_origin = f"{origin.__module__}.{origin.__qualname__}"
+        module._adopted_from = origin
+        module._pickled_group = None
+        module._identity = LayerIdentity(name or default_name(cls.__name__, module.num_features))
+        return module  # type: ignore[return-value]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """An adopted layer pickles as the class it was built as, with that class's own attributes."""
+        origin = self.__dict__.get("_adopted_from")
+        if origin is None:
+            return super().__reduce_ex__(protocol)
+        ours = ("_adopted_from", "_identity", "_pickled_group", "bnsurgeon_origin")
+        state = {key: value for key, value in self.__dict__.items() if key not in ours}
+        return (object.__new__, (origin,), state)
 
     def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
         """A deep copy (timm's ModelEma, swa_utils) shares the process group instead of pickling it."""
@@ -232,18 +250,14 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         return y
 
     @torch.jit.unused
-    @_outside_compile(
-        "bnsurgeon: a sync batch norm layer whose local batch is empty runs eagerly (traced, its collectives "
-        "would carry no data dependency and inductor would drop and reorder them); compile without "
-        "fullgraph=True, or give every rank at least one sample"
-    )
     def _normalize_eagerly(self, x: torch.Tensor) -> torch.Tensor:
         """An empty batch under ``torch.compile``: the eager layer, outside the graph (a graph break).
 
         Traced math on zero-element tensors carries no data dependency, so inductor dropped
         and reordered the collectives of a rank whose batch is empty, and the ranks deadlocked
         or mismatched; run eagerly, the layer issues them in program order. With
-        ``fullgraph=True`` dynamo refuses the break, quoting the reason below.
+        ``fullgraph=True`` dynamo refuses the break, quoting the reason given to ``outside_compile`` below
+        the class (marked once dynamo is imported: outside_compile.py).
         """
         return self._normalize(x)
 
@@ -316,6 +330,15 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         if fields.track_running_stats:
             attach_stats(new, fields, with_counter=True)
         new.bnsurgeon_origin = fields.origin
+
+
+outside_compile(
+    SyncBatchNorm,
+    "_normalize_eagerly",
+    "bnsurgeon: a sync batch norm layer whose local batch is empty runs eagerly (traced, its collectives "
+    "would carry no data dependency and inductor would drop and reorder them); compile without "
+    "fullgraph=True, or give every rank at least one sample",
+)
 
 
 class SyncBatchNormAct(SyncBatchNorm):

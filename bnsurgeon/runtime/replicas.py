@@ -59,6 +59,7 @@ from bnsurgeon.core.errors import (
 )
 from bnsurgeon.runtime.device_checks import device_assert, short_name
 from bnsurgeon.runtime.kernels import GenericKernels
+from bnsurgeon.runtime.outside_compile import outside_compile
 from bnsurgeon.runtime.recompute import may_be_recomputed, recomputing
 from bnsurgeon.runtime.sync_function import (
     cumulative_factor,
@@ -81,14 +82,6 @@ _COMPILE_REASON = (
     "eagerly, outside the graph; compile without fullgraph=True, or train with torchrun + "
     "DistributedDataParallel (one process per GPU), whose sync path compiles whole"
 )
-
-
-def _outside_compile(function):
-    """``torch.compiler.disable`` with the reason dynamo quotes (older torch takes no reason)."""
-    try:
-        return torch.compiler.disable(function, reason=_COMPILE_REASON)
-    except TypeError:
-        return torch.compiler.disable(function)
 
 
 class _Meeting:
@@ -303,7 +296,6 @@ def _refuse_inside_distributed_job(module: nn.Module, name: str) -> None:
         )
 
 
-@_outside_compile
 def normalize_replica(module: "SyncBatchNorm", x: torch.Tensor) -> torch.Tensor:
     """Train-mode forward of a DataParallel replica of a sync layer: statistics of the whole batch."""
     name = module.layer_name
@@ -431,3 +423,6 @@ class ReplicaSyncFunction(torch.autograd.Function):
         grad_weight = sum_dy_xhat.to(param_dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(param_dtype) if ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+outside_compile(sys.modules[__name__], "normalize_replica", _COMPILE_REASON)

@@ -1,0 +1,195 @@
+"""``bnsurgeon run`` and the torch ``nn.SyncBatchNorm`` layers a model builds itself (launch/built.py).
+
+The 2-rank exactness of every way of building them is in test_run.py's one torchrun launch (section
+``built``); these run in the test process: one process without a process group (torch's layer is plain BN
+there, bit for bit, and stays torch's), and a world of one gloo rank, where torch's layer refuses CPU
+tensors at DDP and bnsurgeon adopts it, refuses what it cannot adopt, and keeps what frameworks rely on.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from typer.testing import CliRunner
+
+from bnsurgeon.cli.commands import app
+from bnsurgeon.launch.converters import patched_converters
+from bnsurgeon.launch.log import ConversionLog
+from bnsurgeon.launch.script import put_back
+from bnsurgeon.runtime.layers import SyncBatchNorm
+from tests._dist import free_port
+
+CASES = Path(__file__).with_name("_run_cases.py")
+
+
+def _case():
+    import runpy
+
+    return runpy.run_path(str(CASES), run_name="run_cases")
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one rank in this process, destroyed afterwards."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        put_back()
+
+
+def test_without_a_process_group_the_built_layers_stay_torchs_and_train_as_plain_bn():
+    """One process, no torchrun (the configs users edit today): bit-identical to the model built with BatchNorm2d,
+    outputs, gradients and statistics, and nothing adopted or said."""
+    case = _case()
+    x, g = case["data"]()
+    log = ConversionLog(quiet=True)
+    with patched_converters(log):
+        for how in ["constructor", "registry", "get_norm"]:  # (unpickled: its class is not importable here)
+            runs = []
+            for model in (case["built_model"](how).train(), case["Built"]("plain").double().train()):
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                outputs = []
+                for _ in range(2):
+                    optimizer.zero_grad()
+                    y = model(x)
+                    (y * g).sum().backward()
+                    optimizer.step()
+                    outputs.append(y.detach())
+                runs.append((outputs, model.state_dict()))
+            (built_out, built_state), (plain_out, plain_state) = runs
+            assert all(torch.equal(a, b) for a, b in zip(built_out, plain_out)), how
+            assert built_state.keys() == plain_state.keys()
+            assert all(torch.equal(built_state[k], plain_state[k]) for k in plain_state), how
+            assert type(case["built_model"](how).bn1) is nn.SyncBatchNorm
+    assert log.conversions == []
+
+
+DDP_SCRIPT = """
+    import sys
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    class MyBN(nn.BatchNorm2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    class OwnForward(nn.SyncBatchNorm):
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    extra = {"unhandled": MyBN(4), "own_forward": OwnForward(4), "none": nn.Identity()}[sys.argv[2]]
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.SyncBatchNorm(4), extra)
+    ddp = DistributedDataParallel(model)
+    ddp(torch.randn(2, 3, 4, 4)).sum().backward()
+    open(sys.argv[1], "w").write(type(model[1]).__module__)
+"""
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ("unhandled", ["no rule for", "2 (", "MyBN", "--allow-unhandled"]),
+        ("own_forward", ["no rule for", "OwnForward"]),
+    ],
+)
+def test_a_class_that_cannot_train_as_ours_stops_the_run_at_ddp(tmp_path, world_of_one, extra, words):
+    """A BN class no rule claims beside a built SyncBatchNorm, or a SyncBatchNorm subclass with a forward of its
+    own, stops the script where DDP wraps the model, in one line (exit 7), before it trains."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(DDP_SCRIPT))
+    marker = tmp_path / "trained"
+    result = CliRunner().invoke(app, ["run", str(script), str(marker), extra])
+    assert result.exit_code == 7, result.output
+    assert "adopted at DistributedDataParallel (at train.py:" in result.output, result.output
+    for word in words:
+        assert word in result.output, (word, result.output)
+    assert "Traceback" not in result.output and not marker.exists()
+
+
+def test_a_subclass_whose_rule_builds_a_new_module_is_refused_not_adopted(monkeypatch):
+    """A rule that claims a SyncBatchNorm subclass with a builder of its own cannot be honoured in place: the run
+    refuses it (exit 7, the fix named) rather than running that class's layers as bnsurgeon's."""
+    from bnsurgeon.core.errors import UnhandledModuleError
+    from bnsurgeon.launch import built
+    from bnsurgeon.rules import Registry, Rule, builtin_rules
+    from bnsurgeon.rules.builders import to_frozen, to_plain
+
+    class Custom(nn.SyncBatchNorm):
+        pass
+
+    rule = Rule("custom", (Custom,), {"sync": lambda m, c: m, "plain": to_plain, "frozen": to_frozen})
+    monkeypatch.setattr("bnsurgeon.surgery.walk.default_registry", lambda: Registry([*builtin_rules(), rule]))
+    log = ConversionLog(quiet=True)
+    model = nn.Sequential(nn.SyncBatchNorm(2), Custom(2))
+    with pytest.raises(UnhandledModuleError, match="1 \\(.*Custom") as raised:
+        built.adopt_model(log, model, "train.py:3")
+    assert "to_sync" in raised.value.hint and log.refusal is raised.value
+    assert type(model[0]) is nn.SyncBatchNorm  # nothing changed
+
+
+def test_a_world_of_one_trains_with_the_adopted_layer(tmp_path, world_of_one):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(DDP_SCRIPT))
+    marker = tmp_path / "trained"
+    result = CliRunner().invoke(app, ["run", str(script), str(marker), "none"])
+    assert result.exit_code == 0, result.output
+    assert marker.read_text() == "bnsurgeon.runtime.layers"
+    assert "adopted at DistributedDataParallel at train.py:" in result.output
+
+
+CALLS: list[int] = []
+
+
+def _count_call(*_: object) -> None:
+    CALLS.append(1)
+
+
+def test_an_adopted_layer_is_the_same_object_and_pickles_as_torchs_class():
+    """Adoption keeps the object, its Parameters, buffers, hooks, requires_grad and keys; a whole model saved
+    while it trains pickles torch's class (it loads without bnsurgeon); a deep copy (an EMA) stays adopted."""
+    torch.manual_seed(0)
+    layer = nn.SyncBatchNorm(3)
+    layer.weight.requires_grad_(False)
+    CALLS.clear()
+    layer.register_forward_hook(_count_call)
+    weight, mean, keys = layer.weight, layer.running_mean, list(layer.state_dict())
+    adopted = SyncBatchNorm.adopt(layer, name="bn")
+    assert adopted is layer and isinstance(layer, nn.SyncBatchNorm) and type(layer) is SyncBatchNorm
+    assert layer.weight is weight and layer.running_mean is mean and list(layer.state_dict()) == keys
+    assert not layer.weight.requires_grad
+    layer(torch.randn(4, 3, 2, 2))
+    assert CALLS == [1]
+    data = pickle.dumps(layer)
+    assert b"bnsurgeon" not in data
+    back = pickle.loads(data)
+    assert type(back) is nn.SyncBatchNorm and torch.equal(back.running_mean, layer.running_mean)
+    buffer = io.BytesIO()
+    torch.save(nn.Sequential(layer), buffer)
+    assert b"bnsurgeon" not in buffer.getvalue()
+    import copy
+
+    assert type(copy.deepcopy(layer)) is SyncBatchNorm
+
+
+def test_lightnings_revert_treats_an_adopted_layer_as_torchs():
+    """After fit, Lightning's revert turns every nn.SyncBatchNorm into _BatchNormXd: an adopted layer too, as
+    the original does with the layer the model built (the same Parameters)."""
+    pytest.importorskip("lightning", reason="Lightning is in the test extra; absent here")
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.SyncBatchNorm(4))
+    weight = model[1].weight
+    SyncBatchNorm.adopt(model[1])
+    with patched_converters(ConversionLog(quiet=True)):
+        reverted = TorchSyncBatchNorm().revert(model)
+    assert type(reverted[1]).__name__ == "_BatchNormXd" and reverted[1].weight is weight
