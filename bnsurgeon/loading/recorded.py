@@ -151,11 +151,12 @@ def _architecture(raw: RawCheckpoint) -> Architecture:
 
 def known_classes() -> set[str]:
     """Every class a rule claims, and every class bnsurgeon's targets produce."""
-    from bnsurgeon.rules import default_registry
+    from bnsurgeon.rules import builtin_rules, default_registry
     from bnsurgeon.runtime import FrozenBatchNorm, FrozenBatchNormAct, SyncBatchNorm, SyncBatchNormAct
 
     produced = {qualname(cls) for cls in (SyncBatchNorm, SyncBatchNormAct, FrozenBatchNorm, FrozenBatchNormAct)}
-    return produced | {qualname(cls) for rule in default_registry() for cls in rule.classes}
+    claimed = [*builtin_rules(), *default_registry()]  # the built-ins whether or not timm is imported yet
+    return produced | {qualname(cls) for rule in claimed for cls in rule.classes}
 
 
 def recorded_weights(raw: RawCheckpoint) -> str:

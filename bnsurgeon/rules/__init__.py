@@ -7,6 +7,9 @@ or a zero-argument callable returning either.
 
 from __future__ import annotations
 
+import sys
+from typing import Callable
+
 from bnsurgeon.rules.base import ENTRY_POINT_GROUP, FROZEN_POLICIES, TARGETS, BuildContext, Registry, Rule, check_target
 from bnsurgeon.rules.builders import (
     keep_if,
@@ -45,9 +48,37 @@ _optional_loaded: set[str] = set()
 
 
 def builtin_rules() -> list[Rule]:
+    """Every built-in rule (imports timm and torchvision for theirs)."""
+    from bnsurgeon.rules import frozen, norm_act, torch_bn
+
+    return [
+        *torch_bn.rules(),
+        *norm_act.timm_rules(),
+        *norm_act.rules(),
+        *frozen.rules(),
+        *frozen.torchvision_rules(),
+        *frozen.timm_rules(),
+    ]
+
+
+def _core_rules() -> list[Rule]:
+    """The built-in rules for torch's and bnsurgeon's classes: what needs no other package."""
     from bnsurgeon.rules import frozen, norm_act, torch_bn
 
     return [*torch_bn.rules(), *norm_act.rules(), *frozen.rules()]
+
+
+def _package_rules() -> list[tuple[str, str, "Callable[[], list[Rule]]"]]:
+    """(module that defines the classes, a name for the family, its rules) of the built-in rules for timm's and
+    torchvision's classes: they join the default registry once that module is imported, so a process that never
+    imports timm (a script under bnsurgeon run) does not pay for it, and no instance of them can exist before."""
+    from bnsurgeon.rules import frozen, norm_act
+
+    return [
+        (norm_act.TIMM_MODULE, "timm-act", norm_act.timm_rules),
+        (frozen.TORCHVISION_MODULE, "torchvision-frozen", frozen.torchvision_rules),
+        (frozen.TIMM_MODULE, "timm-frozen", frozen.timm_rules),
+    ]
 
 
 def _as_rules(value, origin: str) -> list[Rule]:
@@ -182,18 +213,24 @@ def confirm_rules(recorded, origin: str) -> None:
 def default_registry() -> Registry:
     """The process-wide registry: built-ins, then entry-point rules (which may replace them).
 
-    Rules for OpenMMLab's and Lightning's classes join as soon as those packages are
-    imported (checked on every call: a dict lookup per package).
+    Rules for timm's, torchvision's, OpenMMLab's and Lightning's classes join as soon as
+    those packages are imported (checked on every call: a dict lookup per package).
     """
     global _default
     if _default is None:
-        registry = Registry(builtin_rules())
+        registry = Registry(_core_rules())
         for rule in _entry_point_rules():
             registry.register(rule, replace=True)
         _default = registry
     from bnsurgeon.rules import openmmlab, transformers_bn
 
-    for rule in [*openmmlab.imported_rules(_optional_loaded), *transformers_bn.imported_rules(_optional_loaded)]:
+    joining = []
+    for module_name, family, rules in _package_rules():
+        if module_name in sys.modules and family not in _optional_loaded:
+            _optional_loaded.add(family)
+            joining += rules()
+    joining += [*openmmlab.imported_rules(_optional_loaded), *transformers_bn.imported_rules(_optional_loaded)]
+    for rule in joining:
         if all(_default.lookup(cls) is None for cls in rule.classes):
             _default.register(rule)
     return _default

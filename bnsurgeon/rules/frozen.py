@@ -35,33 +35,43 @@ def rules() -> list[Rule]:
         _frozen_rule("bnsurgeon-frozen", FrozenBatchNorm, "bnsurgeon FrozenBatchNorm", act=False),
         _frozen_rule("bnsurgeon-frozen-act", FrozenBatchNormAct, "bnsurgeon FrozenBatchNormAct", act=True),
     ]
-    # torchvision's and timm's frozen classes compute x*scale+shift: eval is close, not bitwise
+    return result
+
+
+#: the modules that define torchvision's and timm's frozen classes: their rules join the default registry once
+#: each is imported
+TORCHVISION_MODULE = "torchvision.ops.misc"
+TIMM_MODULE = "timm.layers.norm_act"
+
+
+# torchvision's and timm's frozen classes compute x*scale+shift: eval is close, not bitwise
+def torchvision_rules() -> list[Rule]:
     try:
         from torchvision.ops.misc import FrozenBatchNorm2d
-
-        result.append(
-            _frozen_rule(
-                "torchvision-frozen",
-                FrozenBatchNorm2d,
-                "torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)",
-                act=False,
-                exact=False,
-            )
-        )
     except ImportError:
-        pass
+        return []
+    return [
+        _frozen_rule(
+            "torchvision-frozen",
+            FrozenBatchNorm2d,
+            "torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)",
+            act=False,
+            exact=False,
+        )
+    ]
+
+
+def timm_rules() -> list[Rule]:
     try:
         from timm.layers import FrozenBatchNormAct2d
-
-        result.append(
-            _frozen_rule(
-                "timm-frozen-act",
-                FrozenBatchNormAct2d,
-                "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)",
-                act=True,
-                exact=False,
-            )
-        )
     except ImportError:
-        pass
-    return result
+        return []
+    return [
+        _frozen_rule(
+            "timm-frozen-act",
+            FrozenBatchNormAct2d,
+            "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)",
+            act=True,
+            exact=False,
+        )
+    ]
