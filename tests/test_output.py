@@ -476,12 +476,12 @@ def test_rules_imports_neither_torch_nor_timm():
 
 
 def test_the_static_rule_table_is_the_registry():
+    import timm.layers  # noqa: F401  (their rules join the registry once imported)
+    import torchvision.ops.misc  # noqa: F401
+
     from bnsurgeon.cli.catalog import BUILTIN_RULES, ENTRY_POINT_GROUP, registry_rows
     from bnsurgeon.rules import Registry, _named_specs, base, builtin_rules, default_registry
     from bnsurgeon.rules.openmmlab import OPTIONAL_CLASSES
-
-    import timm.layers  # noqa: F401  (their rules join the registry once imported)
-    import torchvision.ops.misc  # noqa: F401
 
     assert ENTRY_POINT_GROUP == base.ENTRY_POINT_GROUP
     # rules that join only once mmengine/Lightning are imported, or that a test named with --rules,

@@ -23,18 +23,33 @@ def check_factory_spec(spec: str) -> None:
         )
 
 
-def import_named_module(spec: str):
+def import_named_module(spec: str, directory: str | None = None):
     """(module, attribute name) of a ``package.module:name`` the user named; the working directory
     is importable too, as for ``python -m``. Raises ImportError for the caller to word: a module that
-    calls ``sys.exit`` or raises anything while it is imported too (the user's code failed, not bnsurgeon)."""
-    import importlib
+    calls ``sys.exit`` or raises anything while it is imported too (the user's code failed, not bnsurgeon).
+    ``directory``: import from there instead, only while importing (``sys.path`` is left as it was)."""
     import sys
     from pathlib import Path
 
     module_name, _, attribute = spec.partition(":")
+    if directory is not None:
+        added = directory not in sys.path
+        if added:
+            sys.path.insert(0, directory)
+        try:
+            return _imported(module_name, attribute)
+        finally:
+            if added and directory in sys.path:
+                sys.path.remove(directory)
     USER_DIRECTORIES.add(str(Path.cwd()))
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
+    return _imported(module_name, attribute)
+
+
+def _imported(module_name: str, attribute: str):
+    import importlib
+
     try:
         return importlib.import_module(module_name), attribute
     except SystemExit as stop:  # exit 0 would read as success: a check passed, a file written, when none was

@@ -68,16 +68,16 @@ def patch_sync_class(batchnorm: ModuleType, log: ConversionLog) -> Callable[[], 
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        if _foreign(self):
+        if log.active and _foreign(self):
             _remembered[self] = f"built at {called_at(*skipped)}"
 
     def __setstate__(self: Any, state: dict) -> None:
         super(cls, self).__setstate__(state)
-        if _foreign(self):
+        if log.active and _foreign(self):
             _remembered[self] = f"unpickled or copied at {called_at(*skipped)}"
 
     def adopting_forward(self: Any, input: Any) -> Any:
-        if not (_foreign(self) and _group_exists()):
+        if not (log.active and _foreign(self) and _group_exists()):
             return forward(self, input)
         adopt_remembered(log, self, called_at(*skipped))
         return self.forward(input)
@@ -108,7 +108,7 @@ def patch_ddp(distributed: ModuleType, log: ConversionLog) -> Callable[[], None]
     skipped = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(str(distributed.__file__))))) + os.sep,)
 
     def passing_sync_batchnorm_handle(self: Any, module: Any) -> Any:
-        if _holds_foreign_sync(module):
+        if log.active and _holds_foreign_sync(module):
             adopt_model(log, module, called_at(*skipped))
         # torch's check refuses every SyncBatchNorm on CPU, bnsurgeon's too: it sees what remains foreign
         return check(self, module) if check is not None and _holds_foreign_sync(module) else None

@@ -4,26 +4,70 @@ Lightning's ``Trainer(devices=N)`` without torchrun starts ranks 1.. as ``python
 launcher), ``strategy="ddp_spawn"`` and a script's own ``torch.multiprocessing.spawn`` start fresh
 interpreters: none of them runs ``bnsurgeon run``, so each would get torch's converter while rank 0 has
 bnsurgeon's (on CPU a ValueError; on GPU mixed layers, a hang or wrong statistics). While a script runs,
-``bnsurgeon run`` sets ``BNSURGEON_RUN`` (the run's settings, as JSON) and puts ``_child/`` first on
-``PYTHONPATH``; its ``sitecustomize.py`` runs in every Python process started with that environment, calls
-``start_child`` when the variable is set, and then runs any ``sitecustomize`` of the user's that it hides.
-A child that cannot install the replacements stops at start-up with one line, never trains with a mix.
+``bnsurgeon run`` sets ``BNSURGEON_RUN`` (the run's settings, as JSON), and a start hook in the
+interpreter's own site-packages (``bnsurgeon-run.pth``, written there once, inert without the variable)
+calls ``start_child`` in every process of that interpreter: other interpreters (the system ``python3``, a
+tool's own venv) never see it, and run exactly as under python. Where site-packages cannot be written, the
+older bootstrap is used: ``_child/`` first on ``PYTHONPATH``, whose ``sitecustomize.py`` does the same and
+then runs any ``sitecustomize`` of the user's that it hides.
+
+``start_child`` imports no torch: the converters are replaced the moment torch (timm, Lightning, mmengine)
+is imported, and ``--rules`` load then, from the directory the run loaded them from. A child that cannot do
+the run's conversion stops with one line, never trains with a mix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, Sequence
 
+from bnsurgeon.core.after_import import after_import
 from bnsurgeon.launch.converters import ConversionLog, install
+from bnsurgeon.launch.log import say
 
 #: the run's settings, for the Python processes the script starts
 ENV = "BNSURGEON_RUN"
 #: the directory whose sitecustomize.py starts them
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child")
+
+
+#: the start hook's file and its one line (site runs a .pth line that starts with "import")
+START_HOOK = "bnsurgeon-run.pth"
+HOOK_LINE = f"import os; os.environ.get({ENV!r}) and __import__('bnsurgeon.launch._child.start')\n"
+
+
+def start_hook_directory() -> Path | None:
+    """Where this interpreter's processes find the start hook: its own site-packages (written there if it is not
+    yet); None where that cannot be written (the PYTHONPATH bootstrap is used then)."""
+    import site
+    import sysconfig
+    import tempfile
+
+    directory = Path(sysconfig.get_paths()["purelib"])
+    processed = {os.path.realpath(entry) for entry in site.getsitepackages()}
+    if os.path.realpath(directory) not in processed:
+        return None
+    hook = directory / START_HOOK
+    try:
+        if hook.is_file() and hook.read_text(encoding="utf-8") == HOOK_LINE:
+            return directory
+        handle, temp = tempfile.mkstemp(dir=directory, prefix=".bnsurgeon-run-", suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as file:
+                file.write(HOOK_LINE)
+            os.chmod(temp, 0o644)
+            os.replace(temp, hook)
+        finally:
+            if os.path.lexists(temp):
+                os.unlink(temp)
+    except OSError:
+        return None
+    return directory
 
 
 def child_environment(log: ConversionLog, rules: Sequence[str]) -> Callable[[], None]:
@@ -34,12 +78,14 @@ def child_environment(log: ConversionLog, rules: Sequence[str]) -> Callable[[], 
         "report": None if log.report_path is None else str(log.report_path),
         "quiet": log.quiet,
         "rules": list(rules),
+        "rules_directory": os.getcwd(),  # where the run loaded them from, whatever a child's directory
     }
     os.environ[ENV] = json.dumps(settings, allow_nan=False)
-    path = saved["PYTHONPATH"]
-    entries = [] if not path else path.split(os.pathsep)
-    if BOOTSTRAP not in entries:
-        os.environ["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP, *entries])
+    if start_hook_directory() is None:
+        path = saved["PYTHONPATH"]
+        entries = [] if not path else path.split(os.pathsep)
+        if BOOTSTRAP not in entries:
+            os.environ["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP, *entries])
 
     def undo() -> None:
         for name, value in saved.items():
@@ -52,20 +98,62 @@ def child_environment(log: ConversionLog, rules: Sequence[str]) -> Callable[[], 
 
 
 def start_child(text: str) -> None:
-    """In a process the script started: the run's rules and replaced converters, for the rest of the process."""
-    from bnsurgeon.rules import use_rules
-
+    """In a process the script started: the run's replaced converters for the rest of the process, and its rules
+    once torch is imported (importing them imports torch: a child that never does runs as under python)."""
     values = json.loads(text)
     report = values.get("report")
     log = ConversionLog(
         allow_unhandled=bool(values.get("allow_unhandled")),
         report_path=None if report is None else Path(report),
         quiet=bool(values.get("quiet")),
+        child=True,
     )
-    rules = values.get("rules") or []
+    rules = [str(spec) for spec in values.get("rules") or []]
     if rules:
-        use_rules(rules)
+        directory = values.get("rules_directory")
+
+        def load_rules(_: str, __: ModuleType) -> None:
+            from bnsurgeon.rules import use_rules
+
+            try:
+                use_rules(rules, directory=str(directory) if directory else None)
+            except BaseException as error:  # noqa: B036 - the child must not train without the run's rules
+                refuse(error)
+
+        after_import(["torch"], load_rules)
     install(log)
+    _refusals_in_one_line(log)
+
+
+def _refusals_in_one_line(log: ConversionLog) -> None:
+    """A replaced converter's refusal (a BN class no rule claims) that ends the child ends it as it ends the run's
+    own process: one line and the error's exit code (7), not the script's traceback and exit 1. The code is given
+    after every other exit handler has run (this one is registered first, so it runs last)."""
+    import atexit
+
+    from bnsurgeon.core.errors import BnSurgeonError
+
+    ending: list[int] = []
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, traceback: object) -> None:
+        if error is log.refusal and isinstance(error, BnSurgeonError):
+            say(f"error: {error.message}")
+            if error.hint:
+                say(f"  fix: {error.hint}")
+            ending.append(error.exit_code)
+            return
+        previous(kind, error, traceback)  # type: ignore[arg-type]
+
+    def exit_with_the_code() -> None:
+        if ending:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(ending[0])
+
+    atexit.register(exit_with_the_code)
+    sys.excepthook = hook
 
 
 def refuse(error: BaseException) -> None:

@@ -238,6 +238,8 @@ def _patch_torch(module: ModuleType, log: ConversionLog, fresh: bool) -> Callabl
 
     def convert_sync_batchnorm(cls: type, module: Any, process_group: Any = None) -> Any:
         """torch's classmethod, as bnsurgeon's exact conversion (children in place, the root returned)."""
+        if not log.active:  # kept by the script after the run ended: torch's own, as under python
+            return original.__func__(cls, module, process_group)
         return _sync(log, TORCH, module, process_group, batch_norm)
 
     functools.update_wrapper(convert_sync_batchnorm, original.__func__)
@@ -264,13 +266,18 @@ def _batch_norm_class() -> type:
 def _patch_timm(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
     """timm's converter, and its ``freeze_batch_norm_2d``, which knows the act variant only as timm's class:
     bnsurgeon's would become torchvision's ``FrozenBatchNorm2d``, its activation dropped."""
+    convert_original = module.convert_sync_batchnorm
     freeze_original = module.freeze_batch_norm_2d
     timm_sync_act = module.SyncBatchNormAct
 
     def convert_sync_batchnorm(module: Any, process_group: Any = None) -> Any:
+        if not log.active:
+            return convert_original(module, process_group)
         return _sync(log, TIMM, module, process_group, _batch_norm_class())
 
     def freeze_batch_norm_2d(module: Any) -> Any:
+        if not log.active:
+            return freeze_original(module)
         return freeze_original(_as_timm_layers(module, timm_sync_act))
 
     return _swap_functions(
@@ -298,7 +305,7 @@ def _patch_lightning(module: ModuleType, log: ConversionLog, fresh: bool) -> Cal
     original = cls.__dict__["revert"]
 
     def revert(self: Any, model: Any) -> Any:
-        if _passing_through():
+        if _passing_through() or not log.active:
             return original(self, model)
         model = _plain(log, LIGHTNING_REVERT, model)
         with _pass_through():
@@ -314,12 +321,12 @@ def _patch_mmengine(module: ModuleType, log: ConversionLog, fresh: bool) -> Call
     revert_original = module.revert_sync_batchnorm
 
     def convert_sync_batchnorm(module: Any, implementation: str = "torch") -> Any:
-        if implementation != "torch":  # mmcv's SyncBatchNorm: a CUDA op of its own, left to mmengine
+        if implementation != "torch" or not log.active:  # mmcv's: a CUDA op of its own, left to mmengine
             return convert_original(module, implementation)
         return _sync(log, MMENGINE, module, None, _batch_norm_class())
 
     def revert_sync_batchnorm(module: Any) -> Any:
-        if _passing_through():
+        if _passing_through() or not log.active:
             return revert_original(module)
         module = _plain(log, MMENGINE_REVERT, module)
         with _pass_through():
@@ -358,6 +365,7 @@ def install(log: ConversionLog) -> Callable[[], None]:
     stop_watching = after_import(list(PATCHES), patch, already=functools.partial(patch, fresh=False))
 
     def restore() -> None:
+        log.active = False  # a replacement the script kept (in a dict, a closure) is the original from now on
         stop_watching()
         for step in reversed(undo):
             step()

@@ -42,25 +42,94 @@ class ConversionLog:
     quiet: bool = False
     conversions: list[Conversion] = field(default_factory=list)
     refusal: BnSurgeonError | None = None
+    #: a process the script started (not the run's own): its rank is not 0 just because it has none yet
+    child: bool = False
+    #: a failure to print or write already said (said once; training goes on)
+    failed_output: bool = False
+    #: False once the run's replacements are put back: one the script kept behaves as the original
+    active: bool = True
 
     def record(self, converter: str, called_at: str, report: "Report") -> None:
-        """Keep the call; on rank 0, print its summary line and write its report."""
+        """Keep the call; on rank 0, print its summary line and write its report.
+
+        Best-effort, bounded and never fatal: the conversion happened, and a line or report that cannot be
+        written (stderr closed or its reader gone, a full disk) must not stop the script's training. No
+        lock is taken and no signal held, so the script's own handlers run as they would under python.
+        """
         from bnsurgeon import __version__
 
+        if not self.active:
+            return
         report.source = f"{converter} at {called_at}"
         report.tool_version = report.tool_version or __version__
         conversion = Conversion(converter, called_at, report)
         self.conversions.append(conversion)
-        if rank() != 0:
+        known = rank(child=self.child)
+        if known is not None and known != 0:
             return
+        who = "" if known is not None else f" (process {os.getpid()}: its rank is not known yet)"
         if not self.quiet:
-            print(summary(conversion), file=sys.stderr, flush=True)
+            say(summary(conversion, who))
         if self.report_path is not None:
-            from bnsurgeon.files.safewrite import write_files
+            try:
+                write_report(self.report_path, report.to_json() + "\n")
+            except OSError as error:
+                if not self.failed_output:
+                    self.failed_output = True
+                    say(f"bnsurgeon run: the report could not be written ({error.strerror or error}); training goes on")
 
-            path = next_free(self.report_path)
-            text = report.to_json() + "\n"
-            write_files({path: lambda temp: temp.write_text(text)}, force=True)
+
+def say(line: str) -> bool:
+    """One line on stderr if it can be written; False if not (closed, no reader, not a file)."""
+    stream = sys.stderr
+    try:
+        stream.write(line + "\n")
+        flush = getattr(stream, "flush", None)
+        if flush is not None:
+            flush()
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+    return True
+
+
+def write_report(path: Path, text: str) -> Path:
+    """``text`` in the first free name of PATH, NAME.2.json, ..., atomically and never over an existing file.
+
+    Written to a temporary file beside it with the umask's mode, then hard-linked to the name, which fails if
+    the name exists: of several processes or threads converting at once, each report gets its own name. (A
+    filesystem without hard links: the name is reserved by an exclusive create, then filled.)
+    """
+    import tempfile
+
+    from bnsurgeon.files.safewrite import NO_LINKS, new_file_mode
+
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=".bnsurgeon-report-", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.chmod(temp, new_file_mode())
+        count = 1
+        while True:
+            final = numbered(path, count)
+            try:
+                os.link(temp, final)
+                return final
+            except FileExistsError:
+                count += 1
+            except OSError as error:
+                if error.errno not in NO_LINKS:
+                    raise
+                try:
+                    reserved = os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY, new_file_mode())
+                except FileExistsError:
+                    count += 1
+                    continue
+                os.close(reserved)
+                os.replace(temp, final)
+                return final
+    finally:
+        if os.path.lexists(temp):
+            os.unlink(temp)
 
 
 def numbered(path: Path, count: int) -> Path:
@@ -68,18 +137,9 @@ def numbered(path: Path, count: int) -> Path:
     return path if count == 1 else path.with_name(f"{path.stem}.{count}{path.suffix}")
 
 
-def next_free(path: Path) -> Path:
-    """The first of PATH, NAME.2.json, ... that does not exist: the run removed (or refused) the earlier run's
-    before the script started, so those that exist are this run's, written by this process or by another
-    one of the run (a spawned rank 0, Lightning's), which keeps no count in common with this one."""
-    count = 1
-    while os.path.lexists(numbered(path, count)):
-        count += 1
-    return numbered(path, count)
-
-
-def summary(conversion: Conversion) -> str:
-    """The one line rank 0 prints for a conversion (a file name's control characters escaped)."""
+def summary(conversion: Conversion, who: str = "") -> str:
+    """The one line rank 0 prints for a conversion (a file name's control characters escaped); ``who`` names
+    a process whose rank is not known."""
     from bnsurgeon.core.layout import counted, printable
     from bnsurgeon.surgery.report import short
 
@@ -89,21 +149,22 @@ def summary(conversion: Conversion) -> str:
     )
     what = "to bnsurgeon's exact sync BN" if report.target == "sync" else "back to their original classes"
     return printable(
-        f"bnsurgeon run: {conversion.converter} at {conversion.called_at}: "
+        f"bnsurgeon run{who}: {conversion.converter} at {conversion.called_at}: "
         f"{counted(len(report.changed), 'module')} {what}" + (f" ({classes})" if classes else "") + f"; "
         f"{len(report.kept)} kept, {len(report.unhandled)} unhandled"
     )
 
 
-def rank() -> int:
-    """This process's rank: the default group's when it exists, else torchrun's RANK, else 0."""
+def rank(*, child: bool = False) -> int | None:
+    """This process's rank: the default group's when it exists, else torchrun's RANK, else 0 for the run's own
+    process and None (not known yet) for a process the script started (a spawn worker before it joins)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+        return int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None if child else 0
 
 
 def called_at(*outside: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from bnsurgeon.core.errors import OutputError, UsageError
 from bnsurgeon.launch.converters import install
-from bnsurgeon.launch.log import ConversionLog, rank
+from bnsurgeon.launch.log import ConversionLog, rank, say
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _RUNPY = os.path.abspath(runpy.__file__)
@@ -168,31 +168,33 @@ def report_names(report: Path) -> list[Path]:
     return [report, *sorted(numbered_names)]
 
 
-def check_report(report: str | os.PathLike, inputs: Sequence[str], *, force: bool, first: bool) -> Path:
+def check_report(report: str | os.PathLike, *, force: bool, first: bool) -> Path:
     """``--report``, absolute (a script that changes directory writes it where it was asked for), checked
-    before the script starts: never an input (the script), a directory whose files can be created, not a
-    directory itself; existing reports (PATH, NAME.2.SUFFIX, ...) only with ``force``, and then removed, so that a
-    report left by an earlier run never reads as this run's. ``first``: this process writes the reports (rank 0
-    of a torchrun launch): only it looks at existing ones."""
+    before anything of the script runs (a package's ``__init__`` for ``-m`` included): a name the filesystem
+    takes, in a directory whose files can be created; a regular file or nothing (a FIFO, a device, a link,
+    a directory is refused and never removed, ``--force`` or not); existing reports (PATH, NAME.2.SUFFIX, ...)
+    only with ``force``. ``first``: this process writes the reports (rank 0 of a torchrun launch): only it looks
+    at existing ones. ``claim_report`` removes them once the script's own file is known."""
     import tempfile
 
     path = Path(os.path.abspath(report))
-    pattern = re.compile(re.escape(path.stem) + r"(\.\d+)?" + re.escape(path.suffix))
-    for given in inputs:
-        entry = Path(os.path.realpath(given))
-        if entry.parent == Path(os.path.realpath(path.parent)) and pattern.fullmatch(entry.name):
-            raise OutputError(
-                f"--report {path} would write over the script {given}",
-                "choose another report path; bnsurgeon never overwrites an input, --force or not",
-            )
+    limit = _name_max(path.parent)
+    longest = len(os.fsencode(path.name)) + len(".999")  # room for NAME.999.SUFFIX
+    if longest > limit:
+        raise OutputError(
+            f"--report {path}: the file name is too long ({len(os.fsencode(path.name))} bytes; this filesystem takes "
+            f"{limit}, and numbered reports add up to 4)",
+            "choose a shorter report name",
+        )
     parent = path.parent
     if not parent.is_dir():
         what = "is not a directory" if os.path.lexists(parent) else "does not exist"
         raise OutputError(f"--report {path}: the directory {str(parent)!r} {what}", "create it first")
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         raise OutputError(f"--report {path} is a directory", "give a file path such as run.json")
+    _refuse_special(path, path)
     try:
-        probe, probe_path = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+        probe, probe_path = tempfile.mkstemp(dir=parent, prefix=".bnsurgeon-probe-")
         os.close(probe)
         os.unlink(probe_path)
     except OSError as error:
@@ -203,16 +205,90 @@ def check_report(report: str | os.PathLike, inputs: Sequence[str], *, force: boo
     if not first:
         return path
     existing = [name for name in report_names(path) if os.path.lexists(name)]
+    for name in existing:
+        _refuse_special(path, name)
     if existing and not force:
         raise OutputError(
             f"--report {path}: {existing[0]} already exists",
             "pass --force to replace the reports of an earlier run, or choose another path",
         )
-    for name in existing:
-        if name.is_dir():
-            raise OutputError(f"--report {path}: {name} is a directory", "move it away, or choose another path")
-        name.unlink()
     return path
+
+
+def _name_max(directory: Path) -> int:
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _refuse_special(report: Path, name: Path) -> None:
+    """A name that exists and is not a regular file (a FIFO, a device, a socket, a symbolic link, /dev/stdout) is
+    no report of an earlier run: refused, and never removed."""
+    import stat
+
+    try:
+        mode = os.lstat(name).st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = (
+        "a symbolic link"
+        if stat.S_ISLNK(mode)
+        else "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )
+    raise OutputError(
+        f"--report {report}: {name} is {kind}; reports are written only as regular files, and bnsurgeon never "
+        "removes anything else",
+        "give the path of a regular file (or of none yet)",
+    )
+
+
+def claim_report(path: Path, run: Sequence[str], *, force: bool, first: bool) -> None:
+    """Once the file that runs is known (a script, a directory's or zip's ``__main__``, a module's file), before
+    its first line: no report name is that file (by identity: a hard link too), then, with ``force``, the
+    earlier run's reports are removed, so that a report there afterwards is this run's."""
+    pattern = re.compile(re.escape(path.stem) + r"(\.\d+)?" + re.escape(path.suffix))
+    names = report_names(path)
+    for given in run:
+        entry = Path(os.path.realpath(given))
+        same_place = entry.parent == Path(os.path.realpath(path.parent)) and pattern.fullmatch(entry.name)
+        if same_place or any(_same_file(name, given) for name in names):
+            raise OutputError(
+                f"--report {path} would write over the script {given}",
+                "choose another report path; bnsurgeon never overwrites what it runs, --force or not",
+            )
+    if not first or not force:
+        return
+    for name in names:
+        if os.path.lexists(name):
+            _refuse_special(path, name)
+            name.unlink()
+
+
+def _same_file(name: Path, other: str) -> bool:
+    try:
+        return os.path.samefile(name, other)
+    except OSError:
+        return False
+
+
+def _files_run(target: str, module: bool, names: dict[str, Any]) -> list[str]:
+    """The files python runs for the target: the script, or the ``__main__`` module's origin (a directory's
+    ``__main__.py``, a module's file); a zip itself, as its members are no files."""
+    spec = names.get("__spec__")
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    files = [target] if not module else []
+    if origin and os.path.exists(origin):
+        files.append(origin)
+    return files
 
 
 #: how to undo each ``run_script(restore=False)``, for a caller that goes on after it (tests): ``put_back()``
@@ -288,6 +364,8 @@ def run_script(
             from bnsurgeon.launch.children import child_environment
 
             undo.append(child_environment(log, rules))
+        if path is not None:  # before anything of the script runs, a package's __init__ for -m included
+            check_report(path, force=force, first=rank() == 0)
         undo.append(install(log))  # before a package's __init__ runs for -m, as it is part of what runs
         sys.argv = [target, *args]
         try:
@@ -297,8 +375,7 @@ def run_script(
         except BaseException as error:  # noqa: B036 - the script's (a SyntaxError, a package's __init__ that raised)
             raise ScriptRaised(without_our_frames(error)) from None
         if path is not None:
-            inputs = [target] if not module else [origin for origin in [names["__spec__"].origin] if origin]
-            check_report(path, inputs, force=force, first=rank() == 0)
+            claim_report(path, _files_run(target, module, names), force=force, first=rank() == 0)
         try:
             _execute(code, names)
         except SystemExit:
@@ -313,5 +390,5 @@ def run_script(
     if path is not None and not quiet and rank() == 0 and not os.path.lexists(path):
         from bnsurgeon.core.layout import printable
 
-        print(printable(f"bnsurgeon run: no converter was called: no report written to {path}"), file=sys.stderr)
+        say(printable(f"bnsurgeon run: no converter was called: no report written to {path}"))
     return log

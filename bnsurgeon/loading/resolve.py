@@ -192,6 +192,10 @@ def resolve_source(
     if isinstance(source, ResolvedSource):
         return source
     text = os.fspath(source)
+    if text.startswith(
+        "timm:"
+    ):  # always timm's model, even where a file of that name exists (a pull request can add one)
+        return ResolvedSource(text, TIMM, role, architecture=text)
     if check_name:
         check_source_name(text, role)
     if not looks_like_file(text):

@@ -115,10 +115,11 @@ def _entry_point_rules() -> list[Rule]:
 _named_specs: dict[str, list[str]] = {}
 
 
-def use_rules(specs) -> list[str]:
+def use_rules(specs, directory: str | None = None) -> list[str]:
     """Import and register the rules each ``pkg.mod:obj`` names (a Rule, a list, or a callable
     returning either). Naming it is what allows its code to run; checkpoints record the
-    specs, and loading one asks for the same names again (see ``confirm_rules``)."""
+    specs, and loading one asks for the same names again (see ``confirm_rules``). ``directory``:
+    import them from there rather than the working directory (a run's child, wherever it is)."""
     from bnsurgeon.core.errors import SourceNotFoundError, UsageError
     from bnsurgeon.core.user_code import FACTORY_PATTERN, import_named_module
 
@@ -129,7 +130,7 @@ def use_rules(specs) -> list[str]:
             raise UsageError(f"--rules {spec!r} is not package.module:object", "write it like my_pkg.bn_rules:RULES")
         module_name = spec.partition(":")[0]
         try:
-            module, attribute = import_named_module(spec)
+            module, attribute = import_named_module(spec, directory)
         except ImportError as error:
             raise SourceNotFoundError(
                 f"--rules {spec}: cannot import {module_name!r} ({error})",
