@@ -411,6 +411,7 @@ def test_help_explains_run_with_torchrun_first_and_imports_no_torch():
         "--allow-unhandled",
         "--report",
         "Not covered",
+        "builds torch.nn.SyncBatchNorm itself",
         "frozen BN stays frozen",
     ):
         assert needed in " ".join(text.split()), needed

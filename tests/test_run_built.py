@@ -8,7 +8,9 @@ tensors at DDP and bnsurgeon adopts it, refuses what it cannot adopt, and keeps 
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import os
 import pickle
 import textwrap
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import free_port
 from torch import nn
 from typer.testing import CliRunner
 
@@ -24,7 +27,6 @@ from bnsurgeon.launch.converters import patched_converters
 from bnsurgeon.launch.log import ConversionLog
 from bnsurgeon.launch.script import put_back
 from bnsurgeon.runtime.layers import SyncBatchNorm
-from tests._dist import free_port
 
 CASES = Path(__file__).with_name("_run_cases.py")
 
@@ -193,3 +195,102 @@ def test_lightnings_revert_treats_an_adopted_layer_as_torchs():
     with patched_converters(ConversionLog(quiet=True)):
         reverted = TorchSyncBatchNorm().revert(model)
     assert type(reverted[1]).__name__ == "_BatchNormXd" and reverted[1].weight is weight
+
+
+MMENGINE_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+from mmcv.cnn import build_norm_layer
+from mmengine.model import BaseModel
+from mmengine.runner import Runner
+
+torch.cuda.set_device = lambda device: None  # mmengine's launcher pins a GPU: the one CPU patch
+
+
+class Net(BaseModel):
+    def __init__(self, norm_cfg):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 4, 3, bias=False)
+        self.bn = build_norm_layer(norm_cfg, 4)[1]
+
+    def forward(self, x, g, mode="loss"):
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # DDP averages: the whole batch's gradient
+        return {"loss": (self.bn(self.conv(x)) * g).sum() * world}
+
+
+def batches():
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 3, 6, 6, generator=generator, dtype=torch.float64)
+    x[1::2] += 3
+    g = torch.randn(8, 4, 4, 4, generator=generator, dtype=torch.float64)
+    return [dict(x=x[i], g=g[i]) for i in range(8)]
+
+
+runner = Runner(
+    model=Net(dict(type=sys.argv[2])).double(),
+    work_dir=sys.argv[1],
+    train_dataloader=dict(dataset=batches(), sampler=dict(type="DefaultSampler", shuffle=False), batch_size=4 // int(
+        os.environ.get("WORLD_SIZE", "1")), collate_fn=dict(type="default_collate")),
+    optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
+    train_cfg=dict(by_epoch=False, max_iters=2),
+    launcher="pytorch" if "RANK" in os.environ else "none",
+    env_cfg=dict(dist_cfg=dict(backend="gloo")),
+    cfg=dict(model_wrapper_cfg=dict(type="MMDistributedDataParallel", device_ids=None, broadcast_buffers=False)),
+    default_hooks=dict(logger=None, checkpoint=None),
+)
+runner.train()
+bn = runner.model.module.bn if hasattr(runner.model, "module") else runner.model.bn
+rank = dist.get_rank() if dist.is_initialized() else 0
+torch.save({"mean": bn.running_mean, "var": bn.running_var, "cls": type(bn).__module__}, f"{sys.argv[1]}/rank{rank}.pt")
+"""
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in ("mmengine", "mmcv", "cv2")),
+    reason="mmengine, mmcv and OpenCV are not installed (optional: pip install mmengine mmcv-lite)",
+)
+def test_mmengines_runner_trains_a_syncbn_norm_cfg_exactly_under_torchrun(tmp_path):
+    """OpenMMLab's way: norm_cfg=dict(type='SyncBN') through mmcv's registry, trained by mmengine's Runner with its
+    pytorch launcher on 2 gloo ranks (each half of the batch): the ranks' statistics are bit-identical and equal
+    to one process of type='BN' on the whole batch. Without bnsurgeon run: torch's ValueError at DDP."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(MMENGINE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BNSURGEON_", "RANK", "WORLD_SIZE"))}
+    env.update(OMP_NUM_THREADS="1")
+    reference = tmp_path / "one"
+    done = subprocess.run(
+        [sys.executable, str(script), str(reference), "BN"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = tmp_path / "two"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "bnsurgeon",
+        "run",
+        str(script),
+        str(ranks),
+        "SyncBN",
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "adopted at DistributedDataParallel" in done.stderr
+    one = torch.load(reference / "rank0.pt", weights_only=True)
+    r0, r1 = (torch.load(ranks / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert r0["cls"] == "bnsurgeon.runtime.layers"
+    for key in ("mean", "var"):
+        assert torch.equal(r0[key], r1[key])
+        torch.testing.assert_close(r0[key], one[key], rtol=1e-12, atol=1e-12)

@@ -776,13 +776,19 @@ def run(
     class no rule claims stops the run where it converts, before training, with exit 7 (see
     --allow-unhandled). Rank 0 prints one summary line per conversion on stderr.
 
+    A model that builds torch.nn.SyncBatchNorm itself, with no converter call (OpenMMLab
+    norm_cfg=dict(type="SyncBN"), detectron2 norm="SyncBN", its own __init__, a module it unpickles):
+    each such layer becomes bnsurgeon's in place, the same object, where DistributedDataParallel wraps
+    the model (one summary line per model), or at its first forward under a process group. In one
+    process without a process group torch's layer is plain BN already and is left as it is.
+
     Python processes the script starts inherit the replaced converters: the ranks Lightning's
     Trainer(devices=N) starts without torchrun (strategy="ddp" or "ddp_spawn"), a script's own
-    torch.multiprocessing.spawn workers (through PYTHONPATH and BNSURGEON_RUN, as coverage.py does).
+    torch.multiprocessing.spawn workers (through a start hook in site-packages, bnsurgeon-run.pth, that
+    acts only where BNSURGEON_RUN is set, as coverage.py does).
 
-    Not covered: a model that builds torch.nn.SyncBatchNorm itself, with no converter call (detectron2
-    norm="SyncBN", OpenMMLab norm_cfg=dict(type="SyncBN")): call bnsurgeon.convert(model, "sync",
-    inplace=True) in the script for those.
+    Not covered: a project's own copy of a converter (apex's convert_syncbn_model): call
+    bnsurgeon.convert(model, "sync", inplace=True) after it.
     """
     import sys
 
