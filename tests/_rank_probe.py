@@ -38,6 +38,21 @@ def killed_in_a_collective(rank: int, world_size: int) -> str:
     return "finished"
 
 
+def stopped_in_a_collective(rank: int, world_size: int) -> str:
+    """Rank 1 stops itself (SIGSTOP, as a debugger or a cgroup freezer stops it) while rank 0 waits for it."""
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(3))
+    return "finished"
+
+
 def killed_after_its_result(rank: int, world_size: int) -> int:
     """Report, then be killed a moment later (rank 1): the pool learns it between tasks."""
     import signal

@@ -31,7 +31,7 @@ SCENARIOS = """
 import errno, json, os, signal, sys, threading, time
 sys.path.insert(0, {tests!r})
 from _rank_probe import (aborted, environment_and_modules, killed_after_its_result, killed_in_a_collective,
-                         killed_while_the_other_works, out_of_open_files)
+                         killed_while_the_other_works, out_of_open_files, stopped_in_a_collective)
 from bnsurgeon.checks import multiproc
 from bnsurgeon.checks.multiproc import RankPool, run_world
 
@@ -142,6 +142,11 @@ def server_killed_under_ranks(pids):  # the fork server dies while its ranks liv
         os.kill(pids[1], signal.SIGKILL)  # and one dies with no server to say how: the machine's doing
         return pool.run(2, environment_and_modules, "X")
 
+def stopped_running(pids):  # SIGSTOP (a debugger, a cgroup freezer) while the other waits; the run's timeout is 5 s
+    with RankPool(2, collective_timeout=5) as pool:
+        pool_pids(pool, pids)
+        return pool.run(2, stopped_in_a_collective, timeout=300)
+
 def killed_while_other_busy(pids):  # run_world: rank 0 busy for 300 s, rank 1 killed: do not wait for rank 0
     return run_world(2, killed_while_the_other_works, 300.0, timeout=400)
 
@@ -165,6 +170,7 @@ NAMES = [
     "server_killed",
     "server_killed_under_ranks",
     "killed_while_other_busy",
+    "stopped_running",
 ]
 
 
@@ -215,6 +221,17 @@ def test_a_rank_out_of_open_files_is_a_host_failure_and_the_waiting_rank_prints_
     assert outcome["message"].startswith("rank 0 hit the limit on open files (ulimit -n 3)"), outcome
     assert "Too many open files" in outcome["message"] and "\n" not in outcome["message"], outcome
     assert "frame #" not in deaths["stderr"] and "Traceback" not in deaths["stderr"], deaths["stderr"][-3000:]
+
+
+def test_a_stopped_rank_is_named_after_the_runs_timeout_not_the_tasks(deaths):
+    """SIGSTOP on a rank while its peer waits: named as the machine's doing (exit 16 in verify) once the run's
+    timeout (the group's, BNSURGEON_DIST_TIMEOUT in verify) has passed, not a failed check after the task's 300 s;
+    the stopped process is killed, and the waiting rank prints no C++ stack (was: one per store retry)."""
+    outcome = _outcome(deaths, "stopped_running")
+    assert outcome["error"] == "HostFailureError", outcome
+    assert outcome["message"].startswith("rank 1 (pid "), outcome
+    assert "was stopped for" in outcome["message"] and outcome["seconds"] < 30, outcome
+    assert "frame #" not in deaths["stderr"], deaths["stderr"][-3000:]
 
 
 def test_processes_the_machine_refuses_are_a_host_failure(deaths):

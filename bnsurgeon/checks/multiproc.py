@@ -233,6 +233,16 @@ def running(pid: int) -> bool:
         return True
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger's trace stop, a job-control stop; a cgroup freezer
+    reads the same way where /proc tells): it runs no code, and answers no collective, until it is continued."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
 def fork_server_lost() -> bool:
     """Whether the ranks come from a fork server that is no longer running (killed under them)."""
     if "forkserver" not in mp.get_all_start_methods():  # spawned ranks (Windows): no server to lose
@@ -277,13 +287,20 @@ def _start_fork_server() -> None:
     main_thread = threading.current_thread() is threading.main_thread()
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
     safe_path = os.environ.get("PYTHONSAFEPATH")
+    # c10's log level is read when torch loads: a rank waiting for a peer (the store's retries) printed a C++
+    # stack per retry at WARNING; the ranks' own errors come back to the parent as Python exceptions
+    quiet_cpp = "TORCH_CPP_LOG_LEVEL" not in os.environ
     try:
         os.environ["PYTHONSAFEPATH"] = "1"
+        if quiet_cpp:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         if working is not None:
             os.chdir(installed)
         forkserver.ensure_running()
         _server_started = True
     finally:
+        if quiet_cpp:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
         if safe_path is None:
             os.environ.pop("PYTHONSAFEPATH", None)
         else:
@@ -465,6 +482,8 @@ class _Rank:
 LAST_RESULT_S = 2.0
 #: how often a rank whose fork server was killed is looked at (nothing signals its end)
 ORPHAN_POLL_S = 0.2
+#: how often the ranks are looked at for a stopped process (SIGSTOP signals nothing to the parent)
+STOPPED_POLL_S = 1.0
 
 
 class RankPool:
@@ -488,6 +507,7 @@ class RankPool:
         self._exited: dict[int, float] = {}  # rank -> when its process was seen to end
         self._drained: set[int] = set()  # ranks whose result pipe has closed: every result they sent is in
         self._holding: set[int] = set()  # ranks that reported a machine failure: stopped after the others
+        self._stopped_since: dict[int, float] = {}  # rank -> since when its process has been seen stopped
         self.task_seconds: list[float] = []  # per run: the slowest rank's time inside the task
         limit = open_file_limit()
         if limit is not None and limit < files_needed(size):
@@ -557,11 +577,14 @@ class RankPool:
             while len(collected) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self._judge_stopped(world_size, collected, at_deadline=True)
                     raise RankFailure(
                         f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within "
                         f"{timeout:g} s (the run's timeout)"
                     )
-                seconds = max(seconds, self._take_events(remaining, task_id, world_size, collected, allow_errors))
+                wait = min(remaining, STOPPED_POLL_S)
+                seconds = max(seconds, self._take_events(wait, task_id, world_size, collected, allow_errors))
+                self._judge_stopped(world_size, collected)
         except HostFailureError as error:
             self._broken = error.message
             raise
@@ -584,6 +607,25 @@ class RankPool:
             raise RankFailure("\n".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items())))
         self.task_seconds.append(seconds)
         return [value(*collected[rank]) for rank in range(world_size)]
+
+    def _judge_stopped(self, world_size: int, collected: dict, *, at_deadline: bool = False) -> None:
+        """A rank whose process has been stopped for the group's collective timeout (or is stopped when the run's
+        deadline comes) is the machine's doing: HostFailureError naming it, not a failed check; its peers could
+        only wait for it (in a collective, or in the store's retries)."""
+        now = time.monotonic()
+        for rank in range(world_size):
+            pid = self._ranks[rank].process.pid
+            if rank in collected or pid is None or not stopped(pid):
+                self._stopped_since.pop(rank, None)
+                continue
+            since = self._stopped_since.setdefault(rank, now)
+            if at_deadline or now - since >= self.collective_timeout:
+                raise HostFailureError(
+                    f"rank {rank} (pid {pid}) was stopped for {now - since:.0f} s (SIGSTOP: a debugger, job control "
+                    "or a cgroup freezer) and answered nothing; the run's timeout is "
+                    f"{self.collective_timeout:g} s (BNSURGEON_DIST_TIMEOUT)",
+                    STOPPED_HINT,
+                )
 
     def _take_events(self, wait_s: float, task_id: int, world_size: int, collected: dict, allow_errors: bool) -> float:
         """Take what the ranks' threads posted (waiting up to ``wait_s`` for the first), then judge the ranks

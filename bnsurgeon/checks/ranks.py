@@ -229,6 +229,20 @@ def _rank_reference(source, converted, shape, batch: int, seed, compare_at, rebu
     )
 
 
+#: the ranks' collective timeout where BNSURGEON_DIST_TIMEOUT is not set
+DEFAULT_RANKS_TIMEOUT_S = 120.0
+
+
+def ranks_timeout() -> float:
+    """The check's ranks wait for each other at most this long: ``BNSURGEON_DIST_TIMEOUT`` where it is set (the run's
+    timeout: a stopped rank is named after it), else 120 s."""
+    import os
+
+    from bnsurgeon.runtime.timeout import ENV_VAR, dist_timeout_s
+
+    return dist_timeout_s() if os.environ.get(ENV_VAR, "").strip() else DEFAULT_RANKS_TIMEOUT_S
+
+
 def check_ranks(
     source,
     converted,
@@ -240,7 +254,7 @@ def check_ranks(
     label: str | None = None,
     pool=None,
     reference: RankReference | None = None,
-    collective_timeout: float = 120.0,
+    collective_timeout: float | None = None,
     compare_at: str | None = None,
     rebuild: "Callable[[], nn.Module] | None" = None,
 ) -> CheckOutcome:
@@ -269,6 +283,8 @@ def check_ranks(
         diff, detail = reference.problem
         return CheckOutcome(label, False, diff, detail)
     splits = uneven_splits(reference.batch, world_size)
+    collective_timeout = collective_timeout or ranks_timeout()
+    timeout = max(timeout, 2 * collective_timeout + 60)  # the task outlasts a collective that waits its whole bound
     own_pool = RankPool(world_size, collective_timeout=collective_timeout) if pool is None else nullcontext(pool)
     try:
         with own_pool as ranks_pool:

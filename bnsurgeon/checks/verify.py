@@ -41,6 +41,7 @@ from bnsurgeon.checks.ranks import (  # noqa: F401  (rank_batch, RankReference, 
     has_sync_layers,
     rank_batch,
     rank_reference,
+    ranks_timeout,
     ship_model,
     uneven_splits,
 )
@@ -353,7 +354,7 @@ def verify_models(
     exact: bool = True,
     source_name: str = "",
     converted_name: str = "",
-    collective_timeout: float = 120.0,
+    collective_timeout: float | None = None,
     on_check: Callable[[CheckOutcome], None] | None = None,
     share_work: bool = True,
     compare_at: str | None = None,
@@ -405,6 +406,7 @@ def verify_models(
     )
     frozen = _is_frozen_model(converted)
     distributed = bool(world_sizes) and not frozen and has_sync_layers(converted)
+    collective_timeout = collective_timeout or ranks_timeout()
     pool = RankPool(max(world_sizes), collective_timeout=collective_timeout) if distributed and share_work else None
     at = {"compare_at": compare_at}
 
