@@ -231,11 +231,11 @@ def _registry_restored():
     from bnsurgeon.rules import default_registry
 
     registry = default_registry()
-    rules, by_class = list(registry._rules), dict(registry._by_class)
+    rules, by_class, joined = list(registry._rules), dict(registry._by_class), set(registry.joined)
     try:
         yield
-    finally:
-        registry._rules[:], registry._by_class = rules, by_class
+    finally:  # the families that joined meanwhile (timm imported in the block) join again on the next call
+        registry._rules[:], registry._by_class, registry.joined = rules, by_class, joined
 
 
 def run_command(command: str) -> tuple[int, str]:

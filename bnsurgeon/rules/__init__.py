@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 _default: Registry | None = None
-_optional_loaded: set[str] = set()
 
 
 def builtin_rules() -> list[Rule]:
@@ -225,12 +224,13 @@ def default_registry() -> Registry:
         _default = registry
     from bnsurgeon.rules import openmmlab, transformers_bn
 
+    joined = _default.joined  # the registry's own record: a registry put back (a test's) still knows what it lacks
     joining = []
     for module_name, family, rules in _package_rules():
-        if module_name in sys.modules and family not in _optional_loaded:
-            _optional_loaded.add(family)
+        if module_name in sys.modules and family not in joined:
+            joined.add(family)
             joining += rules()
-    joining += [*openmmlab.imported_rules(_optional_loaded), *transformers_bn.imported_rules(_optional_loaded)]
+    joining += [*openmmlab.imported_rules(joined), *transformers_bn.imported_rules(joined)]
     for rule in joining:
         if all(_default.lookup(cls) is None for cls in rule.classes):
             _default.register(rule)

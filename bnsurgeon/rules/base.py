@@ -75,6 +75,8 @@ class Registry:
     def __init__(self, rules: Iterable[Rule] = ()) -> None:
         self._rules: list[Rule] = []
         self._by_class: dict[type, Rule] = {}
+        #: the families of rules that joined once their package was imported (``default_registry``)
+        self.joined: set[str] = set()
         for rule in rules:
             self.register(rule)
 

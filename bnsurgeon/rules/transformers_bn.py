@@ -32,17 +32,17 @@ PROBE_TOLERANCE = 1e-10
 
 #: class -> measured eps (None: probed, not a frozen BN)
 _probed: dict[type, float | None] = {}
-#: model modules already searched: the registry asks on every conversion, each module is read once
-_searched: set[str] = set()
 
 
-def candidate_classes() -> list[type]:
-    """Classes named like a frozen batch norm in the transformers model modules imported since the last call."""
+def candidate_classes(searched: set[str]) -> list[type]:
+    """Classes named like a frozen batch norm in the transformers model modules not in ``searched`` (updated): the
+    registry's own record, so that a registry made anew (or put back) finds them again."""
     found = []
     for name, module in list(sys.modules.items()):
-        if not name.startswith(MODELS_PREFIX) or module is None or name in _searched:
+        key = f"searched:{name}"
+        if not name.startswith(MODELS_PREFIX) or module is None or key in searched:
             continue
-        _searched.add(name)
+        searched.add(key)
         for attribute, value in list(vars(module).items()):
             if isinstance(value, type) and "FrozenBatchNorm" in attribute and value.__module__ == name:
                 found.append(value)
@@ -145,7 +145,7 @@ def imported_rules(already: set[str]) -> list[Rule]:
     if "transformers" not in sys.modules:
         return []
     found = []
-    for cls in candidate_classes():
+    for cls in candidate_classes(already):
         name = f"transformers-{cls.__name__}"
         if name in already:
             continue
