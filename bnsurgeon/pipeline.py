@@ -144,6 +144,24 @@ def _load_for_inspection(source: ResolvedSource, **options: Any) -> "tuple[Loade
 MAX_WORLD_SIZE = 64
 
 
+def check_world_sizes(world_sizes: "tuple[int, ...] | list[int]") -> None:
+    """Each --world-size is 2 to MAX_WORLD_SIZE ranks (UsageError otherwise)."""
+    if any(w < 2 for w in world_sizes):
+        raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
+    if any(w > MAX_WORLD_SIZE for w in world_sizes):  # one process each: 100000 would be a fork bomb
+        raise UsageError(
+            f"--world-size {max(world_sizes)} is more ranks than verify starts (at most {MAX_WORLD_SIZE}; "
+            "each is a process on this machine)",
+            "use 2 or 3 on a CPU machine",
+        )
+
+
+def check_atol(atol: float | None) -> None:
+    """--atol is a finite number >= 0 (inf would pass any difference)."""
+    if atol is not None and not (math.isfinite(atol) and atol >= 0):
+        raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
+
+
 def verify_timeout_s() -> float:
     """The ranks' collective timeout: ``BNSURGEON_DIST_TIMEOUT`` if set (validated up front), else 120 s."""
     from bnsurgeon.runtime.timeout import ENV_VAR, parse_timeout_s
@@ -438,16 +456,8 @@ def verify(
     from bnsurgeon.checks.verify import verify_models
 
     timeout = verify_timeout_s()
-    if any(w < 2 for w in world_sizes):
-        raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
-    if any(w > MAX_WORLD_SIZE for w in world_sizes):  # one process each: 100000 would be a fork bomb
-        raise UsageError(
-            f"--world-size {max(world_sizes)} is more ranks than verify starts (at most {MAX_WORLD_SIZE}; "
-            "each is a process on this machine)",
-            "use 2 or 3 on a CPU machine",
-        )
-    if atol is not None and not (math.isfinite(atol) and atol >= 0):  # inf would pass any difference
-        raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
+    check_world_sizes(world_sizes)
+    check_atol(atol)
     resolved = resolve_source(source, model=model)
     resolved_converted = resolve_source(converted, role="CONVERTED", model=converted_model)
     example = None if isinstance(example_input, (str, os.PathLike)) else example_input

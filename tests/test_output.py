@@ -506,3 +506,25 @@ def test_a_long_check_name_is_shown_whole_where_the_line_has_room():
     line = _check_line([name, "pass", "0", "1.2s", "outputs and running statistics"], 120)
     assert name in line and "outputs and running statistics" in line and len(line) <= 120
     assert len(_check_line([name, "pass", "0", "1.2s", "outputs and running statistics"], 60)) <= 60
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["inspect", "no-such-file.pt", "--json"], 3, "no such file"),
+        (["verify", "-w", "0", "--json"], 2, "--world-size must be at least 2"),
+        (["verify", "--json"], 2, "Missing argument 'SOURCE'"),
+        (["verify", "--bogus", "--json"], 2, "No such option: --bogus"),
+    ],
+)
+def test_a_failing_command_under_json_prints_its_error_as_the_one_document(args, code, words):
+    """A program reading stdout always gets one JSON document: before, a failure printed nothing there."""
+    from typer.testing import CliRunner
+
+    from bnsurgeon.cli.commands import app
+
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == code, result.output
+    document = json.loads(result.stdout)
+    assert document["error"]["exit_code"] == code and words in document["error"]["message"], document
+    assert set(document["error"]) == {"message", "fix", "exit_code"}

@@ -360,3 +360,30 @@ def test_a_bad_option_value_for_verify_is_one_line_exit_2_before_any_file(repo):
     code, output = hook(repo, "-w", "abc", "--", "a.safetensors", "b.safetensors")
     assert code == 2 and "Invalid value for '-w'" in output and verified(repo) == [], output
     one_line_each(output, 1)
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["-w", "0"], "--world-size must be at least 2 (got 0)"),
+        (["--input-shape", "abc"], "--input-shape 'abc' is not a list of integers"),
+        (["--atol", "nan"], "--atol nan is not a tolerance"),
+    ],
+)
+def test_option_values_verify_refuses_later_are_refused_by_the_real_verifys_probe(repo, tmp_path, args, said):
+    """-w 0 and --input-shape abc are ints and strings to Click: the probe took them, every file ran verify, which
+    refused them, and the hook exited 1. They are judged as Click reads them now: exit 2, one line, no file run."""
+    checkpoint(repo, "a.safetensors", '{"source": "resnet18"}')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(HOOK), *args, "--", "a.safetensors"],
+        cwd=repo,
+        env={**os.environ, "PATH": str(empty), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and said in output, output
+    assert "a.safetensors" not in output, output

@@ -516,3 +516,13 @@ def test_a_sharded_directory_converts_and_an_index_pointing_outside_it_is_refuse
         one_line_failure(
             run("convert", tmp_path / "sharded", "-o", tmp_path / "x.safetensors"), 4, "not a file of the directory"
         )
+
+
+def test_a_trailing_slash_on_the_output_asks_for_a_model_directory_whatever_the_name(resnet_dir, tmp_path):
+    """-o out.v2/ is a directory (before: 'cannot tell the format', the slash dropped by Click's Path), and
+    -o ck.safetensors/ is one too, never a single file of that name."""
+    for name in ("out.v2", "ck.safetensors"):
+        result = run("convert", resnet_dir, "-o", f"{tmp_path / name}/")
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / name).is_dir() and (tmp_path / name / "config.json").is_file(), name
+        assert transformers.ResNetForImageClassification.from_pretrained(tmp_path / name) is not None

@@ -11,7 +11,7 @@ import os
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import click
 import typer
@@ -38,6 +38,7 @@ EXIT_CODES = {  # the README's table, in short
     14: "recalibrate: a BN module's input held NaN/Inf (the message names it; nothing written)",
     15: "recalibrate: the forward over DATA reached no BN module (nothing written)",
     17: "a module in the working directory hides an installed one your factory or bnsurgeon imports (it is named)",
+    18: "a feature the installed torch is too old for (the message names both versions)",
     70: "internal error: a bug in bnsurgeon, not in the input (the traceback with -v or BNSURGEON_DEBUG=1)",
     129: "interrupted by SIGHUP; the message says what is on disk (nothing partial)",
     130: "interrupted by Ctrl-C (SIGINT); the message says what is on disk (nothing partial)",
@@ -53,7 +54,23 @@ class _NamedArgument(typer.core.TyperArgument):
 
 
 class _Command(typer.core.TyperCommand):
-    """Typer's command, with named arguments shown by their name alone."""
+    """Typer's command, with named arguments shown by their name alone; under ``--json`` a usage error Click
+    words is the one JSON document too."""
+
+    def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
+        from bnsurgeon.cli.render import emit_json_error, want_json
+
+        given = list(args)
+        # before Click parses: an unknown option stops it before --json's own callback runs
+        options = given[: given.index("--")] if "--" in given else given
+        want_json(any(param.name == "as_json" for param in self.params) and "--json" in options)
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except Exception as error:  # Click's UsageError (Typer may vendor its own Click: told by what it has)
+            words = getattr(error, "format_message", None)
+            if callable(words) and getattr(error, "exit_code", None) == 2:
+                emit_json_error(words(), f"see 'bnsurgeon {info_name} --help'", 2)
+            raise
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -93,6 +110,9 @@ def _fail(message: str, hint: str, code: int) -> None:
 
     # escaped before it is cut: a message quotes keys, paths and metadata from a file (ESC, \r, bidi)
     message, hint = _bounded(printable(message)), _bounded(printable(hint))
+    from bnsurgeon.cli.render import emit_json_error
+
+    emit_json_error(message, hint, code)
     out = console()
     # Text, never markup: messages quote paths and file metadata, where "[/]" or ":fire:" is data
     out.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False)
@@ -280,14 +300,60 @@ AcceptArgsOption = typer.Option(
     "--accept-recorded-args",
     help="Use the constructor arguments a file records (shown in the error that asks) without repeating each with --model-arg.",
 )
+
+
+def _judged(check: Callable[[Any], object]) -> Callable[[Any], Any]:
+    """A Click callback: the option's value checked as Click reads it, before any argument or file (a hook's
+    probe with no SOURCE is refused for it, not each file later); a bad one is the one line it would be later."""
+
+    def callback(value: Any) -> Any:
+        if value is not None:
+            try:
+                check(value)
+            except BnSurgeonError as error:
+                _fail(error.message, error.hint, error.exit_code)
+        return value
+
+    return callback
+
+
+def _check_world_sizes(values: List[int]) -> None:
+    from bnsurgeon.pipeline import check_world_sizes
+
+    check_world_sizes(values)
+
+
+def _check_atol(value: float) -> None:
+    from bnsurgeon.pipeline import check_atol
+
+    check_atol(value)
+
+
+_WORLD_SIZES_JUDGED = _judged(_check_world_sizes)
+_ATOL_JUDGED = _judged(_check_atol)
+
 InputShapeOption = typer.Option(
     None,
     "--input-shape",
+    callback=_judged(lambda text: _parse_shape(text)),
     metavar="N,C,...",
     help="Input for the checks, e.g. 2,3,224,224 (default: (2, C, 64, 64) when the model accepts it, else its own size).",
 )
+
+
+def _want_json(value: bool) -> bool:
+    from bnsurgeon.cli.render import want_json
+
+    return want_json(value)
+
+
 JsonOption = typer.Option(
-    False, "--json", help="Also print one JSON document on stdout; human output stays on stderr (add -q for JSON only)."
+    False,
+    "--json",
+    help="Also print one JSON document on stdout (a failure's is its error); human output stays on stderr (add -q "
+    "for JSON only).",
+    is_eager=True,
+    callback=_want_json,
 )
 QuietOption = typer.Option(False, "--quiet", "-q", help="No human output; errors only (the exit code says the rest).")
 VerboseOption = typer.Option(False, "--verbose", "-v", help="Show every path, not a few examples.")
@@ -398,7 +464,7 @@ def _parse_shape(text: Optional[str]) -> Optional[tuple]:
 @handle_errors
 def convert(
     source: str = SourceArgument,
-    output: Path = typer.Option(
+    output: str = typer.Option(  # a string: a Path would drop the trailing / that asks for a model directory
         ...,
         "--output",
         "-o",
@@ -513,7 +579,12 @@ def verify(
         ..., metavar="CONVERTED", show_default=False, help="The converted model, in any SOURCE form."
     ),
     world_size: List[int] = typer.Option(
-        [2], "--world-size", "-w", metavar="N", help="Ranks for the distributed check (repeatable)."
+        [2],
+        "--world-size",
+        "-w",
+        metavar="N",
+        help="Ranks for the distributed check (repeatable).",
+        callback=_WORLD_SIZES_JUDGED,
     ),
     input_shape: Optional[str] = InputShapeOption,
     example_input: Optional[Path] = VerifyExampleInputOption,
@@ -529,6 +600,7 @@ def verify(
         "--atol",
         metavar="X",
         help="Absolute tolerance instead of bit-identity for eval/train (a fused checkpoint: tolerance relative to the output's scale, default 1e-4).",
+        callback=_ATOL_JUDGED,
     ),
     no_perturb: bool = typer.Option(
         False, "--no-perturb", help="Skip the run with perturbed BN statistics and affine parameters."
@@ -639,7 +711,7 @@ def recalibrate(
         "preprocessing; each image and batch bounded before it is decoded), or "
         "package.module:function returning an iterable of batches (RUNS ITS CODE).",
     ),
-    output: Path = typer.Option(
+    output: str = typer.Option(  # as convert's: the text as typed
         ...,
         "--output",
         "-o",

@@ -106,9 +106,27 @@ def phases(out: Console, enabled: bool = True):
         yield lambda text: status.update(Text(printable(f"{text} ...")))
 
 
+#: this command's --json: asked for (set by the option, eagerly, before any other value is judged), and whether
+#: its document is out; a failure with none out yet prints the error as the document (one per command)
+JSON_OUTPUT = {"wanted": False, "emitted": False}
+
+
+def want_json(value: bool) -> bool:
+    """The --json option's callback (eager: every other option's refusal already knows)."""
+    JSON_OUTPUT.update(wanted=bool(value), emitted=False)
+    return value
+
+
 def emit_json(data: Any) -> None:
+    JSON_OUTPUT["emitted"] = True
     sys.stdout.write(dumps(data, indent=2, default=str) + "\n")
     sys.stdout.flush()
+
+
+def emit_json_error(message: str, hint: str, exit_code: int) -> None:
+    """A command that fails under --json before its document is out: the error is the one document."""
+    if JSON_OUTPUT["wanted"] and not JSON_OUTPUT["emitted"]:
+        emit_json({"error": {"message": message, "fix": hint, "exit_code": exit_code}})
 
 
 #: entries of a checkpoint (and carried entries) listed without -v; a file may hold 200,000 (--json has them all)
