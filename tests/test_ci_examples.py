@@ -26,6 +26,15 @@ def test_the_pasted_files_name_the_hook_and_their_steps_are_valid_bash():
     for step in steps:
         result = subprocess.run(["bash", "-n"], input=step["run"], text=True, capture_output=True)
         assert result.returncode == 0, (step["name"], result.stderr)
+    # a pull request never brings its own hook configuration or workflow: both come from the base branch
+    triggers = workflow.get("on", workflow.get(True))
+    assert "pull_request_target" in triggers and "pull_request" not in triggers, triggers
+    assert workflow["permissions"] == {"contents": "read"}
+    checkouts = [s for job in workflow["jobs"].values() for s in job["steps"] if "checkout" in s.get("uses", "")]
+    assert all(s["with"]["persist-credentials"] is False for s in checkouts)
+    assert any("base.sha" in s["with"]["ref"] and s["with"]["path"] == "base" for s in checkouts)
+    verify_step = next(s for s in steps if HOOK_ID in s["run"])
+    assert '--config "$GITHUB_WORKSPACE/base/.pre-commit-config.yaml"' in verify_step["run"]
     page = (ROOT / "docs/verify.md").read_text()
     assert '--8<-- "docs/ci/pre-commit-config.yaml"' in page and '--8<-- "docs/ci/github-actions.yml"' in page
 

@@ -466,3 +466,46 @@ def test_held_before_a_cmyk_jpeg_and_a_link_to_dev_zero(plain_processor, tmp_pat
     (folder / "b.png").symlink_to("/dev/zero")
     with pytest.raises(DataError, match="b.png is not a regular file"):
         first_batch(folder, plain_processor)
+
+
+# left from round five (issue 53, "Also"): each small, each with a test that fails on the code before
+
+
+def test_a_directory_named_like_an_image_is_named_not_skipped_unsaid(small):
+    folder = save_images(small / "imgs", count=1)
+    (folder / "holiday.png").mkdir()
+    result = run("recalibrate", "small:build", "--data", folder, "-o", small / "out.safetensors")
+    one_line_failure(result, 12, "holiday.png is a directory named like a png file", "rename it")
+
+
+def test_a_preprocessor_number_of_thousands_of_digits_is_named_not_called_invalid_json(resnet_dir, images, tmp_path):
+    path = resnet_dir / "preprocessor_config.json"
+    path.write_text('{"image_processor_type": "ViTImageProcessor", "size": {"shortest_edge": ' + "9" * 5000 + "}}")
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
+    one_line_failure(result, 4, "holds a number of 5,000 digits", "save the image processor again")
+    assert "not valid JSON" not in result.output
+
+
+def test_past_twice_pillows_limit_the_message_quotes_bnsurgeons_limit(small, no_decoding):
+    """Past twice Pillow's setting Pillow raises its own error, which quoted its own (changeable) number."""
+    folder = small / "bomb"
+    folder.mkdir()
+    png_declaring(folder / "bomb.png", 20000, 10000)  # 200 million pixels: past 2 x 89,478,485
+    result = run("recalibrate", "small:build", "--data", folder, "-o", small / "out.safetensors")
+    one_line_failure(result, 12, "bomb.png declares more than the 89,478,485 pixels", "not decoded")
+    assert "178,956,970" not in result.output and "178956970" not in result.output
+
+
+@pytest.mark.parametrize("value", ["1_000", "+1000", "１０００"])
+def test_an_environment_number_takes_digits_only_as_its_hint_says(small, value):
+    torch.save(torch.randn(4, 3, 8, 8), small / "pixels.pt")
+    result = run(
+        "recalibrate",
+        "small:build",
+        "--data",
+        small / "pixels.pt",
+        "-o",
+        small / "out.safetensors",
+        env={"BNSURGEON_MAX_BATCH_BYTES": value},
+    )
+    one_line_failure(result, 2, "BNSURGEON_MAX_BATCH_BYTES=", "without separators")

@@ -13,10 +13,9 @@ def whole_number(name: str, default: int, *, low: int, high: int, unit: str = ""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
-    try:
-        value = int(raw.strip().replace("_", ""), 10)
-    except ValueError:
-        value = None
+    text = raw.strip()
+    # digits only, as the hint says: Python's int() would also take 1_000, +5 and other digits than 0-9
+    value = int(text) if text.isascii() and text.isdigit() else None
     if value is None or not low <= value <= high:
         what = f"a whole number{f' of {unit}' if unit else ''} from {low:,} to {high:,}"
         raise UsageError(

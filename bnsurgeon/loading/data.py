@@ -193,6 +193,13 @@ def _listed(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
     found = []
     for root, dirs, names in os.walk(folder):
         dirs.sort()
+        named_like_data = [name for name in dirs if name.lower().endswith(suffixes) and not name.startswith(".")]
+        if named_like_data:  # never skipped unsaid: the user may think it is one of the files
+            raise DataError(
+                f"--data {folder}: {Path(root) / named_like_data[0]} is a directory named like a "
+                f"{named_like_data[0].rsplit('.', 1)[-1]} file",
+                "rename it, or move it out of the folder",
+            )
         for name in sorted(names):
             if name.lower().endswith(suffixes) and not name.startswith("."):
                 found.append(_regular_file(Path(root) / name))
@@ -657,9 +664,12 @@ def _image_batches(images: list[Path], transform: Any, batch_size: int, plan: Im
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             try:
                 image = Image.open(path, formats=IMAGE_FORMATS)  # never a format that runs a program (EPS)
-            except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+                # Pillow's own text quotes its setting (twice it, past which it raises), which another library
+                # may have changed: bnsurgeon's limit is the one fixed here, said as everywhere else
                 raise DataError(
-                    f"{path} declares more pixels than one image may have ({first_line(error)}); it was not decoded",
+                    f"{path} declares more than the {MAX_IMAGE_PIXELS:,} pixels one image may have (Pillow's limit "
+                    "against decompression bombs); it was not decoded",
                     "resize the image, or remove it from the folder",
                 ) from None
             except Image.UnidentifiedImageError:

@@ -524,6 +524,25 @@ SWITCHES = (
 )
 
 
+#: the most digits an integer of a preprocessor config may have (Python refuses to parse past 4,300)
+MAX_INTEGER_DIGITS = 30
+
+
+class LongNumberError(ValueError):
+    """An integer with more digits than any size or count: named as such, not as JSON that cannot be read."""
+
+    def __init__(self, digits: int) -> None:
+        super().__init__(f"{digits} digits")
+        self.digits = digits
+
+
+def _bounded_integer(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INTEGER_DIGITS:
+        raise LongNumberError(digits)
+    return int(text)
+
+
 def read_preprocessor_text(path: Path) -> str:
     """preprocessor_config.json as data, checked as config.json is: a regular file, bounded in size and nesting, one
     strict JSON object whose keys do not repeat, asking for no remote code (an ``auto_map`` names code from the
@@ -550,7 +569,15 @@ def read_preprocessor_text(path: Path) -> str:
                 f"{MAX_PREPROCESSOR_DEPTH}); it was not parsed",
                 "save the image processor again with save_pretrained",
             )
-        value = json.loads(text, object_pairs_hook=unique_keys, parse_constant=refuse_constant)
+        value = json.loads(
+            text, object_pairs_hook=unique_keys, parse_constant=refuse_constant, parse_int=_bounded_integer
+        )
+    except LongNumberError as error:
+        raise PreprocessorConfigError(
+            f"{path} holds a number of {error.digits:,} digits (a size or a count has a few; at most "
+            f"{MAX_INTEGER_DIGITS}): not a usable value",
+            "save the image processor again with save_pretrained",
+        ) from None
     except RepeatedKeyError as error:
         raise CheckpointError(
             f"{path} repeats the key {shown(error.key, 100)}: JSON readers disagree on which "
