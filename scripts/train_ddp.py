@@ -69,6 +69,9 @@ def main() -> None:
                 f"running stats identical across {info.world_size} ranks: {identical} (max |diff| {diff.item():.3g})",
                 flush=True,
             )
+        # every rank past its last collective before any tears the group down: a rank that left early closed its
+        # sockets under the other's gloo threads, which aborted it (SIGABRT, seen once in a loaded CI run)
+        dist.barrier()
         dist.destroy_process_group()
         if not identical:
             raise SystemExit(1)

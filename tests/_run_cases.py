@@ -248,6 +248,7 @@ def spawn_worker(rank, out, port):
     """A worker of the script's own torch.multiprocessing.spawn: a fresh interpreter, not bnsurgeon run."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.save(torch_section(rank, 2), f"{out}/spawn.rank{rank}.pt")
+    dist.barrier()  # both past their last collective before either tears the group down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 
@@ -275,6 +276,7 @@ def main():
     for section in sections:
         result = globals()[f"{section}_section"](rank, world)
         torch.save(result, f"{out}/{section}.rank{rank}.pt")
+    dist.barrier()  # both past their last collective before either tears the group down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 

@@ -156,7 +156,9 @@ def _run_in_group(
 ) -> None:
     """``fn(rank, world_size, *args)`` (``work``: their plain pickle) in a gloo group made for it, and
     ``send`` what came of it: ("ok", the value as torch.save bytes, not shared-memory handles that die
-    with the child) or ("error", the traceback), the group torn down first; or ("machine", (line, fix))
+    with the child) or ("error", the traceback), before the group is torn down (torch 2.4's gloo joins a
+    collective left pending when its group is destroyed, for up to the group's timeout: a rank whose peer
+    failed would otherwise hold its error that long); or ("machine", (line, fix))
     for a limit of the machine, sent at once, then ``hold()`` with the group and the error's frames
     (which may hold the rendezvous store) still alive, so that no other rank sees them go before the
     parent stops it."""
@@ -189,13 +191,13 @@ def _run_in_group(
                 outcome = ("error", f"the task could not be unpickled in the rank: {type(error).__name__}: {error}")
             else:
                 outcome = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+        send(*outcome)
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
-    send(*outcome)
 
 
 #: imported once by the fork server, so that each rank starts from them instead of importing them again
