@@ -69,6 +69,7 @@ _API = {
     "GraphCaptureError": ("bnsurgeon.core.errors", "GraphCaptureError"),
     "PreprocessorConfigError": ("bnsurgeon.core.errors", "PreprocessorConfigError"),
     "ShadowedModuleError": ("bnsurgeon.core.errors", "ShadowedModuleError"),
+    "TorchTooOldError": ("bnsurgeon.core.errors", "TorchTooOldError"),
 }
 
 __all__ = ["__version__", *_API]

@@ -187,8 +187,9 @@ def skipped_layer_timeout_rank(
 ) -> str:
     """The group was created with a longer timeout (as by a user's own init_process_group);
     BNSURGEON_DIST_TIMEOUT (``seconds``) must still bound the sync layer's collective, and the error names
-    whichever of the two fired: ``group_s`` sets the group's own timeout once both ranks are in it (set
-    before, it would bound their meeting too, which a busy machine can make slow). Rank 1 skips the layer
+    whichever of the two fired: ``group_s`` is the timeout of a group of the same ranks made once both are in
+    the default one (set on the default group before, it would bound their meeting too, which a busy machine
+    can make slow), which the layer syncs over. Rank 1 skips the layer
     and stays in the group until rank 0 has its error (the file ``done``), however long that takes: had it
     left, rank 0 would see a peer that left, not a timeout."""
     from datetime import timedelta
@@ -199,11 +200,11 @@ def skipped_layer_timeout_rank(
     from bnsurgeon import convert
 
     os.environ["BNSURGEON_DIST_TIMEOUT"] = seconds
-    model = convert(nn.Sequential(nn.BatchNorm2d(4)), "sync").model.train()
-    if group_s is not None:
+    group = None
+    if group_s is not None:  # a group of the same ranks with its own timeout (public API; torch 2.4 has no set_timeout)
         dist.barrier()
-        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
-        set_timeout(timedelta(seconds=group_s))
+        group = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=group_s))
+    model = convert(nn.Sequential(nn.BatchNorm2d(4)), "sync", process_group=group).model.train()
     started = time.monotonic()
     if rank == 1:  # skips the layer and stays away
         while not Path(done).exists() and time.monotonic() - started < 600:

@@ -153,6 +153,8 @@ OPS_BOUND = 25
 #: a model cast to half keeps half running statistics: the merge runs on float32 copies written back (4 ops),
 #: and the input-gradient kernel takes the weight in float32 (1 op)
 OPS_BOUND_HALF_MODEL = OPS_BOUND + 5
+#: the detaches among OPS_BOUND at the newest torch (autograd's, for what the Function saves; no kernel)
+DETACHES = 3
 
 CASES = {
     "float32": dict(dtype=torch.float32, params=torch.float32),
@@ -283,7 +285,10 @@ def test_cuda_path_dispatch_count_collectives_and_no_host_traffic(strict_device,
         x.grad = None
         if ours.affine:
             ours.weight.grad = ours.bias.grad = None
-    assert counter.total <= bound, (counter.total, sorted(counter.ops.items()))
+    # a detach is a view without a kernel, dispatched by autograd for what a Function saves: torch 2.4 dispatches
+    # 3 more of them than 2.14 does; every other op counts against the bound
+    detaches = counter.ops.get("aten.detach.default", 0)
+    assert counter.total - detaches <= bound - DETACHES, (counter.total, sorted(counter.ops.items()))
 
 
 @pytest.mark.distributed

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 import bnsurgeon
 from bnsurgeon.cli.commands import app
-from bnsurgeon.core import errors
+from bnsurgeon.core import errors, torch_versions
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,7 +269,7 @@ def test_training_checkpoint_carries_every_entry_and_a_valid_optimizer(models):
     assert result.exit_code == 0, result.output
     assert "carried from the source checkpoint" in result.output and "optimizer" in result.output
 
-    with torch.serialization.safe_globals([argparse.Namespace]):  # what timm's args entry needs, as on input
+    with torch_versions.safe_globals([argparse.Namespace]):  # what timm's args entry needs, as on input
         written = torch.load(out, weights_only=True)
     assert {"epoch", "state_dict", "state_dict_ema", "optimizer", "args", "metric"} <= set(written)
     assert written["epoch"] == 7 and written["args"].lr == 0.1 and written["metric"] == 0.5
@@ -398,7 +398,9 @@ def test_every_command_takes_quiet_verbose_and_json_and_shows_an_example(command
 
 def test_choices_are_in_the_help_and_enforced():
     help_text = invoke("convert", "--help").output
-    assert "--to <sync|plain|frozen|fused>" in help_text and "--frozen <keep|unfreeze>" in help_text
+    # how the choices are shown is Typer's: <a|b> (0.20 and later) or [a|b] (0.19, the floor)
+    assert re.search(r"--to [<\[]sync\|plain\|frozen\|fused[>\]]", help_text), help_text
+    assert re.search(r"--frozen [<\[]keep\|unfreeze[>\]]", help_text), help_text
     assert invoke("convert", "resnet18", "-o", "x.safetensors", "--to", "fuse").exit_code == 2
 
 
@@ -514,7 +516,7 @@ def test_a_long_check_name_is_shown_whole_where_the_line_has_room():
         (["inspect", "no-such-file.pt", "--json"], 3, "no such file"),
         (["verify", "-w", "0", "--json"], 2, "--world-size must be at least 2"),
         (["verify", "--json"], 2, "Missing argument 'SOURCE'"),
-        (["verify", "--bogus", "--json"], 2, "No such option: --bogus"),
+        (["verify", "--bogus", "--json"], 2, "--bogus"),  # Click words it as its version does
     ],
 )
 def test_a_failing_command_under_json_prints_its_error_as_the_one_document(args, code, words):

@@ -15,6 +15,7 @@ from torch import nn
 
 import bnsurgeon
 from bnsurgeon.checks.multiproc import RankPool
+from bnsurgeon.core import torch_versions
 from tests import _recalibrate_cases as cases
 
 
@@ -466,7 +467,7 @@ def test_cli_ema_training_checkpoint_only_ema_bn_buffers_change(tmp_path):
     changed = {f"{m.path}.{name}" for m in expected.modules for name in ("running_mean", "running_var")}
     assert len(changed) == 2 * len([m for m in reference.modules() if isinstance(m, nn.BatchNorm2d)])
 
-    with torch.serialization.safe_globals([argparse.Namespace]):
+    with torch_versions.safe_globals([argparse.Namespace]):
         written = torch.load(out, weights_only=True)
     assert list(written)[: len(entries)] == list(entries)
     for name, value in entries.items():  # every entry but the EMA: identical, all the way down

@@ -14,6 +14,7 @@ from _dist import run_world
 from _stack_cases import MICRO, fsdp2_rank, model, no_sync_rank, reference_state
 
 import bnsurgeon
+from bnsurgeon.core import torch_versions
 
 EXACT = dict(rtol=1e-12, atol=1e-12)
 
@@ -31,7 +32,11 @@ def _assert_ranks_match(ranks: list[dict], reference: dict) -> None:
 
 @pytest.mark.distributed
 def test_fsdp2_trains_exactly_like_one_process_on_the_whole_batch():
-    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.6")
+    if not torch_versions.has("fully_shard_public"):
+        pytest.skip(
+            f"FSDP2 (torch.distributed.fsdp.fully_shard) is torch >= {torch_versions.needed('fully_shard_public')}; "
+            f"this is {torch_versions.installed_text()}, whose FSDP2 creates CUDA streams on a CPU forward"
+        )
     ranks = run_world(2, fsdp2_rank, timeout=240)
     _assert_ranks_match(ranks, reference_state())
 
@@ -63,6 +68,11 @@ def test_torch_export_of_a_converted_model_in_eval_is_exact(target):
 
 
 def _onnx_outputs(net, x):
+    if not torch_versions.has("onnx_dynamo_export"):
+        pytest.skip(
+            f"torch.onnx.export(dynamo=True) is torch >= {torch_versions.needed('onnx_dynamo_export')}; this is "
+            f"{torch_versions.installed_text()} (its dynamo exporter is the older torch.onnx.dynamo_export)"
+        )
     ort = pytest.importorskip("onnxruntime", reason="onnxruntime is in the test extra")
     pytest.importorskip("onnxscript", reason="torch.onnx's exporter needs onnxscript (in the test extra)")
     program = torch.onnx.export(net, (x,), dynamo=True, verbose=False)

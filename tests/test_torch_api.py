@@ -111,6 +111,12 @@ HOOK_KINDS = [
 @pytest.mark.parametrize("kind", HOOK_KINDS)
 @pytest.mark.parametrize("target", ["sync", "frozen", "plain-roundtrip"])
 def test_every_hook_kind_is_carried_by_conversion(kind, target):
+    registration = {
+        "state_dict_post": "register_state_dict_post_hook",
+        "load_state_dict_pre": "register_load_state_dict_pre_hook",
+    }
+    if kind in registration and registration[kind] not in dir(nn.Module):
+        pytest.skip(f"torch {torch.__version__} has no public nn.Module.{registration[kind]} (it arrived in 2.5)")
     model, calls, exercise, handle = _fires(kind)
     exercise(model)
     fired_before = len(calls)

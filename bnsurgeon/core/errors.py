@@ -342,6 +342,14 @@ def first_line(error: "BaseException | str", default: str = "no message") -> str
     return (text.splitlines()[0] if text else default)[:200]
 
 
+class TorchTooOldError(BnSurgeonError):
+    """A feature the installed torch does not have (older than the release that brought it): said with both
+    versions, never as a fault of the user's input (``core/torch_versions.py``)."""
+
+    exit_code = 18
+    default_hint = "install a newer torch (pip install -U torch)"
+
+
 class DataError(BnSurgeonError):
     """Recalibration data that cannot be used: missing, unreadable, malformed, too large, or empty."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from bnsurgeon.core.errors import CheckpointError, SourceNotFoundError, UnsafeCheckpointError, UsageError, first_line
 from bnsurgeon.core.json_text import RepeatedKeyError, unique_keys
 from bnsurgeon.core.layout import counted, shown
+from bnsurgeon.core.torch_versions import FEATURES, installed_text, require
 
 if TYPE_CHECKING:
     import torch
@@ -182,14 +184,15 @@ def _read_safetensors(path: Path, mmap: bool) -> RawCheckpoint:
         if not mmap:
             tensors = _read_safetensors_copy(path, header)
     except SafetensorError as error:
-        # serde's "unknown variant `X`, expected one of `BOOL`, ..., `F32`, ...": the dtype enum
+        # serde's "unknown variant `X`, expected one of `BOOL`, ..., `F32`, ...": the dtype enum; safetensors
+        # before 0.5 says only "InvalidHeaderDeserialization", so the header is read here to find the dtype
         unknown = re.search(r"unknown variant `([^`]{1,40})`, expected one of [^\n]*`F32`", str(error))
-        if unknown is not None:  # a dtype newer than this safetensors: not a damaged file
+        newer = unknown.group(1) if unknown is not None else _dtype_this_safetensors_lacks(path, str(error))
+        if newer is not None:  # a dtype newer than this safetensors: not a damaged file
             import safetensors
 
             raise CheckpointError(
-                f"{path} has a tensor of dtype {unknown.group(1)!r}, which safetensors {safetensors.__version__} "
-                "does not know",
+                f"{path} has a tensor of dtype {newer!r}, which safetensors {safetensors.__version__} does not know",
                 "save the tensors in a common dtype (F32, F16, BF16), or upgrade safetensors",
             ) from None
         raise CheckpointError(
@@ -244,12 +247,15 @@ def _torch_layout(path: Path, key: str, info: dict[str, Any]) -> "tuple[torch.dt
     import torch
 
     name, shape = info["dtype"], list(info["shape"])
-    dtype = getattr(torch, SAFETENSORS_DTYPES.get(name, "") if isinstance(name, str) else "", None)
+    torch_name = SAFETENSORS_DTYPES.get(name, "") if isinstance(name, str) else ""
+    if torch_name in FEATURES:  # a dtype of a newer torch than this one: the version is the problem, not the file
+        require(torch_name, f"reading {path} (tensor {key[:200]!r} is {name})")
+    dtype = getattr(torch, torch_name, None)
     if not isinstance(dtype, torch.dtype):
         what = f" ({NO_TORCH_DTYPE[name]})" if name in NO_TORCH_DTYPE else ""
         raise CheckpointError(
             f"{path}: tensor {key[:200]!r} has dtype {str(name)[:40]}{what}, which is not supported by torch "
-            f"{torch.__version__}",
+            f"{installed_text()}",
             "save that tensor in a dtype torch has (F32, F16, BF16), or use a torch that supports it",
         )
     packed = PACKED.get(name, 1)
@@ -264,12 +270,46 @@ def _torch_layout(path: Path, key: str, info: dict[str, Any]) -> "tuple[torch.dt
     return dtype, shape
 
 
+#: the dtypes every safetensors bnsurgeon supports reads (0.4.3, the floor); newer ones added F8_E8M0, F4, F6_*, C64...
+OLDEST_SAFETENSORS_DTYPES = {
+    "BOOL",
+    "U8",
+    "I8",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "F64",
+    "I64",
+    "U64",
+    "F8_E5M2",
+    "F8_E4M3",
+}
+
+
+def _dtype_this_safetensors_lacks(path: Path, message: str) -> str | None:
+    """The first dtype of ``path``'s header outside what the oldest supported safetensors reads, where this one
+    refused the header without saying why (before 0.5: "InvalidHeaderDeserialization"); None otherwise."""
+    if "InvalidHeaderDeserialization" not in message:
+        return None
+    try:
+        header = _safetensors_header(path)
+    except (OSError, ValueError, CheckpointError, struct.error):
+        return None
+    for info in header.values():
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if isinstance(dtype, str) and dtype not in OLDEST_SAFETENSORS_DTYPES:
+            return dtype[:40]
+    return None
+
+
 def _safetensors_header(path: Path) -> dict[str, Any]:
     """The tensors' entries of a safetensors header (already validated by ``safe_open``). A name that
     appears twice is refused: safetensors and Python keep the last entry, other readers may keep the first,
     so the file means different tensors to different tools."""
-    import struct
-
     with open(path, "rb") as stream:
         (length,) = struct.unpack("<Q", stream.read(8))
         try:
@@ -361,9 +401,11 @@ def harmless_globals_allowed(extra: list) -> Iterator[None]:
     context removes ``extra`` on exit, also what the caller had added with ``add_safe_globals`` before."""
     import torch
 
+    from bnsurgeon.core.torch_versions import safe_globals
+
     before = list(torch.serialization.get_safe_globals())
     try:
-        with torch.serialization.safe_globals(extra):
+        with safe_globals(extra):  # torch's context from 2.5; a shim on 2.4 (torch_versions.py)
             yield
     finally:
         now = torch.serialization.get_safe_globals()

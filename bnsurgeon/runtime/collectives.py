@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from bnsurgeon.core.errors import DistributedTimeoutError, first_line
+from bnsurgeon.core.torch_versions import flat_all_gather
 from bnsurgeon.runtime.timeout import collective_timeout
 
-_flat_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_flat_all_gather = flat_all_gather()
 
 
 #: how gloo says a peer's end went away (it died or left the group): not a timeout

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from bnsurgeon.core.torch_versions import has
 from bnsurgeon.runtime.device_checks import device_assert, short_name
 from bnsurgeon.runtime.identity import HEADER, header_mismatch_message
 from bnsurgeon.runtime.recompute import GlobalStats
@@ -55,21 +56,18 @@ def _count_tensor(count: int, dtype: torch.dtype, device: torch.device) -> torch
     return torch.full((1,), count, dtype=dtype, device=device)
 
 
+#: torch >= 2.13 deprecates all_gather_into_tensor (a warning per call) for all_gather_single (torch_versions.py)
+_GATHER = "all_gather_single" if has("all_gather_single") else "all_gather_into_tensor"
+
+
 def all_gather_into(gathered: torch.Tensor, row: torch.Tensor, group) -> None:
     """ONE all_gather, stream-ordered: no host wait (a separate ``wait()`` is a second profiler record)."""
-    dist.all_gather_into_tensor(gathered, row, group=group)
+    getattr(dist, _GATHER)(gathered, row, group=group)
 
 
 def all_reduce_into(packed: torch.Tensor, group) -> None:
     """ONE in-place sum over the ranks, stream-ordered."""
     dist.all_reduce(packed, group=group)
-
-
-if hasattr(dist, "all_gather_single"):  # torch >= 2.13 deprecates all_gather_into_tensor (a warning per call)
-
-    def all_gather_into(gathered: torch.Tensor, row: torch.Tensor, group) -> None:  # noqa: F811
-        """ONE all_gather, stream-ordered: no host wait (a separate ``wait()`` is a second profiler record)."""
-        dist.all_gather_single(gathered, row, group=group)
 
 
 def _affine_for(x: torch.Tensor, weight, bias, stats_dtype: torch.dtype):

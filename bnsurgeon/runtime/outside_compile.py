@@ -40,13 +40,6 @@ def _mark_pending(_: str, __: ModuleType) -> None:
 
 
 def _mark(owner: Any, name: str, reason: str) -> None:
-    import torch
+    from bnsurgeon.core.torch_versions import disable_compile
 
-    function = getattr(owner, name)
-    if getattr(function, "_torchdynamo_disable", False):
-        return
-    try:
-        marked = torch.compiler.disable(function, reason=reason)
-    except TypeError:  # the reason argument is newer than torch 2.4, the oldest torch supported
-        marked = torch.compiler.disable(function)
-    setattr(owner, name, marked)
+    setattr(owner, name, disable_compile(getattr(owner, name), reason))

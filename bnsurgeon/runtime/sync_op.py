@@ -31,9 +31,9 @@ The process group travels as its name (``""`` for the default group) and the lay
 integer token of its ``LayerIdentity`` (identity.py): custom ops take no Python objects.
 """
 
-from __future__ import annotations
-
-from typing import Optional
+# no ``from __future__ import annotations``: torch.library.custom_op reads the ops' annotations as objects, and
+# torch 2.4's schema inference takes typing.List/Tuple (not list[int] or strings)
+from typing import List, Optional, Tuple  # noqa: UP035
 
 import torch
 from torch import Tensor
@@ -63,13 +63,13 @@ def _group(name: str):
 def sync_statistics(
     local_mean: Tensor,
     local_var: Tensor,
-    shape: list[int],
+    shape: List[int],  # noqa: UP006
     input_dtype: torch.dtype,
     eps: float,
     group_name: str,
     world_size: int,
     layer: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # noqa: UP006
     """(mean, var, total, header, counted, share) of the global batch: the eager layer's own step.
 
     ``share`` is this rank's count over the global count (0 if that is 0), for the backward:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from bnsurgeon.core.anatomy import qualname
 from bnsurgeon.core.errors import CheckpointError, HookedModelError, UsageError
@@ -197,6 +198,31 @@ class _Observed:
     held_after: set[str] = field(default_factory=set)
 
 
+@contextmanager
+def compiled_wrappers_bypassed(model: "nn.Module") -> Iterator[None]:
+    """Each ``torch.compile`` wrapper in ``model`` runs its original module eagerly while the hooks watch: dynamo
+    runs graph modules of its own, so the hooks of the modules it compiled fire from its copies (torch 2.4: the
+    observation then failed with a KeyError, or saw no BN called), or not at all. Put back afterwards."""
+    import sys
+
+    wrappers = []
+    if "torch._dynamo" in sys.modules:  # nothing was compiled in a process that never imported dynamo
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        wrappers = [module for module in model.modules() if isinstance(module, OptimizedModule)]
+    saved = [(wrapper, wrapper.__dict__.get("forward")) for wrapper in wrappers]
+    for wrapper in wrappers:
+        wrapper.__dict__["forward"] = wrapper._orig_mod.__call__  # the wrapper's own forward is an instance attribute
+    try:
+        yield
+    finally:
+        for wrapper, forward in saved:
+            if forward is None:
+                wrapper.__dict__.pop("forward", None)
+            else:
+                wrapper.__dict__["forward"] = forward
+
+
 def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str]) -> _Observed:
     """One eval forward recording who produces, who consumes and who reads what (see module doc).
 
@@ -295,7 +321,7 @@ def observe(model: "nn.Module", example: "torch.Tensor", bn_paths: dict[int, str
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
     try:
-        with torch.no_grad(), Recorder():
+        with torch.no_grad(), Recorder(), compiled_wrappers_bypassed(model):
             outputs = run_forward(model, example, "the source model")
     finally:
         for handle in handles:
