@@ -3,7 +3,6 @@ write) and ``verify`` (load both sides, run every check)."""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from bnsurgeon.core.errors import (
     UsageError,
     VerificationError,
 )
+from bnsurgeon.core.option_values import check_atol, check_world_sizes
 from bnsurgeon.core.paths import check_reachable
 from bnsurgeon.core.running import preserved_modes, run_forward
 from bnsurgeon.files.conversion import write_conversion, write_model_directory
@@ -138,28 +138,6 @@ def _load_for_inspection(source: ResolvedSource, **options: Any) -> "tuple[Loade
         reason = str(error).strip().splitlines()[0][:120] if str(error).strip() else type(error).__name__
     loaded = load_source(source, meta=False, **options)  # a factory that fails for real says so here
     return loaded, f"built with real weights: the model cannot be built on the meta device ({reason})"
-
-
-#: verify starts one process per rank
-MAX_WORLD_SIZE = 64
-
-
-def check_world_sizes(world_sizes: "tuple[int, ...] | list[int]") -> None:
-    """Each --world-size is 2 to MAX_WORLD_SIZE ranks (UsageError otherwise)."""
-    if any(w < 2 for w in world_sizes):
-        raise UsageError(f"--world-size must be at least 2 (got {min(world_sizes)})", "use 2 or 3 on a CPU machine")
-    if any(w > MAX_WORLD_SIZE for w in world_sizes):  # one process each: 100000 would be a fork bomb
-        raise UsageError(
-            f"--world-size {max(world_sizes)} is more ranks than verify starts (at most {MAX_WORLD_SIZE}; "
-            "each is a process on this machine)",
-            "use 2 or 3 on a CPU machine",
-        )
-
-
-def check_atol(atol: float | None) -> None:
-    """--atol is a finite number >= 0 (inf would pass any difference)."""
-    if atol is not None and not (math.isfinite(atol) and atol >= 0):
-        raise UsageError(f"--atol {atol} is not a tolerance", "pass a finite number >= 0, e.g. --atol 1e-5")
 
 
 def verify_timeout_s() -> float:

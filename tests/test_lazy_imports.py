@@ -48,3 +48,9 @@ def test_dynamo_timm_and_torchvision_wait_until_the_process_imports_them():
     assert seen["marked"] == [True, True]  # the compile marks arrived with dynamo
     assert "torchvision-frozen" in seen["with_torchvision"] and "timm-frozen-act" not in seen["with_torchvision"]
     assert {"timm-batchnorm-act", "timm-frozen-act"} <= set(seen["with_timm"])
+
+
+def test_the_built_in_rule_names_known_without_imports_are_the_built_in_rules():
+    from bnsurgeon.rules import BUILTIN_RULE_NAMES, builtin_rules
+
+    assert {rule.name for rule in builtin_rules()} | {"detectron2-frozen"} == BUILTIN_RULE_NAMES

@@ -12,6 +12,7 @@ import importlib.util
 import io
 import os
 import pickle
+import sys
 import textwrap
 from pathlib import Path
 
@@ -294,3 +295,78 @@ def test_mmengines_runner_trains_a_syncbn_norm_cfg_exactly_under_torchrun(tmp_pa
     for key in ("mean", "var"):
         assert torch.equal(r0[key], r1[key])
         torch.testing.assert_close(r0[key], one[key], rtol=1e-12, atol=1e-12)
+
+
+DETECTRON2_SCRIPT = """
+    import sys
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from detectron2.layers.batch_norm import FrozenBatchNorm2d
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), FrozenBatchNorm2d(4), nn.Conv2d(4, 4, 1), nn.SyncBatchNorm(4))
+    ddp = DistributedDataParallel(model)
+    ddp(torch.randn(2, 3, 4, 4)).sum().backward()
+    open(sys.argv[1], "w").write(type(model[3]).__module__ + " " + type(model[1]).__name__)
+"""
+
+
+def _detectron2_stand_in(monkeypatch) -> None:
+    """detectron2's FrozenBatchNorm2d as detectron2 defines it (buffers, x*scale+shift), in its own module."""
+    import types
+
+    class FrozenBatchNorm2d(nn.Module):
+        def __init__(self, num_features, eps=1e-5):
+            super().__init__()
+            self.num_features, self.eps = num_features, eps
+            self.register_buffer("weight", torch.ones(num_features))
+            self.register_buffer("bias", torch.zeros(num_features))
+            self.register_buffer("running_mean", torch.zeros(num_features))
+            self.register_buffer("running_var", torch.ones(num_features) - eps)
+
+        def forward(self, x):
+            scale = self.weight * (self.running_var + self.eps).rsqrt()
+            bias = self.bias - self.running_mean * scale
+            return x * scale.reshape(1, -1, 1, 1) + bias.reshape(1, -1, 1, 1)
+
+    names = ["detectron2", "detectron2.layers", "detectron2.layers.batch_norm"]
+    modules = {name: types.ModuleType(name) for name in names}
+    FrozenBatchNorm2d.__module__ = names[-1]
+    modules[names[-1]].FrozenBatchNorm2d = FrozenBatchNorm2d
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_detectron2s_frozen_bn_beside_syncbn_trains_at_ddp(tmp_path, world_of_one, monkeypatch):
+    """A detectron2 model freezes its first stages with detectron2's own FrozenBatchNorm2d (FREEZE_AT) beside
+    SyncBN: its rule joins once detectron2 is imported, so DDP's adoption keeps it frozen instead of stopping the
+    script as 'no rule' (exit 7, before)."""
+    import sys
+
+    _detectron2_stand_in(monkeypatch)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(DETECTRON2_SCRIPT))
+    marker = tmp_path / "trained"
+    result = CliRunner().invoke(app, ["run", str(script), str(marker)])
+    assert result.exit_code == 0, result.output
+    assert marker.read_text() == "bnsurgeon.runtime.layers FrozenBatchNorm2d"
+    assert "1 kept, 0 unhandled" in result.output, result.output
+    assert "detectron2" in sys.modules  # (removed again by monkeypatch)
+
+
+def test_layers_adopted_at_their_first_forward_are_named_by_where_they_were_made():
+    """No module path is known at a first forward: each layer syncs under where it was made and its number there,
+    given when it was made, so ranks name the same layers alike whatever else one of them makes later (a global
+    counter at adoption time named them by adoption order, which an extra model on one rank shifted)."""
+    from bnsurgeon.launch import built
+
+    log = ConversionLog(quiet=True)
+    with patched_converters(log):
+        layers = [nn.SyncBatchNorm(2) for _ in range(2)]
+        extra = nn.SyncBatchNorm(2)  # made later, on this rank only
+        built.adopt_remembered(log, layers[1], "train.py:9")
+    names = [layer.layer_name for layer in layers]
+    assert names[0].startswith("built at test_run_built.py:") and names[0].endswith(" #1"), names
+    assert names[1] == names[0][: -len("#1")] + "#2"
+    assert type(extra) is SyncBatchNorm and extra.layer_name.endswith(" #1") and extra.layer_name != names[0]
+    assert not built._remembered  # put back with the run

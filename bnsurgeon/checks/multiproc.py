@@ -622,10 +622,10 @@ class RankPool:
                 continue
             since = self._stopped_since.setdefault(rank, now)
             if at_deadline or now - since >= self.collective_timeout:
+                waited = "when the run's deadline came" if at_deadline else f"for {now - since:.0f} s"
                 raise HostFailureError(
-                    f"rank {rank} (pid {pid}) was stopped for {now - since:.0f} s (SIGSTOP: a debugger, job control "
-                    "or a cgroup freezer) and answered nothing; the run's timeout is "
-                    f"{self.collective_timeout:g} s (BNSURGEON_DIST_TIMEOUT)",
+                    f"rank {rank} (pid {pid}) was stopped {waited} (SIGSTOP: a debugger, job control or a cgroup "
+                    f"freezer) and answered nothing; the ranks wait for each other {self.collective_timeout:g} s",
                     STOPPED_HINT,
                 )
 

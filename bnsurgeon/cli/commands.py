@@ -318,13 +318,13 @@ def _judged(check: Callable[[Any], object]) -> Callable[[Any], Any]:
 
 
 def _check_world_sizes(values: List[int]) -> None:
-    from bnsurgeon.pipeline import check_world_sizes
+    from bnsurgeon.core.option_values import check_world_sizes
 
     check_world_sizes(values)
 
 
 def _check_atol(value: float) -> None:
-    from bnsurgeon.pipeline import check_atol
+    from bnsurgeon.core.option_values import check_atol
 
     check_atol(value)
 
@@ -856,7 +856,7 @@ def run(
 
     Python processes the script starts inherit the replaced converters: the ranks Lightning's
     Trainer(devices=N) starts without torchrun (strategy="ddp" or "ddp_spawn"), a script's own
-    torch.multiprocessing.spawn workers (through a start hook in site-packages, bnsurgeon-run.pth, that
+    torch.multiprocessing.spawn workers (through a start hook in site-packages, zz-bnsurgeon-run.pth, that
     acts only where BNSURGEON_RUN is set, as coverage.py does).
 
     Not covered: a project's own copy of a converter (apex's convert_syncbn_model): call

@@ -40,6 +40,17 @@ _BEFORE = "built before bnsurgeon run started"
 
 #: torch SyncBatchNorm layers built, unpickled or copied while the script runs -> where
 _remembered: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+#: the name a layer adopted at its first forward syncs under (no module path is known there): where it was made
+#: and its number among the layers made there, given when it is made, so that ranks that make the same layers
+#: in the same order name them alike whatever else one rank makes later, or when its collector runs
+_names: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_made_at: dict[str, int] = {}
+
+
+def _remember(layer: Any, where: str) -> None:
+    _remembered[layer] = where
+    _made_at[where] = _made_at.get(where, 0) + 1
+    _names[layer] = f"{where} #{_made_at[where]}"
 
 
 def _foreign(layer: Any) -> bool:
@@ -69,12 +80,12 @@ def patch_sync_class(batchnorm: ModuleType, log: ConversionLog) -> Callable[[], 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         if log.active and _foreign(self):
-            _remembered[self] = f"built at {called_at(*skipped)}"
+            _remember(self, f"built at {called_at(*skipped)}")
 
     def __setstate__(self: Any, state: dict) -> None:
         super(cls, self).__setstate__(state)
         if log.active and _foreign(self):
-            _remembered[self] = f"unpickled or copied at {called_at(*skipped)}"
+            _remember(self, f"unpickled or copied at {called_at(*skipped)}")
 
     def adopting_forward(self: Any, input: Any) -> Any:
         if not (log.active and _foreign(self) and _group_exists()):
@@ -94,6 +105,9 @@ def patch_sync_class(batchnorm: ModuleType, log: ConversionLog) -> Callable[[], 
                 delattr(cls, name)
             else:
                 setattr(cls, name, original)
+        _remembered.clear()  # a later run (run_script again) remembers its own
+        _names.clear()
+        _made_at.clear()
 
     return undo
 
@@ -170,6 +184,7 @@ def adopt_model(log: ConversionLog, model: Any, where: str) -> None:
             )
         elif entry in syncs:
             built_where = _remembered.pop(entry.module, _BEFORE)
+            _names.pop(entry.module, None)
             origin = entry.cls_name
             SyncBatchNorm.adopt(entry.module, name=entry.path)
             report.changed.append(
@@ -203,7 +218,7 @@ def adopt_remembered(log: ConversionLog, layer: Any, where: str) -> None:
     report = Report(target="sync", options={"allow_unhandled": log.allow_unhandled, "inplace": True})
     for module, rule, site in candidates:
         origin = qualname(type(module))
-        SyncBatchNorm.adopt(module)
+        SyncBatchNorm.adopt(module, name=_names.pop(module, None))
         _remembered.pop(module, None)
         report.changed.append(
             ModuleChange(

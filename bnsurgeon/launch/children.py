@@ -5,7 +5,7 @@ launcher), ``strategy="ddp_spawn"`` and a script's own ``torch.multiprocessing.s
 interpreters: none of them runs ``bnsurgeon run``, so each would get torch's converter while rank 0 has
 bnsurgeon's (on CPU a ValueError; on GPU mixed layers, a hang or wrong statistics). While a script runs,
 ``bnsurgeon run`` sets ``BNSURGEON_RUN`` (the run's settings, as JSON), and a start hook in the
-interpreter's own site-packages (``bnsurgeon-run.pth``, written there once, inert without the variable)
+interpreter's own site-packages (``zz-bnsurgeon-run.pth``, written there once, inert without the variable)
 calls ``start_child`` in every process of that interpreter: other interpreters (the system ``python3``, a
 tool's own venv) never see it, and run exactly as under python. Where site-packages cannot be written, the
 older bootstrap is used: ``_child/`` first on ``PYTHONPATH``, whose ``sitecustomize.py`` does the same and
@@ -36,8 +36,12 @@ ENV = "BNSURGEON_RUN"
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child")
 
 
-#: the start hook's file and its one line (site runs a .pth line that starts with "import")
-START_HOOK = "bnsurgeon-run.pth"
+#: the start hook's file and its one line (site runs a .pth line that starts with "import"). site reads the .pth
+#: files in name order: this one sorts after those that put bnsurgeon itself on the path (an editable install's
+#: __editable__.*.pth or bnsurgeon.pth, easy-install.pth, conda.pth), so its import finds bnsurgeon
+START_HOOK = "zz-bnsurgeon-run.pth"
+#: the name an earlier bnsurgeon gave the hook (it sorted before some of those): replaced by START_HOOK
+OLD_START_HOOK = "bnsurgeon-run.pth"
 HOOK_LINE = f"import os; os.environ.get({ENV!r}) and __import__('bnsurgeon.launch._child.start')\n"
 
 
@@ -54,6 +58,7 @@ def start_hook_directory() -> Path | None:
         return None
     hook = directory / START_HOOK
     try:
+        (directory / OLD_START_HOOK).unlink(missing_ok=True)
         if hook.is_file() and hook.read_text(encoding="utf-8") == HOOK_LINE:
             return directory
         handle, temp = tempfile.mkstemp(dir=directory, prefix=".bnsurgeon-run-", suffix=".tmp")
@@ -126,9 +131,11 @@ def start_child(text: str) -> None:
 
 
 def _refusals_in_one_line(log: ConversionLog) -> None:
-    """A replaced converter's refusal (a BN class no rule claims) that ends the child ends it as it ends the run's
-    own process: one line and the error's exit code (7), not the script's traceback and exit 1. The code is given
-    after every other exit handler has run (this one is registered first, so it runs last)."""
+    """A replaced converter's refusal (a BN class no rule claims) that ends the child uncaught ends it as it ends
+    the run's own process: one line and the error's exit code (7), not the script's traceback and exit 1. The code
+    is given after every other exit handler has run (this one is registered first, so it runs last). A worker whose
+    own wrapper catches the error (torch.multiprocessing.spawn's, multiprocessing's) reports it as that wrapper
+    does: its traceback, and the parent's own error."""
     import atexit
 
     from bnsurgeon.core.errors import BnSurgeonError

@@ -95,19 +95,21 @@ def say(line: str) -> bool:
 def write_report(path: Path, text: str) -> Path:
     """``text`` in the first free name of PATH, NAME.2.json, ..., atomically and never over an existing file.
 
-    Written to a temporary file beside it with the umask's mode, then hard-linked to the name, which fails if
-    the name exists: of several processes or threads converting at once, each report gets its own name. (A
-    filesystem without hard links: the name is reserved by an exclusive create, then filled.)
+    Written to a temporary file beside it, then hard-linked to the name, which fails if the name exists: of
+    several processes or threads converting at once, each report gets its own name. (A filesystem without hard
+    links: the name is reserved by an exclusive create, then filled.) Files are created with mode 0666 and the
+    kernel applies the umask: reading the umask means setting it, a race with the script's own threads.
     """
-    import tempfile
+    import secrets
 
-    from bnsurgeon.files.safewrite import NO_LINKS, new_file_mode
+    from bnsurgeon.files.safewrite import NO_LINKS
 
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=".bnsurgeon-report-", suffix=".tmp")
+    exclusive = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+    temp = path.parent / f".bnsurgeon-report-{secrets.token_hex(8)}.tmp"
+    handle = os.open(temp, exclusive, 0o666)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
-        os.chmod(temp, new_file_mode())
         count = 1
         while True:
             final = numbered(path, count)
@@ -120,7 +122,7 @@ def write_report(path: Path, text: str) -> Path:
                 if error.errno not in NO_LINKS:
                     raise
                 try:
-                    reserved = os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY, new_file_mode())
+                    reserved = os.open(final, exclusive, 0o666)
                 except FileExistsError:
                     count += 1
                     continue

@@ -168,13 +168,14 @@ def report_names(report: Path) -> list[Path]:
     return [report, *sorted(numbered_names)]
 
 
-def check_report(report: str | os.PathLike, *, force: bool, first: bool) -> Path:
+def check_report(report: str | os.PathLike, *, force: bool, first: bool) -> tuple[Path, list[Path]]:
     """``--report``, absolute (a script that changes directory writes it where it was asked for), checked
     before anything of the script runs (a package's ``__init__`` for ``-m`` included): a name the filesystem
     takes, in a directory whose files can be created; a regular file or nothing (a FIFO, a device, a link,
     a directory is refused and never removed, ``--force`` or not); existing reports (PATH, NAME.2.SUFFIX, ...)
     only with ``force``. ``first``: this process writes the reports (rank 0 of a torchrun launch): only it looks
-    at existing ones. ``claim_report`` removes them once the script's own file is known."""
+    at existing ones. Returns the path and the earlier run's reports, which ``claim_report`` removes once the
+    script's own file is known (only those: a report a package's ``__init__`` wrote meanwhile is this run's)."""
     import tempfile
 
     path = Path(os.path.abspath(report))
@@ -203,7 +204,7 @@ def check_report(report: str | os.PathLike, *, force: bool, first: bool) -> Path
             "choose a directory you can write to",
         ) from None
     if not first:
-        return path
+        return path, []
     existing = [name for name in report_names(path) if os.path.lexists(name)]
     for name in existing:
         _refuse_special(path, name)
@@ -212,7 +213,7 @@ def check_report(report: str | os.PathLike, *, force: bool, first: bool) -> Path
             f"--report {path}: {existing[0]} already exists",
             "pass --force to replace the reports of an earlier run, or choose another path",
         )
-    return path
+    return path, existing
 
 
 def _name_max(directory: Path) -> int:
@@ -251,10 +252,11 @@ def _refuse_special(report: Path, name: Path) -> None:
     )
 
 
-def claim_report(path: Path, run: Sequence[str], *, force: bool, first: bool) -> None:
+def claim_report(path: Path, run: Sequence[str], earlier: Sequence[Path], *, force: bool, first: bool) -> None:
     """Once the file that runs is known (a script, a directory's or zip's ``__main__``, a module's file), before
     its first line: no report name is that file (by identity: a hard link too), then, with ``force``, the
-    earlier run's reports are removed, so that a report there afterwards is this run's."""
+    earlier run's reports (``earlier``, found by ``check_report``) are removed, so that a report there afterwards
+    is this run's."""
     pattern = re.compile(re.escape(path.stem) + r"(\.\d+)?" + re.escape(path.suffix))
     names = report_names(path)
     for given in run:
@@ -267,7 +269,7 @@ def claim_report(path: Path, run: Sequence[str], *, force: bool, first: bool) ->
             )
     if not first or not force:
         return
-    for name in names:
+    for name in earlier:
         if os.path.lexists(name):
             _refuse_special(path, name)
             name.unlink()
@@ -364,8 +366,9 @@ def run_script(
             from bnsurgeon.launch.children import child_environment
 
             undo.append(child_environment(log, rules))
+        earlier: list[Path] = []
         if path is not None:  # before anything of the script runs, a package's __init__ for -m included
-            check_report(path, force=force, first=rank() == 0)
+            path, earlier = check_report(path, force=force, first=rank() == 0)
         undo.append(install(log))  # before a package's __init__ runs for -m, as it is part of what runs
         sys.argv = [target, *args]
         try:
@@ -375,7 +378,7 @@ def run_script(
         except BaseException as error:  # noqa: B036 - the script's (a SyntaxError, a package's __init__ that raised)
             raise ScriptRaised(without_our_frames(error)) from None
         if path is not None:
-            claim_report(path, _files_run(target, module, names), force=force, first=rank() == 0)
+            claim_report(path, _files_run(target, module, names), earlier, force=force, first=rank() == 0)
         try:
             _execute(code, names)
         except SystemExit:

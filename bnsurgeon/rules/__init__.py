@@ -60,6 +60,23 @@ def builtin_rules() -> list[Rule]:
     ]
 
 
+#: the names of builtin_rules() and of the families that join when their package is imported, known without
+#: importing timm or torchvision (--rules checks them in every child of a run; a test keeps the list true)
+BUILTIN_RULE_NAMES = frozenset(
+    {
+        "torch-batchnorm",
+        "bnsurgeon-sync",
+        "timm-batchnorm-act",
+        "bnsurgeon-sync-act",
+        "bnsurgeon-frozen",
+        "bnsurgeon-frozen-act",
+        "torchvision-frozen",
+        "timm-frozen-act",
+        "detectron2-frozen",
+    }
+)
+
+
 def _core_rules() -> list[Rule]:
     """The built-in rules for torch's and bnsurgeon's classes: what needs no other package."""
     from bnsurgeon.rules import frozen, norm_act, torch_bn
@@ -77,6 +94,7 @@ def _package_rules() -> list[tuple[str, str, "Callable[[], list[Rule]]"]]:
         (norm_act.TIMM_MODULE, "timm-act", norm_act.timm_rules),
         (frozen.TORCHVISION_MODULE, "torchvision-frozen", frozen.torchvision_rules),
         (frozen.TIMM_MODULE, "timm-frozen", frozen.timm_rules),
+        (frozen.DETECTRON2_MODULE, "detectron2-frozen", frozen.detectron2_rules),
     ]
 
 
@@ -152,7 +170,7 @@ def _refuse_builtin_overrides(found: list[Rule], spec: str) -> None:
     from bnsurgeon.core.errors import UsageError
     from bnsurgeon.rules.openmmlab import OPTIONAL_CLASSES
 
-    builtin = {rule.name for rule in builtin_rules()} | {name for _, name, _ in OPTIONAL_CLASSES.values()}
+    builtin = BUILTIN_RULE_NAMES | {name for _, name, _ in OPTIONAL_CLASSES.values()}
     registry = default_registry()
     hint = (
         "claim only your own classes (rules match the exact class), under a name of your own; to replace a "
@@ -228,8 +246,8 @@ def default_registry() -> Registry:
     joining = []
     for module_name, family, rules in _package_rules():
         if module_name in sys.modules and family not in joined:
-            joined.add(family)
             joining += rules()
+            joined.add(family)  # after its rules are made: one that raised is tried again on the next look-up
     joining += [*openmmlab.imported_rules(joined), *transformers_bn.imported_rules(joined)]
     for rule in joining:
         if all(_default.lookup(cls) is None for cls in rule.classes):

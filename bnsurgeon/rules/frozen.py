@@ -42,6 +42,8 @@ def rules() -> list[Rule]:
 #: each is imported
 TORCHVISION_MODULE = "torchvision.ops.misc"
 TIMM_MODULE = "timm.layers.norm_act"
+#: detectron2's own FrozenBatchNorm2d (its backbones' frozen stages, FREEZE_AT): never imported by bnsurgeon
+DETECTRON2_MODULE = "detectron2.layers.batch_norm"
 
 
 # torchvision's and timm's frozen classes compute x*scale+shift: eval is close, not bitwise
@@ -73,5 +75,21 @@ def timm_rules() -> list[Rule]:
             "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)",
             act=True,
             exact=False,
+        )
+    ]
+
+
+def detectron2_rules() -> list[Rule]:
+    """detectron2's FrozenBatchNorm2d (weight, bias and running statistics as buffers, x*scale+shift), once
+    detectron2 has imported it: its detection models freeze their first stages with it, beside SyncBN."""
+    import sys
+
+    module = sys.modules.get(DETECTRON2_MODULE)
+    cls = getattr(module, "FrozenBatchNorm2d", None) if module is not None else None
+    if not isinstance(cls, type):
+        return []
+    return [
+        _frozen_rule(
+            "detectron2-frozen", cls, "detectron2 FrozenBatchNorm2d (x*scale+shift arithmetic)", act=False, exact=False
         )
     ]

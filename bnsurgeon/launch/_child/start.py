@@ -1,4 +1,4 @@
-"""Imported by the start hook (``bnsurgeon-run.pth`` in site-packages) in a process that ``bnsurgeon run``'s
+"""Imported by the start hook (``zz-bnsurgeon-run.pth`` in site-packages) in a process that ``bnsurgeon run``'s
 script started (``BNSURGEON_RUN`` set): the run's converters for the process (``children.start_child``), or one
 line and exit 1 where they cannot be installed."""
 
