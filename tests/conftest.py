@@ -1,4 +1,4 @@
-"""Every test gets the process-wide rule registry back as it found it.
+"""Every test gets the process-wide rule registry back as it found it; ``cli`` for the ``run`` command.
 
 A test that names ``--rules`` or registers a rule in the pytest process would otherwise leave the rule for the
 next test of the same worker, which then sees a registry no user process has (which tests share a worker
@@ -24,3 +24,16 @@ def _rule_registry_as_found():
     rules._default = registry  # None again where the test made the first one
     rules._named_specs.clear()
     rules._named_specs.update(named)
+
+
+@pytest.fixture
+def cli():
+    """CliRunner for `run`: the command leaves the script's state in place (its process ends with it); put back."""
+    from typer.testing import CliRunner
+
+    from bnsurgeon.launch.script import put_back
+
+    try:
+        yield CliRunner()
+    finally:
+        put_back()

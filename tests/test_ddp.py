@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from _ddp_cases import SPLIT, ddp_rank, only_bn_trains, skip_layer_rank, tiny_timm_model, train
-from _dist import free_port, run_world
+from _dist import run_world, torchrun
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,25 +49,9 @@ def test_train_ddp_script_under_torchrun(tmp_path):
     checkpoint = tmp_path / "b0.sync.safetensors"
     convert_source("efficientnet_b0", checkpoint, model_args={"num_classes": 4})
     env = dict(os.environ, OMP_NUM_THREADS="1", BNSURGEON_DIST_TIMEOUT="200")  # a hang detector, under the 240 s
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(ROOT / "scripts" / "train_ddp.py"),
-        str(checkpoint),
-        "--steps",
-        "2",
-        "--batch",
-        "2",
-        "--size",
-        "32",
-    ]
+    command = torchrun(
+        str(ROOT / "scripts" / "train_ddp.py"), str(checkpoint), "--steps", "2", "--batch", "2", "--size", "32"
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "step 1: loss" in done.stdout

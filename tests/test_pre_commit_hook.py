@@ -251,6 +251,21 @@ def test_a_relative_path_entry_is_the_repository_and_is_never_searched(repo, tmp
     assert code == 127 and not (repo / "PLANTED").exists(), output
 
 
+def hook_with_this_python(repo, tmp_path, *args):
+    """The hook run by this interpreter with no bnsurgeon on PATH: it runs this python's, the real one."""
+    empty = tmp_path / "empty"
+    empty.mkdir(exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, str(HOOK), *args],
+        cwd=repo,
+        env={**os.environ, "PATH": str(empty), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return done, done.stdout + done.stderr
+
+
 def test_without_bnsurgeon_on_path_this_pythons_runs_with_the_working_directory_off_its_path(repo, tmp_path):
     """The real bnsurgeon (PYTHONPATH), and a bnsurgeon/ package committed in the repository that must not run."""
     planted = repo / "bnsurgeon"
@@ -258,18 +273,7 @@ def test_without_bnsurgeon_on_path_this_pythons_runs_with_the_working_directory_
     for module in ("__init__.py", "__main__.py"):
         (planted / module).write_text(f"open({str(tmp_path / 'PLANTED')!r}, 'w')\n")
     checkpoint(repo, "a.safetensors", '{"source": "resnet18"}')
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    env_python = (sys.executable,)
-    done = subprocess.run(
-        [*env_python, str(HOOK), "--source", "missing.safetensors", "--", "a.safetensors"],
-        cwd=repo,
-        env={**os.environ, "PATH": str(empty), "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    output = done.stdout + done.stderr
+    done, output = hook_with_this_python(repo, tmp_path, "--source", "missing.safetensors", "--", "a.safetensors")
     assert not (tmp_path / "PLANTED").exists(), output
     # the real verify ran: SOURCE is not found (exit 3), said by bnsurgeon itself
     assert done.returncode == 1 and "a.safetensors: verify exited 3" in output, output
@@ -374,16 +378,6 @@ def test_option_values_verify_refuses_later_are_refused_by_the_real_verifys_prob
     """-w 0 and --input-shape abc are ints and strings to Click: the probe took them, every file ran verify, which
     refused them, and the hook exited 1. They are judged as Click reads them now: exit 2, one line, no file run."""
     checkpoint(repo, "a.safetensors", '{"source": "resnet18"}')
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    done = subprocess.run(
-        [sys.executable, str(HOOK), *args, "--", "a.safetensors"],
-        cwd=repo,
-        env={**os.environ, "PATH": str(empty), "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    output = done.stdout + done.stderr
+    done, output = hook_with_this_python(repo, tmp_path, *args, "--", "a.safetensors")
     assert done.returncode == 2 and said in output, output
     assert "a.safetensors" not in output, output

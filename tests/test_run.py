@@ -59,22 +59,13 @@ def _python(*args, cwd, timeout=120):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """torchrun --nproc-per-node 2 -m bnsurgeon run train.py OUT SECTION... --report, once for the module."""
-    from bnsurgeon.checks.multiproc import free_port
+    from _dist import torchrun
 
     work = tmp_path_factory.mktemp("run")
     shutil.copy(CASES, work / "train.py")
     out = work / "out"
     out.mkdir()
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    command = [
-        *launcher,
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
+    command = torchrun(
         "-m",
         "bnsurgeon",
         "run",
@@ -83,7 +74,7 @@ def launched(tmp_path_factory):
         "train.py",
         str(out),
         *SECTIONS,
-    ]
+    )
     done = subprocess.run(command, cwd=work, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     results = {
@@ -446,15 +437,6 @@ def test_the_package_ships_a_py_typed_marker():
     assert (ROOT / "bnsurgeon" / "py.typed").is_file()
     package_data = read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]["package-data"]
     assert "py.typed" in package_data["bnsurgeon"]
-
-
-@pytest.fixture
-def cli():
-    """CliRunner for `run`: the command leaves the script's state in place (its process ends with it); put back."""
-    try:
-        yield CliRunner()
-    finally:
-        put_back()
 
 
 def test_a_second_call_a_models_own_sync_bn_and_timms_freeze_keep_the_originals_semantics():

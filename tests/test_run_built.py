@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import free_port
+from _dist import free_port, torchrun
 from torch import nn
 from typer.testing import CliRunner
 
@@ -269,23 +269,7 @@ def test_mmengines_runner_trains_a_syncbn_norm_cfg_exactly_under_torchrun(tmp_pa
     )
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = tmp_path / "two"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "bnsurgeon",
-        "run",
-        str(script),
-        str(ranks),
-        "SyncBN",
-    ]
+    command = torchrun("-m", "bnsurgeon", "run", str(script), str(ranks), "SyncBN")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "adopted at DistributedDataParallel" in done.stderr

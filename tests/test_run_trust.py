@@ -18,21 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from typer.testing import CliRunner
 
 from bnsurgeon.cli.commands import app
 from bnsurgeon.launch.log import ConversionLog
 from bnsurgeon.launch.script import put_back, run_script
 from bnsurgeon.runtime.layers import SyncBatchNorm
 from bnsurgeon.surgery.report import Report
-
-
-@pytest.fixture
-def cli():
-    try:
-        yield CliRunner()
-    finally:
-        put_back()
 
 
 def _run(tmp_path: Path, body: str, *args: str, **options) -> ConversionLog:

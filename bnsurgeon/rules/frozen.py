@@ -46,21 +46,22 @@ TIMM_MODULE = "timm.layers.norm_act"
 DETECTRON2_MODULE = "detectron2.layers.batch_norm"
 
 
-# torchvision's and timm's frozen classes compute x*scale+shift: eval is close, not bitwise
+def _inexact_frozen(name: str, cls: "type | None", description: str, *, act: bool) -> list[Rule]:
+    """torchvision's, timm's and detectron2's frozen classes compute x*scale+shift: eval is close, not bitwise."""
+    return [] if cls is None else [_frozen_rule(name, cls, description, act=act, exact=False)]
+
+
 def torchvision_rules() -> list[Rule]:
     try:
         from torchvision.ops.misc import FrozenBatchNorm2d
     except ImportError:
         return []
-    return [
-        _frozen_rule(
-            "torchvision-frozen",
-            FrozenBatchNorm2d,
-            "torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)",
-            act=False,
-            exact=False,
-        )
-    ]
+    return _inexact_frozen(
+        "torchvision-frozen",
+        FrozenBatchNorm2d,
+        "torchvision/timm FrozenBatchNorm2d (x*scale+shift arithmetic)",
+        act=False,
+    )
 
 
 def timm_rules() -> list[Rule]:
@@ -68,15 +69,9 @@ def timm_rules() -> list[Rule]:
         from timm.layers import FrozenBatchNormAct2d
     except ImportError:
         return []
-    return [
-        _frozen_rule(
-            "timm-frozen-act",
-            FrozenBatchNormAct2d,
-            "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)",
-            act=True,
-            exact=False,
-        )
-    ]
+    return _inexact_frozen(
+        "timm-frozen-act", FrozenBatchNormAct2d, "timm FrozenBatchNormAct2d (x*scale+shift arithmetic)", act=True
+    )
 
 
 def detectron2_rules() -> list[Rule]:
@@ -86,10 +81,9 @@ def detectron2_rules() -> list[Rule]:
 
     module = sys.modules.get(DETECTRON2_MODULE)
     cls = getattr(module, "FrozenBatchNorm2d", None) if module is not None else None
-    if not isinstance(cls, type):
-        return []
-    return [
-        _frozen_rule(
-            "detectron2-frozen", cls, "detectron2 FrozenBatchNorm2d (x*scale+shift arithmetic)", act=False, exact=False
-        )
-    ]
+    return _inexact_frozen(
+        "detectron2-frozen",
+        cls if isinstance(cls, type) else None,
+        "detectron2 FrozenBatchNorm2d (x*scale+shift arithmetic)",
+        act=False,
+    )
