@@ -201,6 +201,16 @@ class _WorldOfOne(int):
     __hash__ = int.__hash__
 
 
+def dynamo_takes_world_of_one() -> None:
+    """Let dynamo hold ``_WorldOfOne`` as a constant (its comparisons then run at trace time). Before
+    torch 2.14 dynamo refused int subclasses as constants ("Cannot construct ConstantVariable")."""
+    from torch._dynamo import utils
+
+    constant_types = getattr(utils, "common_constant_types", None)
+    if isinstance(constant_types, set):
+        constant_types.add(_WorldOfOne)
+
+
 @contextlib.contextmanager
 def forced_world():
     """``torch.distributed.get_world_size`` answers ``_WorldOfOne`` where the real size is 1."""
@@ -856,6 +866,7 @@ def _section_compiled(run: Run) -> dict:
     model = _build(run, True)
     layers = _sync_layers(model)
     ms["sync_eager"] = timed(Step(run, model, precision, batch))
+    dynamo_takes_world_of_one()
     compiled_model = torch.compile(model, backend=cfg.compile_backend)
     step = Step(run, model, precision, batch)
     step.model = compiled_model

@@ -106,10 +106,11 @@ def _count_gathers():
 def checkpoint_rank(rank: int, world_size: int, modes: list[str], device: str = "cpu") -> dict:
     """Per checkpoint mode: the trained state, the sync collectives and the recomputes in STEPS steps."""
     import bnsurgeon
-    from bnsurgeon.runtime import recompute
+    from bnsurgeon.runtime import device_path, recompute
 
     calls = _count_gathers()
     take = recompute.StatsStash.take
+    device_forward = device_path.forward
     results = {}
     for mode in modes:
         model = bnsurgeon.convert(graph_model(), "sync").model.to(device)
@@ -119,12 +120,18 @@ def checkpoint_rank(rank: int, world_size: int, modes: list[str], device: str = 
             recomputes[0] += 1
             return None if unrecognised else take(stash, *args)  # None: the stash cannot serve it
 
+        def counted_device_forward(*args):
+            recomputes[0] += bool(args[-1])  # ``replay``: a device layer's recompute (it stashes nothing)
+            return device_forward(*args)
+
         recompute.StatsStash.take = counted_take
+        device_path.forward = counted_device_forward
         calls[0] = 0
         try:
             state = train(model, _rows(rank), mode=mode.replace("-unrecognised", ""), device=device)
         finally:
             recompute.StatsStash.take = take
+            device_path.forward = device_forward
         results[mode] = {
             "state": state,
             "collectives": calls[0],

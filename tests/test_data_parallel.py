@@ -466,3 +466,37 @@ def test_a_replica_failing_with_an_unprintable_error_still_stops_the_others(cpu_
     results = _in_threads(lambda i, piece: replicas[i](piece), x.split([2, 2]))
     assert isinstance(results[1], _Unprintable)
     assert isinstance(results[0], ReplicaFailedError) and "_Unprintable" in str(results[0]), type(results[0])
+
+
+def test_a_layer_checkpointed_twice_finds_the_later_call_first(cpu_replicate):
+    """One layer in two checkpointed segments: the backward recomputes the second call first, so its
+    stash entry is not the oldest. Taking it must not compare the other entry's tensors with == (an
+    ambiguous truth value, which stopped the backward)."""
+    torch.manual_seed(5)
+    conv = nn.Conv2d(3, 3, 1).double()
+    bn = nn.BatchNorm2d(3).double()
+
+    class TwoSegments(nn.Module):
+        def __init__(self, conv, bn, checkpointed):
+            super().__init__()
+            self.conv, self.bn, self.checkpointed = conv, bn, checkpointed
+
+        def segment(self, x):
+            return self.bn(self.conv(x))
+
+        def forward(self, x):
+            if not self.checkpointed:  # the reference: plain BN would update its statistics again on a recompute
+                return self.segment(self.segment(x)).relu()
+            x = checkpoint(self.segment, x, use_reentrant=False)
+            return checkpoint(self.segment, x, use_reentrant=False).relu()
+
+    plain = TwoSegments(conv, bn, checkpointed=False).train()
+    converted = bnsurgeon.convert(TwoSegments(copy.deepcopy(conv), copy.deepcopy(bn), True), "sync").model.train()
+    x, _ = _batch(2, 5)
+    grad = torch.randn(5, 3, 4, 4, dtype=torch.float64)
+    x_ref, x_dp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = reference_step(plain, x_ref, grad)
+    got = data_parallel_step(converted, x_dp, grad, (2, 3), cpu_replicate)
+    torch.testing.assert_close(got, expected, **EXACT)
+    torch.testing.assert_close(x_dp.grad, x_ref.grad, **EXACT)
+    _assert_same_state(plain, converted)

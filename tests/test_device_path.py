@@ -348,3 +348,30 @@ def test_init_distributed_picks_gloo_when_the_node_has_fewer_gpus_than_ranks(mon
         assert info.device.type == ("cuda" if expected == "nccl" else "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert distributed.init_distributed().backend == "gloo"
+
+
+class _Unprintable(torch.Tensor):
+    """Printing a device tensor reads it back to the host: a synchronization, an error in graph capture."""
+
+    def __repr__(self, *args, **kwargs):
+        raise AssertionError("a statistics tensor was printed")
+
+
+def test_the_checkpoint_stash_never_prints_statistics():
+    """Every device backward discards its (never stashed) statistics. ``deque.remove`` formats a missing
+    value into its error from Python 3.12, and the dataclass repr printed each tensor: on a GPU that
+    was a host read per layer per step (4-25x torch's time, and CUDA graph capture failed)."""
+    from bnsurgeon.runtime.recompute import GlobalStats, StatsStash
+
+    value = torch.zeros(3).as_subclass(_Unprintable)
+    stats = GlobalStats(mean=value, var=None, invstd=value, total=value, header=None)
+    assert "channels=(3,)" in repr(stats)
+    stash = StatsStash()
+    stash.discard(stats)  # a miss
+    other = GlobalStats(mean=value, var=None, invstd=value, total=value, header=None)
+    stash.remember(other)
+    stash.remember(stats)
+    stash.discard(stats)
+    assert len(stash) == 1
+    stash.discard(other)
+    assert len(stash) == 0

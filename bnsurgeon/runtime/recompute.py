@@ -58,9 +58,13 @@ def may_be_recomputed() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class GlobalStats:
-    """What a synchronized forward learned: enough to normalize and to run the backward."""
+    """What a synchronized forward learned: enough to normalize and to run the backward.
+
+    Compared by identity and shown without values: printing a device tensor reads it back to
+    the host (a synchronization, and an error inside CUDA graph capture).
+    """
 
     mean: torch.Tensor
     var: Optional[torch.Tensor]  # None on the CUDA path, whose kernels need only invstd
@@ -68,6 +72,10 @@ class GlobalStats:
     total: Any  # int on the host (CPU), else a (1,) tensor (the CUDA path: per-rank int32 counts)
     header: Optional[torch.Tensor]  # the forward row's header (None on the CUDA path: its backward sends none)
     fingerprint: Optional[torch.Tensor] = None
+
+    def __repr__(self) -> str:
+        channels = tuple(self.mean.shape) if isinstance(self.mean, torch.Tensor) else "?"
+        return f"GlobalStats(channels={channels}, fingerprint={self.fingerprint is not None})"
 
 
 class StatsStash:
@@ -83,16 +91,18 @@ class StatsStash:
         self._entries.append(stats)
 
     def discard(self, stats: GlobalStats) -> None:
-        try:
-            self._entries.remove(stats)
-        except ValueError:
-            pass
+        """Forget ``stats`` if it still waits. By identity, never ``deque.remove``: from Python 3.12
+        a miss formats the value into its error, which printed device tensors on every backward."""
+        for index, entry in enumerate(self._entries):
+            if entry is stats:
+                del self._entries[index]
+                return
 
     def take(self, fingerprint: torch.Tensor) -> Optional[GlobalStats]:
         """The stashed statistics of the forward this recompute replays, or None (host values only)."""
         for entry in self._entries:
             stashed = entry.fingerprint
             if stashed is not None and stashed.shape == fingerprint.shape and torch.equal(stashed, fingerprint):
-                self._entries.remove(entry)
+                self.discard(entry)
                 return entry
         return None

@@ -333,9 +333,9 @@ def _replica_stats(x: torch.Tensor, slot: ReplicaSlot, eps: float, kernels, repl
     row = torch.cat([local_mean.new_full((1,), count), local_mean, local_var])
     group = slot.group
     if replay:
-        for fingerprint, stats in slot.stash:
+        for index, (fingerprint, stats) in enumerate(slot.stash):
             if fingerprint.shape == row.shape and torch.equal(fingerprint, row):
-                slot.stash.remove((fingerprint, stats))
+                del slot.stash[index]  # by position: ``remove`` would compare other entries' tensors with ==
                 return stats, centred
         raise UsageError(
             f"sync batch norm '{group.name}': a recomputed forward (activation checkpointing) of DataParallel "
