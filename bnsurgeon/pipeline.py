@@ -400,7 +400,7 @@ def verify(
     source: "str | ResolvedSource",
     converted: "str | ResolvedSource",
     *,
-    world_sizes: tuple[int, ...] = (2,),
+    world_sizes: "tuple[int, ...] | None" = None,
     input_shape: tuple[int, ...] | None = None,
     atol: float | None = None,
     perturb: bool = True,
@@ -415,8 +415,16 @@ def verify(
     on_check: "Callable[[Any], None] | None" = None,
     example_input: "CheckInput | str | os.PathLike | None" = None,
     compare_at: str | None = None,
+    precision: str = "float64",
+    device: str = "auto",
 ):
     """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
+
+    ``world_sizes`` None: 2 ranks, or under torchrun the ranks torchrun started. Under torchrun (its
+    variables set) this process is one rank of the N-rank check, on ``device`` (auto: ``cuda:LOCAL_RANK``
+    with NCCL where every local rank has a GPU, else gloo on the CPU; cuda: GPUs shared over gloo where
+    there are fewer than local ranks) in ``precision`` (float64, float32 or bf16-autocast: judged against
+    plain BN's own error, measured in the same run); only rank 0's result holds checks.
 
     Both arguments are loaded under the same trust rules, each confirmed by what the user
     typed for it: ``model``/``model_args`` for SOURCE, ``converted_model``/
@@ -431,9 +439,32 @@ def verify(
     import torch
 
     from bnsurgeon.checks.check_input import clone_value
+    from bnsurgeon.checks.torchrun_ranks import (
+        DEVICES,
+        PRECISIONS,
+        check_torchrun_options,
+        join_torchrun_world,
+        launched_by_torchrun,
+    )
     from bnsurgeon.checks.verify import verify_models
 
     timeout = verify_timeout_s()
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}", "pass one of them")
+    if device not in DEVICES:
+        raise UsageError(f"--device {device!r} is not one of {', '.join(DEVICES)}", "pass one of them")
+    torchrun = launched_by_torchrun()
+    if torchrun:
+        world_sizes = (check_torchrun_options(world_sizes or (), world_sizes is not None),)
+    else:
+        if precision != "float64" or device != "auto":
+            flag = "--precision" if precision != "float64" else "--device"
+            raise UsageError(
+                f"{flag} applies to the check under torchrun (on the ranks' devices); without torchrun verify "
+                "starts its own gloo ranks on this machine's CPU, in float64",
+                f"run it under torchrun (torchrun --nproc-per-node 2 -m bnsurgeon verify ...), or drop {flag}",
+            )
+        world_sizes = world_sizes or (2,)
     check_world_sizes(world_sizes)
     check_atol(atol)
     resolved = resolve_source(source, model=model)
@@ -485,6 +516,11 @@ def verify(
     if fused and recorded is not None:
         from bnsurgeon.checks.fused_check import verify_fused
 
+        if torchrun and int(os.environ["RANK"]) != 0:  # a fused model has no N-rank check: rank 0 runs the rest
+            from bnsurgeon.checks.verify import Verification
+
+            return Verification(left.description, right.description, list(check_input.shape or []))
+
         if compare_at:
             raise UsageError(
                 "--compare-at does not apply to a fused checkpoint: its checks compare the whole "
@@ -512,11 +548,14 @@ def verify(
                 f"{what} ({loaded.description})",
                 check_input.describe(),
             )
+    world = join_torchrun_world(device, timeout) if torchrun else None
     return verify_models(
         left.model,
         right.model,
         check_input,
         world_sizes=world_sizes,
+        torchrun=world,
+        precision=precision,
         atol=atol,
         perturb=perturb,
         exact=not is_inexact(left.model, right.model),

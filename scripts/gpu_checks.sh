@@ -10,6 +10,7 @@
 #   tests.xml/.json  every CUDA-marked test, run once
 #   compiled.json    the sync model under torch.compile (inductor), its collectives counted
 #   summary.json     ratios against the goals, every step's exit status and time (steps.jsonl)
+#   verify_*.json    torchrun verify on the GPU (float64, float32, bf16-autocast) and -w 2, same model, timed
 # A step that fails or passes its time limit is recorded and the next one still runs; the exit
 # status is non-zero if anything failed. The speed goals are reported, not enforced.
 #
@@ -85,6 +86,7 @@ torch.cuda.get_device_name(0), 'GPUs:', torch.cuda.device_count())"
   step graph 80 "${BENCH[@]}" --sections graph       # ~50 s: 12 resnet50 builds, 4 captures, ~200 steps
   # three workers: the two compiling tests (2 ranks each) run side by side; nothing in them is timed
   step tests 170 "${PYTEST_CUDA[@]}" -n 3 --dist load "${CUDA_FILES[@]}" # ~60-120 s
+  step verify 150 env PYTHON="$PY" bash scripts/gpu_verify.sh "$DEST" # ~60 s: torchrun verify on the GPU vs -w 2
   step compiled 120 "${BENCH[@]}" --sections compiled # ~60-100 s: resnet50 fwd + bwd through inductor
 fi
 step summary 10 "$PY" scripts/bench_cuda.py --summarize "$DEST"

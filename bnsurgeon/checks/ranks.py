@@ -67,25 +67,69 @@ def _rank_worker(rank: int, world_size: int, payload: bytes, splits: list[int], 
     torch.set_num_threads(1)
     bundle = torch.load(io.BytesIO(payload), weights_only=False)  # written by this process's parent
     model = only_bn_trains(_rank_model(bundle))
-    check_input: CheckInput = bundle["input"]
+    return run_share(model, bundle["input"], bundle["x"], bundle["grad"], splits, rank, bundle["compare_at"])
+
+
+def run_share(
+    model: "nn.Module",
+    check_input: CheckInput,
+    x,
+    grad: list,
+    splits: list[int],
+    rank: int,
+    compare_at: str | None,
+    *,
+    device=None,
+    dtype=None,
+    autocast: bool = False,
+) -> dict:
+    """One rank's part of the N-rank check: the converted model (BN training) on slice ``rank`` of ``x``, its
+    loss's backward against that slice of the output gradient ``grad``; what the judge compares, on the CPU.
+    ``device``/``dtype``: where and in what the slice runs (torchrun ranks; the pool's ranks run as sent);
+    ``autocast``: under bf16 autocast on that device."""
+    import torch
+
     first = sum(splits[:rank])
-    xs = clone_value(check_input.split(bundle["x"], splits)[rank])
+    xs = _to(clone_value(check_input.split(x, splits)[rank]), device, dtype)
     for leaf in leaves(xs):
         leaf.requires_grad_()
-    samples = per_sample(run_model(model, xs, bundle["compare_at"]), splits[rank])
+    context = torch.autocast(torch.device(device or "cpu").type, torch.bfloat16) if autocast else nullcontext()
+    with context:
+        samples = per_sample(run_model(model, xs, compare_at), splits[rank])
     if samples is None:
         raise RuntimeError("the converted model's outputs are not per sample")
-    loss = _loss(samples, bundle["grad"][first : first + splits[rank]])
+    loss = _loss(samples, _to(grad[first : first + splits[rank]], device, dtype))
     if loss is not None and loss.requires_grad:
         loss.backward()
+
+    def cpu(tensor):
+        return None if tensor is None else tensor.detach().cpu()
+
     return {
-        "outputs": [[o.detach() for o in sample] for sample in samples],
-        "input_grad": [leaf.grad for leaf in leaves(xs)],
-        "param_grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+        "outputs": [[cpu(o) for o in sample] for sample in samples],
+        "input_grad": [cpu(leaf.grad) for leaf in leaves(xs)],
+        "param_grads": {n: cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
         "stats": {
-            n: b for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var", "num_batches_tracked"))
+            n: cpu(b)
+            for n, b in model.named_buffers()
+            if n.endswith(("running_mean", "running_var", "num_batches_tracked"))
         },
     }
+
+
+def _to(value: Any, device, dtype) -> Any:
+    """``value``'s tensors on ``device``, floating ones in ``dtype`` (either None: kept)."""
+    import torch
+
+    if device is None and dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
+    if isinstance(value, dict):
+        return {key: _to(item, device, dtype) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(item, device, dtype) for item in value)
+    return value
 
 
 def rank_batch(world_sizes) -> int:
@@ -122,6 +166,7 @@ class RankReference:
     x: Any = None
     problem: "tuple[float, str] | None" = None
     why_float32: str = ""  # why the reference is float32, not float64 (the model does not run in float64)
+    grad: Any = None  # the output gradient, per sample (the ranks' loss is sum(output * grad))
 
 
 def ship_model(model: "nn.Module", rebuild: "Callable[[], nn.Module] | None", rest: dict) -> bytes:
@@ -174,15 +219,26 @@ def rank_reference(
         return reference
 
 
-def _rank_reference(source, converted, shape, batch: int, seed, compare_at, rebuild, dtype) -> RankReference:
+def source_reference(
+    source, shape, batch: int, *, seed=SEED, compare_at: str | None = None, dtype, device=None, drawn_in=None
+) -> RankReference:
+    """The source on the whole batch in ``dtype`` on ``device``, nothing shipped (torchrun's ranks hold the model)."""
+    return _rank_reference(source, None, shape, batch, seed, compare_at, None, dtype, device=device, drawn_in=drawn_in)
+
+
+def _rank_reference(
+    source, converted, shape, batch: int, seed, compare_at, rebuild, dtype, *, device=None, drawn_in=None
+) -> RankReference:
+    """``converted`` None: nothing shipped (torchrun ranks hold the model). ``device``: where the source runs (its
+    results come back to the CPU); ``drawn_in``: the dtype the input and output gradient are drawn in before they
+    become ``dtype`` (the ranks' own precision, so that the reference sees exactly their values)."""
     import torch
 
     check_input = CheckInput.of_shape(shape).with_batch(batch, uniform=True)  # same-size images: same padding
-    source64 = only_bn_trains(copy.deepcopy(source).to(dtype))
-    converted64 = copy.deepcopy(converted).to(dtype)
+    source64 = only_bn_trains(copy.deepcopy(source).to(device=device, dtype=dtype))
     generator = torch.Generator().manual_seed(seed)
-    x = check_input.make(generator=generator, dtype=dtype)
-    xr = clone_value(x)
+    x = _to(check_input.make(generator=generator, dtype=drawn_in or dtype), None, dtype)
+    xr = _to(clone_value(x), device, None)
     for leaf in leaves(xr):
         leaf.requires_grad_()
     samples = per_sample(run_model(source64, xr, compare_at), batch)
@@ -205,28 +261,39 @@ def _rank_reference(source, converted, shape, batch: int, seed, compare_at, rebu
     vacuous = vacuous_outcome("", [t for sample in samples for t in sample])
     if vacuous is not None:
         return RankReference(batch, b"", [], [], {}, {}, check_input, x, problem=(vacuous.max_abs_diff, vacuous.detail))
-    grad = [[torch.randn(o.shape, generator=generator, dtype=dtype) for o in sample] for sample in samples]
-    loss = _loss(samples, grad)
+    grad = [
+        [torch.randn(o.shape, generator=generator, dtype=drawn_in or dtype).to(dtype) for o in sample]
+        for sample in samples
+    ]
+    loss = _loss(samples, _to(grad, device, None))
     if loss is not None and loss.requires_grad:
         loss.backward()
-    payload = ship_model(
-        converted64, rebuild, {"x": x, "grad": grad, "input": check_input, "compare_at": compare_at, "dtype": dtype}
+    payload = (
+        b""
+        if converted is None
+        else ship_model(
+            copy.deepcopy(converted).to(dtype),
+            rebuild,
+            {"x": x, "grad": grad, "input": check_input, "compare_at": compare_at, "dtype": dtype},
+        )
     )
-    input_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves(xr)]
-    return RankReference(
+    input_grads = [leaf.grad.cpu() if leaf.grad is not None else torch.zeros_like(leaf).cpu() for leaf in leaves(xr)]
+    reference = RankReference(
         batch,
         payload,
-        [[o.detach() for o in sample] for sample in samples],
+        [[o.detach().cpu() for o in sample] for sample in samples],
         input_grads,
-        {n: p.grad for n, p in source64.named_parameters() if p.grad is not None},
+        {n: p.grad.cpu() for n, p in source64.named_parameters() if p.grad is not None},
         {
-            n: b.double()
+            n: b.double().cpu()
             for n, b in source64.named_buffers()
             if n.endswith(("running_mean", "running_var", "num_batches_tracked"))
         },
         check_input,
         x,
     )
+    reference.grad = grad
+    return reference
 
 
 #: the ranks' collective timeout where BNSURGEON_DIST_TIMEOUT is not set
@@ -268,7 +335,6 @@ def check_ranks(
     is reused when given. ``rebuild`` builds the converted model's structure again in a rank where the
     model itself does not pickle (``ship_model``).
     """
-    import torch
 
     from bnsurgeon.checks.multiproc import RankFailure, RankPool
 
@@ -292,25 +358,47 @@ def check_ranks(
     except RankFailure as error:
         return CheckOutcome(label, False, float("inf"), f"ranks failed: {str(error).splitlines()[0]}")
 
-    problems, worst, values = [], 0.0, 0
-
     tolerance = Tolerance(rtol=DIST_RTOL)
 
     def compare(name, expected, actual):
-        nonlocal worst, values
-        values += count_values(expected)
-        ok, diff = (
+        return (
             within_norm(expected, actual, FLOAT32_NORM_RTOL)
             if reference.why_float32
             else within(expected, actual, tolerance)
         )
+
+    problems, worst, values = judge_ranks(reference, ranks, splits, compare)
+    precision = (
+        f"float32, each tensor within {FLOAT32_NORM_RTOL:g} of its norm or 1 (the model does not run in "
+        f"float64: {reference.why_float32})"
+        if reference.why_float32
+        else "float64"
+    )
+    detail = f"splits {splits}, {precision}, per sample" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
+    return CheckOutcome(
+        label, not problems, worst, detail, values=values
+    )  # what differs: a tensor (detail), not a module
+
+
+def judge_ranks(reference: RankReference, ranks: list[dict], splits: list[int], compare) -> tuple:
+    """(what differs, the largest difference, values compared): every rank's outputs per sample, input gradient
+    slices, parameter gradients summed over ranks and rank 0's running statistics, against ``reference``.
+    ``compare(name, expected, actual)`` judges one quantity (-> (ok, diff))."""
+    import torch
+
+    problems, worst, values = [], 0.0, 0
+
+    def judge(name, expected, actual):
+        nonlocal worst, values
+        values += count_values(expected)
+        ok, diff = compare(name, expected, actual)
         worst = max(worst, diff)
         if not ok:
             problems.append(name)
 
     rank_samples = [sample for r in ranks for sample in r["outputs"]]
     for index, (expected, actual) in enumerate(zip(reference.samples, rank_samples, strict=True)):
-        compare(f"output of sample {index}", expected, actual)
+        judge(f"output of sample {index}", expected, actual)
     check_input, x = reference.check_input, reference.x
     assert check_input is not None, "the reference run records its check input"
     grad_value = (
@@ -322,19 +410,10 @@ def check_ranks(
         theirs = [
             g if g is not None else torch.zeros_like(e) for g, e in zip(r["input_grad"], leaves(piece), strict=True)
         ]
-        compare(f"input gradient (rank {rank})", leaves(piece), theirs)
+        judge(f"input gradient (rank {rank})", leaves(piece), theirs)
     for name, grad in reference.param_grads.items():
         summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
-        compare(f"grad {name}", [grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(grad)])
+        judge(f"grad {name}", [grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(grad)])
     for name, buf in reference.stats.items():
-        compare(name, [buf], [ranks[0]["stats"][name].double()])
-    precision = (
-        f"float32, each tensor within {FLOAT32_NORM_RTOL:g} of its norm or 1 (the model does not run in "
-        f"float64: {reference.why_float32})"
-        if reference.why_float32
-        else "float64"
-    )
-    detail = f"splits {splits}, {precision}, per sample" + (f"; differs: {', '.join(problems[:4])}" if problems else "")
-    return CheckOutcome(
-        label, not problems, worst, detail, values=values
-    )  # what differs: a tensor (detail), not a module
+        judge(name, [buf], [ranks[0]["stats"][name].double()])
+    return problems, worst, values

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from bnsurgeon.checks.torchrun_ranks import TorchrunWorld
+
 VERIFY_SCHEMA_VERSION = 1
 INEXACT_RTOL = 1e-4
 
@@ -359,6 +361,8 @@ def verify_models(
     share_work: bool = True,
     compare_at: str | None = None,
     rebuild_converted: "Callable[[], nn.Module] | None" = None,
+    torchrun: "TorchrunWorld | None" = None,
+    precision: str = "float64",
 ) -> Verification:
     """Run every check, then all of them again with identically perturbed BN state.
 
@@ -373,7 +377,10 @@ def verify_models(
     for every N-rank check (forked from the same server, so it does not show what spawned
     ranks cost), as verify did before the pool: the benchmark's yardstick
     (``scripts/bench_verify.py``). ``rebuild_converted`` (a picklable callable) builds the converted
-    model's structure in each rank when the model itself does not pickle.
+    model's structure in each rank when the model itself does not pickle. ``torchrun``: this process is one
+    rank of the N-rank check (``torchrun_ranks``), in ``precision`` on its device; the N-rank checks run first,
+    every rank taking part, then rank 0 alone runs the one-process checks (its result lists them in ``-w N``'s
+    order); the other ranks' results hold no check.
     """
     from bnsurgeon.checks.multiproc import RankPool
     from bnsurgeon.core.running import preserved_modes
@@ -405,10 +412,53 @@ def verify_models(
         compare_at_why=why,
     )
     frozen = _is_frozen_model(converted)
+    if torchrun is not None:
+        world_sizes = (torchrun.world_size,)
     distributed = bool(world_sizes) and not frozen and has_sync_layers(converted)
     collective_timeout = collective_timeout or ranks_timeout()
-    pool = RankPool(max(world_sizes), collective_timeout=collective_timeout) if distributed and share_work else None
+    pool = (
+        RankPool(max(world_sizes), collective_timeout=collective_timeout)
+        if distributed and share_work and torchrun is None
+        else None
+    )
     at = {"compare_at": compare_at}
+    thawed_for: dict[str, "nn.Module | None"] = {}
+
+    def thawed(suffix: str, src: "nn.Module", conv: "nn.Module") -> "nn.Module | None":
+        if suffix not in thawed_for:
+            thawed_for[suffix] = thawed_reference(src, conv)
+        return thawed_for[suffix]
+
+    torchrun_outcomes: list[CheckOutcome] = []
+    if torchrun is not None:
+        from bnsurgeon.checks.torchrun_ranks import check_torchrun_ranks, leave_torchrun_world
+
+        for suffix, src, conv in variants if not frozen else []:
+            thawed_model = thawed(suffix, src, conv)
+            against = "" if thawed_model is None else " vs source thawed"
+            if not distributed:
+                torchrun_outcomes.append(
+                    CheckOutcome(
+                        f"{torchrun.world_size} ranks" + against + suffix,
+                        None,
+                        detail="not applicable: the converted model has no sync layers",
+                    )
+                )
+                continue
+            outcome = check_torchrun_ranks(
+                torchrun,
+                src if thawed_model is None else thawed_model,
+                conv,
+                check_input,
+                label=f"{torchrun.world_size} ranks" + against + suffix,
+                precision=precision,
+                compare_at=compare_at,
+            )
+            if outcome is not None:
+                torchrun_outcomes.append(outcome)
+        leave_torchrun_world(torchrun)
+        if torchrun.rank != 0:
+            return result
 
     def add(check: Callable[[], CheckOutcome]) -> None:
         result.checks.append(_timed(check, on_check))
@@ -430,9 +480,9 @@ def verify_models(
                     )
                 )
                 continue
-            thawed = thawed_reference(src, conv)
-            reference, against = (src, "") if thawed is None else (thawed, " vs source thawed")
-            train_tol = tol if thawed is None else Tolerance(atol=tol.atol)  # thawed: batch_norm arithmetic both sides
+            thawed_model = thawed(suffix, src, conv)
+            reference, against = (src, "") if thawed_model is None else (thawed_model, " vs source thawed")
+            train_tol = tol if thawed_model is None else Tolerance(atol=tol.atol)  # batch_norm arithmetic both sides
             references_for[suffix] = (reference, against)
             add(
                 partial(
@@ -445,7 +495,11 @@ def verify_models(
                     **at,
                 )
             )
-        if not frozen:
+        for outcome in torchrun_outcomes:  # measured while every rank took part; told in -w N's order
+            result.checks.append(outcome)
+            if on_check is not None:
+                on_check(outcome)
+        if not frozen and torchrun is None:
             batch = rank_batch(world_sizes) if world_sizes else 0
             references = {}  # one float64 reference per variant, shared by every world size
             for world_size in world_sizes:

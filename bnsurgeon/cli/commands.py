@@ -188,6 +188,11 @@ def handle_errors(command: Callable) -> Callable:
         except BnSurgeonError as error:
             if debug:
                 raise
+            if getattr(error, "told_by_rank_zero", False):
+                from bnsurgeon.checks.torchrun_ranks import quiet_rank
+
+                if quiet_rank():
+                    raise typer.Exit(error.exit_code) from None
             with signals_ignored():
                 _fail(error.message, error.hint, error.exit_code)
         except KeyboardInterrupt as interrupt:
@@ -578,13 +583,27 @@ def verify(
     converted: str = typer.Argument(
         ..., metavar="CONVERTED", show_default=False, help="The converted model, in any SOURCE form."
     ),
-    world_size: List[int] = typer.Option(
-        [2],
+    world_size: Optional[List[int]] = typer.Option(
+        None,
         "--world-size",
         "-w",
         metavar="N",
-        help="Ranks for the distributed check (repeatable).",
+        help="Ranks for the distributed check (repeatable; default 2; under torchrun, the ranks torchrun started).",
         callback=_WORLD_SIZES_JUDGED,
+    ),
+    precision: str = typer.Option(
+        "float64",
+        "--precision",
+        metavar="P",
+        help="Under torchrun: float64 (exact reference), float32 or bf16-autocast (judged against plain BN's own "
+        "error, measured in the same run).",
+    ),
+    device: str = typer.Option(
+        "auto",
+        "--device",
+        metavar="D",
+        help="Under torchrun: auto (cuda:LOCAL_RANK with NCCL where every local rank has a GPU, else CPU with gloo), "
+        "cpu, or cuda (GPUs shared over gloo where there are fewer than ranks).",
     ),
     input_shape: Optional[str] = InputShapeOption,
     example_input: Optional[Path] = VerifyExampleInputOption,
@@ -636,6 +655,8 @@ def verify(
     Each check's line is printed (to stderr, flushed) the moment it finishes, with its time.
 
     Example: `bnsurgeon verify efficientnet_b0 b0.sync.safetensors -w 2 -w 3`
+
+    On your devices: `torchrun --nproc-per-node 2 -m bnsurgeon verify efficientnet_b0 b0.sync.safetensors` (each torchrun process is a rank; rank 0 reports)
     """
     from bnsurgeon import api
     from bnsurgeon.cli.render import CheckStream, console, emit_json, render_verification_summary, say
@@ -643,10 +664,16 @@ def verify(
 
     out = console()
     _use_rules(rules)
+    from bnsurgeon.checks.torchrun_ranks import quiet_rank
+
+    if quiet_rank():  # under torchrun rank 0 speaks: one report, one JSON document
+        quiet, as_json = True, False
     result = api.verify(
         source,
         converted,
-        world_sizes=tuple(world_size),
+        world_sizes=tuple(world_size) if world_size else None,
+        precision=precision,
+        device=device,
         input_shape=_parse_shape(input_shape),
         atol=atol,
         perturb=not no_perturb,

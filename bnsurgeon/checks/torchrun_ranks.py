@@ -1,0 +1,458 @@
+"""The N-rank check under torchrun: each torchrun process is one rank, on the device it trains on.
+
+``torchrun --nproc-per-node N -m bnsurgeon verify SOURCE CONVERTED`` starts no process of its own. Every rank
+loads SOURCE and CONVERTED itself (a read of the same files, as every rank of a training job reads its
+checkpoint). Per variant, rank 0 computes the reference (the source on the whole batch, on its device) and sends
+the batch's input and output gradient to the others; every rank runs the converted model on its slice; rank 0
+gathers what they computed and judges it with ``-w N``'s comparison (``ranks.judge_ranks``). The coordination
+runs over a gloo group of CPU objects whatever the backend, and every wait is bounded by the run's timeout.
+
+Precision: ``float64`` on the device is judged as ``-w N`` judges it (1e-6 relative); ``float32`` and
+``bf16-autocast`` run the ranks in the model's working precision and judge each quantity against plain BN's
+own error in that precision, on the same device, measured in the same run (``within_measured``).
+
+A rank the machine stops is named (``HostFailureError``, exit 16): one that died (its process gone; on this
+node, its exit status where the kernel still holds it) or one stopped (SIGSTOP) or not answering within the
+run's timeout.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from bnsurgeon.checks.check_input import CheckInput
+from bnsurgeon.checks.compare import SEED, CheckOutcome, Tolerance, only_bn_trains, within
+from bnsurgeon.checks.ranks import (
+    DIST_RTOL,
+    RankReference,
+    judge_ranks,
+    rank_batch,
+    run_share,
+    source_reference,
+    uneven_splits,
+)
+from bnsurgeon.core.errors import HostFailureError, UsageError, first_line
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+PRECISIONS = ("float64", "float32", "bf16-autocast")
+DEVICES = ("auto", "cpu", "cuda")
+#: below float64, a rank's error may be this many times plain BN's own (the merge sums in another order)
+MEASURED_FACTOR = 2.0
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun's variables describe this process (torchrun, or any launcher that sets them as env:// reads them)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+@dataclass
+class TorchrunWorld:
+    """This process's place in the check: its rank, the world, its device, and the gloo group that coordinates."""
+
+    rank: int
+    world_size: int
+    device: "torch.device"
+    backend: str
+    group: Any  # gloo, CPU objects: the reference's batch out, the ranks' results in
+    timeout_s: float
+    peers: list  # (host, pid) of every rank
+
+    @property
+    def where(self) -> str:
+        return f"{self.device} ({self.backend})"
+
+    def rank_name(self, rank: int) -> str:
+        host, pid = self.peers[rank]
+        return f"rank {rank} (pid {pid}" + ("" if host == socket.gethostname() else f" on {host}") + ")"
+
+
+def _refusal(message: str, hint: str) -> UsageError:
+    """A refusal every rank reaches alike: rank 0 says it, once (not again on torchrun's restarts)."""
+    error = UsageError(message, hint)
+    error.told_by_rank_zero = True  # type: ignore[attr-defined]
+    return error
+
+
+def quiet_rank() -> bool:
+    """Whether this process leaves the telling to another: a torchrun rank other than 0, or a restart of one."""
+    if not launched_by_torchrun():
+        return False
+    return os.environ.get("RANK", "0").strip() != "0" or os.environ.get(
+        "TORCHELASTIC_RESTART_COUNT", "0"
+    ).strip() not in ("", "0")
+
+
+def check_torchrun_options(world_sizes: tuple[int, ...], explicit: bool) -> int:
+    """The world torchrun started (WORLD_SIZE); refuses restarts, a world of one and a -w that says otherwise."""
+    from bnsurgeon.core.environment import whole_number
+
+    restarts = whole_number("TORCHELASTIC_MAX_RESTARTS", 0, low=0, high=1 << 20)
+    if restarts > 0:
+        raise _refusal(
+            f"torchrun --max-restarts {restarts}: a check is not retried (a rank that failed would be run "
+            "again and its verdict lost)",
+            "run torchrun without --max-restarts (its default is 0)",
+        )
+    world = whole_number("WORLD_SIZE", 1, low=1, high=1 << 20, unit="processes")
+    if world < 2:
+        raise _refusal(
+            "verify under torchrun checks N ranks against one process, and torchrun started 1",
+            "start 2 or more: torchrun --nproc-per-node 2 -m bnsurgeon verify ...",
+        )
+    whole_number("RANK", 0, low=0, high=world - 1)
+    whole_number("LOCAL_RANK", 0, low=0, high=world - 1)
+    if explicit and tuple(world_sizes) != (world,):
+        asked = " ".join(f"-w {w}" for w in world_sizes)
+        raise _refusal(
+            f"{asked} under torchrun, which started {world} ranks: the check runs on torchrun's ranks",
+            f"drop -w (or pass -w {world}), or start torchrun with --nproc-per-node {max(world_sizes)}",
+        )
+    return world
+
+
+def join_torchrun_world(device: str = "auto", timeout_s: float = 120.0) -> TorchrunWorld:
+    """Start the process group from torchrun's variables: NCCL on ``cuda:LOCAL_RANK`` where every local rank has a GPU
+    (``device`` auto), else gloo on the CPU; ``device`` cuda with fewer GPUs than local ranks shares them over gloo."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from bnsurgeon.runtime.distributed import default_backend, init_distributed
+
+    if device not in DEVICES:
+        raise UsageError(f"--device {device!r} is not one of {', '.join(DEVICES)}", "pass --device auto, cpu or cuda")
+    cuda = torch.cuda.is_available()
+    if device == "cuda" and not cuda:
+        raise UsageError("--device cuda, and torch sees no CUDA device here", "drop --device (auto) or pass cpu")
+    backend = "gloo" if device == "cpu" else default_backend(cuda, torch.cuda.device_count() if cuda else 0)
+    info = init_distributed(backend=backend, timeout_s=timeout_s)
+    placed: torch.device = info.device  # type: ignore[assignment]  # DistributedInfo keeps torch out of its import
+    if device == "cuda" and placed.type != "cuda":  # more local ranks than GPUs: they share them, over gloo
+        placed = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(placed)
+    group: Any = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
+    peers: list = [None] * info.world_size
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=group)
+    return TorchrunWorld(info.rank, info.world_size, placed, backend, group, timeout_s, peers)
+
+
+def leave_torchrun_world(world: TorchrunWorld) -> None:
+    """Every rank meets, then all let go of the group together: rank 0's one-process checks then run without one
+    (a gloo rank whose peers tore the group down first can abort at its own teardown)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier(group=world.group)
+    except BaseException:
+        culprit = stopped_peer(world)
+        if culprit is not None:
+            raise culprit from None
+        raise
+    dist.destroy_process_group()
+
+
+def quantity(name: str) -> str:
+    """The kind of a compared quantity (judge_ranks' names): each kind gets its own measured bound."""
+    if name.startswith("output of sample"):
+        return "outputs"
+    if name.startswith("input gradient"):
+        return "input gradients"
+    if name.startswith("grad "):
+        return "parameter gradients"
+    return "running statistics"
+
+
+def largest_difference(expected: list, actual: list) -> float:
+    """The largest |actual - expected| over the tensors (inf where the shapes differ)."""
+    if len(expected) != len(actual) or any(a.shape != e.shape for a, e in zip(actual, expected, strict=True)):
+        return float("inf")
+    return max(
+        ((a.double() - e.double()).abs().max().item() for a, e in zip(actual, expected, strict=True) if e.numel()),
+        default=0.0,
+    )
+
+
+@dataclass
+class MeasuredBounds:
+    """Per kind of quantity: its scale (the largest |value| of that kind in the float64 reference) and the largest
+    difference a rank may show, relative to that scale: ``MEASURED_FACTOR`` times plain BN's own (one process, the
+    whole batch, the ranks' precision and device), plus one unit of the precision's rounding. Relative to the kind's
+    scale, not each tensor's: a gradient that sums to nearly 0 has a large relative error in plain BN too."""
+
+    scales: dict[str, float]
+    bounds: dict[str, float]
+
+    def judge(self, name: str, expected: list, actual: list) -> tuple[bool, float]:
+        kind = quantity(name)
+        diff = largest_difference(expected, actual)
+        return diff / (self.scales.get(kind) or 1.0) <= self.bounds[kind], diff
+
+    def describe(self) -> str:
+        return ", ".join(f"{kind} {bound:.2g}" for kind, bound in self.bounds.items())
+
+
+def measured_bounds(reference: RankReference, plain: dict, rounding: "torch.dtype") -> MeasuredBounds:
+    import torch
+
+    scales: dict[str, float] = {}
+    errors: dict[str, float] = {}
+
+    def measure(name, expected, actual):
+        kind = quantity(name)
+        scale = max((e.double().abs().max().item() for e in expected if e.numel()), default=0.0)
+        scales[kind] = max(scales.get(kind, 0.0), scale)
+        errors[kind] = max(errors.get(kind, 0.0), largest_difference(expected, actual))
+        return True, 0.0
+
+    judge_ranks(reference, [plain], [reference.batch], measure)
+    eps = torch.finfo(rounding).eps
+    bounds = {kind: MEASURED_FACTOR * error / (scales[kind] or 1.0) + eps for kind, error in errors.items()}
+    return MeasuredBounds(scales, bounds)
+
+
+def _dtypes(precision: str) -> "tuple[torch.dtype, torch.dtype, bool]":
+    """(the ranks' parameters and inputs, the dtype their rounding is judged in, autocast)."""
+    import torch
+
+    if precision == "float64":
+        return torch.float64, torch.float64, False
+    if precision == "float32":
+        return torch.float32, torch.float32, False
+    return torch.float32, torch.bfloat16, True
+
+
+def _plain_run(source, reference: RankReference, world: TorchrunWorld, precision: str, compare_at) -> dict:
+    """Plain BN in the ranks' precision on the same device, one process on the whole batch (a rank's result): its own
+    error against the float64 reference is the measure the ranks are judged by."""
+    dtype, _, autocast = _dtypes(precision)
+    model = only_bn_trains(copy.deepcopy(source).to(device=world.device, dtype=dtype))
+    assert reference.check_input is not None
+    return run_share(
+        model,
+        reference.check_input,
+        reference.x,
+        reference.grad,
+        [reference.batch],
+        0,
+        compare_at,
+        device=world.device,
+        dtype=dtype,
+        autocast=autocast,
+    )
+
+
+def check_torchrun_ranks(
+    world: TorchrunWorld,
+    source: "nn.Module",
+    converted: "nn.Module",
+    shape,
+    *,
+    label: str,
+    precision: str = "float64",
+    compare_at: str | None = None,
+    seed: int = SEED,
+) -> CheckOutcome | None:
+    """This process's part of one N-rank check under torchrun; rank 0 returns the outcome, the others None."""
+    try:
+        return _check(world, source, converted, shape, label, precision, compare_at, seed)
+    except HostFailureError:
+        raise
+    except BaseException:  # a collective that failed or timed out, SIGTERM from torchrun's agent
+        culprit = stopped_peer(world)
+        if culprit is not None:
+            raise culprit from None
+        raise
+
+
+def _check(world, source, converted, shape, label, precision, compare_at, seed) -> CheckOutcome | None:
+    import torch.distributed as dist
+
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}", "pass one of them")
+    dtype, rounding, autocast = _dtypes(precision)
+    batch = rank_batch([world.world_size])
+    splits = uneven_splits(batch, world.world_size)
+    started = time.monotonic()
+    reference = plain = None
+    problem: "tuple[float, str] | None" = None
+    why_float32 = ""
+    if world.rank == 0:
+        reference, plain, problem, why_float32 = _references(source, shape, batch, seed, compare_at, world, precision)
+        if why_float32:  # the model does not run in float64: judged in float32 against plain BN's measured error
+            dtype, rounding, autocast = _dtypes("float32")
+    sent: list[Any] = [problem, why_float32, None if reference is None else (reference.x, reference.grad)]
+    dist.broadcast_object_list(sent, src=0, group=world.group)
+    if sent[0] is not None:
+        return CheckOutcome(label, False, *sent[0]) if world.rank == 0 else None
+    why_float32 = sent[1]
+    if why_float32:
+        dtype, rounding, autocast = _dtypes("float32")
+    x, grad = sent[2]
+    check_input = CheckInput.of_shape(shape).with_batch(batch, uniform=True)
+    model = only_bn_trains(copy.deepcopy(converted).to(device=world.device, dtype=dtype))
+    try:
+        mine: dict = run_share(
+            model,
+            check_input,
+            x,
+            grad,
+            splits,
+            world.rank,
+            compare_at,
+            device=world.device,
+            dtype=dtype,
+            autocast=autocast,
+        )
+    except Exception as error:  # the model's own failure on this rank: a failed check, sent like a result
+        culprit = stopped_peer(world)
+        if culprit is not None:  # no: a collective of the layers failed because another rank died or stopped
+            raise culprit from None
+        mine = {"error": f"{type(error).__name__}: {first_line(error)}"}
+    gathered: list = [None] * world.world_size if world.rank == 0 else []
+    dist.gather_object(mine, gathered if world.rank == 0 else None, dst=0, group=world.group)
+    if world.rank != 0:
+        return None
+    failed = [(rank, r["error"]) for rank, r in enumerate(gathered) if "error" in r]
+    if failed:
+        rank, text = failed[0]
+        return CheckOutcome(label, False, float("inf"), f"ranks failed: rank {rank}: {text}")
+    assert reference is not None
+    tolerance = Tolerance(rtol=DIST_RTOL)
+    bounds = measured_bounds(reference, plain, rounding) if plain is not None else None
+
+    def compare(name, expected, actual):
+        actual = [a.double() if a.is_floating_point() else a for a in actual]
+        if bounds is None:
+            return within(expected, actual, tolerance)
+        if not all(e.is_floating_point() for e in expected):  # num_batches_tracked: exactly
+            return within(expected, actual)
+        return bounds.judge(name, expected, actual)
+
+    problems, worst, values = judge_ranks(reference, gathered, splits, compare)
+    judged_in = "float64" if bounds is None else ("float32" if why_float32 else precision)
+    how = (
+        f"within {DIST_RTOL:g} relative"
+        if bounds is None
+        else f"each kind within {MEASURED_FACTOR:g}x plain BN's own error in {judged_in} on this device + rounding, "
+        f"relative to its scale ({bounds.describe()})"
+    )
+    if why_float32:
+        how += f" (the model does not run in float64: {why_float32})"
+    detail = f"splits {splits}, {judged_in} on {world.where}, per sample, {how}" + (
+        f"; differs: {', '.join(problems[:4])}" if problems else ""
+    )
+    outcome = CheckOutcome(label, not problems, worst, detail, values=values)
+    outcome.seconds = time.monotonic() - started
+    return outcome
+
+
+def _references(source, shape, batch, seed, compare_at, world, precision):
+    """Rank 0: (float64 reference on the device, plain BN in the ranks' precision or None, problem, why not float64)."""
+    import torch
+
+    drawn_in = None if precision == "float64" else torch.float32
+    why_float32 = ""
+    try:
+        reference = rank_reference_on(source, shape, batch, seed, compare_at, world, torch.float64, drawn_in)
+    except RuntimeError as error:
+        import re
+
+        if not re.search(r"dtype|Double|double|Float\b|float\b", str(error)):
+            raise
+        why_float32 = f"{type(error).__name__}: {first_line(error)[:160]}"
+        reference = rank_reference_on(source, shape, batch, seed, compare_at, world, torch.float32, torch.float32)
+    if reference.problem is not None:
+        return reference, None, reference.problem, why_float32
+    plain = None
+    if precision != "float64" or why_float32:
+        plain = _plain_run(source, reference, world, "float32" if why_float32 else precision, compare_at)
+    return reference, plain, None, why_float32
+
+
+def rank_reference_on(source, shape, batch, seed, compare_at, world, dtype, drawn_in) -> RankReference:
+    """The source on the whole batch in ``dtype`` on this rank's device (nothing shipped: the ranks hold the model)."""
+    return source_reference(
+        source, shape, batch, seed=seed, compare_at=compare_at, dtype=dtype, device=world.device, drawn_in=drawn_in
+    )
+
+
+def stopped_peer(world: TorchrunWorld) -> HostFailureError | None:
+    """The first other rank on this node whose process is gone or stopped, as the error that names it; None when
+    every rank of this node runs (a rank on another node is named by its collective's timeout instead)."""
+    here = socket.gethostname()
+    for rank, (host, pid) in enumerate(world.peers):
+        if rank == world.rank or host != here:
+            continue
+        state = _process_state(pid)
+        if state is None:
+            continue
+        what, cause = state
+        if what == "was stopped":  # as -w N does: the check is over, and a stopped rank would outlive it
+            _kill(pid)
+            cause += f" and did not answer within the run's timeout ({world.timeout_s:g} s); it was killed"
+        return HostFailureError(
+            f"{world.rank_name(rank)} {what}{cause}: the check stopped (this is the machine, not the model)",
+            "free the resource named (memory: the out-of-memory killer sends SIGKILL), resume or do not stop the "
+            "rank (SIGSTOP), and run again; nothing was written",
+        )
+    return None
+
+
+def _kill(pid: int) -> None:
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _process_state(pid: int) -> "tuple[str, str] | None":
+    """("died", how) for a process that is gone or a zombie, ("was stopped", how) for one stopped; None if it runs."""
+    import signal
+
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return "died", " (its process is gone)"
+    except OSError:
+        return None
+    state = fields[0].decode(errors="replace")
+    if state in ("Z", "X"):
+        status = int(fields[49]) if len(fields) > 49 and fields[49].isdigit() else None  # exit_code, Linux >= 3.5
+        if status is not None and status & 0x7F:
+            name = signal.Signals(status & 0x7F).name if status & 0x7F in signal.Signals._value2member_map_ else "?"
+            hint = " (out of memory?)" if status & 0x7F == signal.SIGKILL else ""
+            return "died", f": killed by {name}{hint}"
+        if status is not None:
+            return "died", f": it exited with status {status >> 8}"
+        return "died", ""
+    if state in ("T", "t"):
+        return "was stopped", " (SIGSTOP: a debugger, job control or a cgroup freezer)"
+    return None
+
+
+__all__ = [
+    "DEVICES",
+    "PRECISIONS",
+    "TorchrunWorld",
+    "check_torchrun_options",
+    "check_torchrun_ranks",
+    "join_torchrun_world",
+    "launched_by_torchrun",
+    "quiet_rank",
+    "leave_torchrun_world",
+    "measured_bounds",
+]

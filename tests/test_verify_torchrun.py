@@ -1,0 +1,194 @@
+"""`torchrun --nproc-per-node 2 -m bnsurgeon verify`: each torchrun process is one rank of the check, rank 0
+reports, and the result equals `-w 2`'s (same checks, same verdicts, the same tensors blamed). A rank that dies
+or stops is exit 16, named; torchrun's restarts, a world of one and a -w that disagrees are refused. Below
+float64 the ranks are judged against plain BN's own error, measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_world, torchrun
+from typer.testing import CliRunner
+
+from bnsurgeon.cli.commands import app
+
+pytestmark = pytest.mark.distributed
+CASES = Path(__file__).with_name("_torchrun_verify_cases.py")
+SHAPE = "2,3,16,16"
+#: one launch: two ranks importing torch on a busy 2-core machine, then the checks (about 10 s idle)
+LAUNCH_TIMEOUT = 240
+runner = CliRunner()
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    shutil.copy(CASES, tmp_path / "tvmodels.py")
+    return tmp_path
+
+
+def _env(work: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BNSURGEON_", "PYTHONPATH", "TORCHELASTIC"))}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore", PYTHONPATH=str(work))
+    env.update(COLUMNS="200", **extra)
+    return env
+
+
+def _torchrun_verify(work: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = torchrun("-m", "bnsurgeon", "verify", *args)
+    return subprocess.run(
+        command, cwd=work, env=env or _env(work), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
+    )
+
+
+def _local_w2(work: Path, monkeypatch, *args: str) -> dict:
+    """The same verify with -w 2 (bnsurgeon's own gloo ranks), in this process: its JSON document."""
+    monkeypatch.chdir(work)
+    monkeypatch.syspath_prepend(str(work))
+    sys.modules.pop("tvmodels", None)
+    result = runner.invoke(app, ["verify", *args, "-w", "2", "--json", "-q"], env={"COLUMNS": "200"})
+    return json.loads(result.stdout)
+
+
+def _verdicts(document: dict) -> list:
+    """Each check's name, verdict and what it blames (the tensors that differ, the first divergent module)."""
+    return [
+        (c["name"], c["passed"], re.findall(r"differs: (.*)$", c["detail"]), c["first_divergence"])
+        for c in document["checks"]
+    ]
+
+
+def test_a_timm_model_against_its_checkpoint_equals_the_local_check(work, monkeypatch):
+    """SOURCE a timm name, CONVERTED a checkpoint file, --json: rank 0 prints the one document (same schema),
+    the same checks and verdicts as -w 2, both within float64 round-off."""
+    out = work / "m.safetensors"
+    assert runner.invoke(app, ["convert", "mobilenetv3_small_050", "-o", str(out), "-q"]).exit_code == 0
+    args = ("timm:mobilenetv3_small_050", str(out), "--input-shape", "2,3,32,32")
+    done = _torchrun_verify(work, *args, "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    document = json.loads(done.stdout)  # exactly one JSON document: the other rank printed nothing
+    local = _local_w2(work, monkeypatch, *args)
+    assert set(document) == set(local) and document["schema_version"] == local["schema_version"]
+    assert _verdicts(document) == _verdicts(local)
+    assert [c["name"] for c in document["checks"] if "ranks" in c["name"]] == ["2 ranks", "2 ranks (perturbed)"]
+    for check in document["checks"]:
+        assert check["passed"] is True, check
+        if "ranks" in check["name"]:
+            assert "float64 on cpu (gloo)" in check["detail"] and check["max_abs_diff"] < 1e-9, check
+    assert done.stderr.count("all checks passed") == 1
+
+
+def test_a_failing_conversion_is_blamed_as_the_local_check_blames_it(work, monkeypatch):
+    """SOURCE and CONVERTED factories; one layer of CONVERTED does not synchronize: eval and one process pass, the
+    N-rank checks fail on the same tensors as -w 2's (exit 1 from rank 0, so torchrun fails)."""
+    args = ("tvmodels:source", "tvmodels:unsynced", "--input-shape", SHAPE)
+    done = _torchrun_verify(work, *args, "--json")
+    assert done.returncode != 0
+    document = json.loads(done.stdout)
+    local = _local_w2(work, monkeypatch, *args)
+    assert _verdicts(document) == _verdicts(local)
+    failed = [c["name"] for c in document["checks"] if c["passed"] is False]
+    assert failed == ["2 ranks", "2 ranks (perturbed)"], document
+    assert "grad 4.weight" in document["checks"][-1]["detail"] or "output of sample" in document["checks"][-1]["detail"]
+    assert "2 ranks failed" in done.stderr
+
+
+def test_a_killed_rank_is_the_machines_fault_exit_16_named(work):
+    done = _torchrun_verify(
+        work, "tvmodels:source", "tvmodels:killed_on_rank_1",
+        "--input-shape", SHAPE, "--json",
+    )  # fmt: skip
+    assert done.returncode != 0
+    error = json.loads(done.stdout)["error"]
+    assert error["exit_code"] == 16, error
+    assert re.match(r"rank 1 \(pid \d+\) died", error["message"]), error
+    assert "Traceback" not in done.stderr.split("torch/distributed/elastic")[0]
+
+
+def test_a_stopped_rank_ends_the_check_after_the_runs_timeout_named(work):
+    """SIGSTOP on rank 1: rank 0 waits BNSURGEON_DIST_TIMEOUT (5 s), then names it, kills it, exit 16."""
+    done = _torchrun_verify(
+        work, "tvmodels:source", "tvmodels:stopped_on_rank_1",
+        "--input-shape", SHAPE, "--json",
+        env=_env(work, BNSURGEON_DIST_TIMEOUT="5"),
+    )  # fmt: skip
+    error = json.loads(done.stdout)["error"]
+    assert error["exit_code"] == 16 and "was stopped" in error["message"] and "(5 s)" in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "says"),
+    [
+        ({"TORCHELASTIC_MAX_RESTARTS": "3"}, [], "torchrun --max-restarts 3"),
+        ({"WORLD_SIZE": "1", "RANK": "0"}, [], "torchrun started 1"),
+        ({}, ["-w", "3"], "-w 3 under torchrun, which started 2 ranks"),
+        ({}, ["-w", "2", "-w", "3"], "-w 2 -w 3 under torchrun"),
+    ],
+    ids=["restarts", "world-of-one", "other-world", "two-worlds"],
+)
+def test_torchrun_refusals_are_one_line_from_rank_0_only(work, env, args, says):
+    """Refused before any file is read or any process group starts: rank 0 says it once, exit 2; the other
+    ranks and torchrun's restarts exit 2 silently."""
+    base = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "COLUMNS": "300", **env}
+    verify = ["verify", "tvmodels:source", "tvmodels:source", "--input-shape", SHAPE, *args]
+    said = runner.invoke(app, verify, env=base)
+    assert said.exit_code == 2 and says in said.output and said.output.count("error:") == 1, said.output
+    for quiet in ({"RANK": "1"}, {"TORCHELASTIC_RESTART_COUNT": "1"}):
+        silent = runner.invoke(app, verify, env={**base, **quiet})
+        assert silent.exit_code == 2 and silent.output == "", silent.output
+
+
+@pytest.mark.parametrize("flag", [["--precision", "float32"], ["--device", "cuda"]])
+def test_device_and_precision_need_torchrun(flag):
+    result = runner.invoke(app, ["verify", "resnet18", "resnet18", *flag], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "applies to the check under torchrun" in result.output, result.output
+
+
+def test_below_float64_the_ranks_are_judged_against_plain_bns_measured_error():
+    """float32 and bf16 autocast pass a good conversion and fail one unsynchronized layer; the CUDA branch's glue
+    (the strict CPU stand-ins of its kernels) passes in float32 too; float64 is judged as -w N judges it."""
+    cases = ["float64 good", "float32 good", "bf16-autocast good", "float32 unsynced", "float32 good standin"]
+    results = run_world(2, _measured, cases, timeout=240)[0]
+    for case in cases:
+        expected = "unsynced" not in case
+        assert results[case]["passed"] is expected, (case, results[case])
+    assert "within 1e-06 relative" in results["float64 good"]["detail"]
+    assert "plain BN's own error in float32" in results["float32 good"]["detail"]
+    assert "plain BN's own error in bf16-autocast" in results["bf16-autocast good"]["detail"]
+    assert "differs:" in results["float32 unsynced"]["detail"]
+
+
+def _measured(rank, world_size, cases):
+    sys.path.insert(0, str(CASES.parent))
+    from _torchrun_verify_cases import measured_rank
+
+    return measured_rank(rank, world_size, cases)
+
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32", "bf16-autocast"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_on_the_gpu(work, device, precision):
+    """The real device: 2 ranks on the GPU(s) (sharing one over gloo where there is one: NCCL refuses two ranks on
+    one GPU), the fused kernels, the tolerance measured on the device."""
+    done = _torchrun_verify(
+        work, "tvmodels:source", "tvmodels:unsynced", "--input-shape", SHAPE,
+        "--json", "--device", device, "--precision", precision,
+    )  # fmt: skip
+    unsynced = json.loads(done.stdout)
+    good = json.loads(_torchrun_verify(
+        work, "tvmodels:source", "tvmodels:converted", "--input-shape", SHAPE, "--json", "--device", device,
+        "--precision", precision,
+    ).stdout)  # fmt: skip
+    ranks = [c for c in good["checks"] if "ranks" in c["name"]]
+    assert ranks and all(c["passed"] for c in ranks) and all("on cuda:" in c["detail"] for c in ranks), ranks
+    assert [c["passed"] for c in unsynced["checks"] if "ranks" in c["name"]] == [False, False], unsynced
