@@ -349,12 +349,24 @@ def _error(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
 
 
+def finite(value):
+    """``value`` with every NaN or infinity as its name ("nan", "inf", "-inf"): strict JSON has none, and a section's
+    file must still be written when a comparison found one (the H200 run of 772fc66 lost layers.json to a NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(item) for item in value]
+    return value
+
+
 def write_json(run: Run, name: str, payload: dict) -> Path:
     run.out.mkdir(parents=True, exist_ok=True)
     path = run.out / name
     payload = {"section": name.removesuffix(".json"), **run.describe(), **payload}
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
+    tmp.write_text(json.dumps(finite(payload), indent=1, allow_nan=False) + "\n")
     tmp.replace(path)
     return path
 
@@ -1016,7 +1028,7 @@ def summarize(out: Path) -> int:
     junit = out / "tests.xml"
     if junit.exists():
         tests = _junit_summary(junit)
-        (out / "tests.json").write_text(json.dumps(tests, indent=1, allow_nan=False) + "\n")
+        (out / "tests.json").write_text(json.dumps(finite(tests), indent=1, allow_nan=False) + "\n")
         summary["tests"] = {k: v for k, v in tests.items() if k != "cases"}
         print(
             f"CUDA tests: {tests['passed']} passed, {tests['failures']} failed, {tests['errors']} errors, "
@@ -1049,7 +1061,7 @@ def summarize(out: Path) -> int:
     summary["ok"] = not summary["problems"]
     for problem in summary["problems"]:
         print(f"PROBLEM: {problem}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    (out / "summary.json").write_text(json.dumps(finite(summary), indent=1, allow_nan=False) + "\n")
     return 0 if summary["ok"] else 1
 
 

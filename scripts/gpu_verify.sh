@@ -18,10 +18,10 @@ status=0
 timed() { # NAME COMMAND...: run it, its stdout to DEST/verify_NAME.json, its time and exit status to the jsonl
   local name=$1 start rc
   shift
-  start=$(date +%s.%N)
+  start=$EPOCHREALTIME
   "$@" >"$DEST/verify_$name.json"
   rc=$?
-  printf '{"form": "%s", "rc": %d, "seconds": %.2f}\n' "$name" "$rc" "$(echo "$(date +%s.%N) - $start" | bc)" \
+  printf '{"form": "%s", "rc": %d, "seconds": %.2f}\n' "$name" "$rc" "$("$PY" -c "import sys; print(float(sys.argv[1]) - float(sys.argv[2]))" "$EPOCHREALTIME" "$start")" \
     | tee -a "$DEST/verify_times.jsonl"
   [ $rc -eq 0 ] || status=1
 }

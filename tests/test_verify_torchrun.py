@@ -36,7 +36,8 @@ def work(tmp_path: Path) -> Path:
 
 def _env(work: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BNSURGEON_", "PYTHONPATH", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore", PYTHONPATH=str(work))
+    path = os.pathsep.join([str(work), str(CASES.parents[1])])  # the project too, where it is not installed (a GPU box)
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONWARNINGS="ignore", PYTHONPATH=path)
     env.update(COLUMNS="200", **extra)
     return env
 

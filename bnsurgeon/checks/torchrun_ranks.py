@@ -349,12 +349,24 @@ def _check(world, source, converted, shape, label, precision, compare_at, seed) 
     )
     if why_float32:
         how += f" (the model does not run in float64: {why_float32})"
+    if bounds is not None and judged_in == "float32" and _tf32(world.device):
+        how += "; convolutions in TF32 (torch's default for cuDNN: torch.backends.cudnn.allow_tf32)"
     detail = f"splits {splits}, {judged_in} on {world.where}, per sample, {how}" + (
         f"; differs: {', '.join(problems[:4])}" if problems else ""
     )
     outcome = CheckOutcome(label, not problems, worst, detail, values=values)
     outcome.seconds = time.monotonic() - started
     return outcome
+
+
+def _tf32(device) -> bool:
+    """Whether float32 convolutions run in TF32 here (cuDNN on an Ampere or newer GPU, torch's default): plain BN's
+    measured error, and so the bound, is TF32's then."""
+    import torch
+
+    if device.type != "cuda" or not torch.backends.cudnn.allow_tf32:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _references(source, shape, batch, seed, compare_at, world, precision):
