@@ -417,11 +417,13 @@ def verify(
     compare_at: str | None = None,
     precision: str = "float64",
     device: str = "auto",
+    as_torchrun_rank: bool = False,
 ):
     """``bnsurgeon verify``: prove CONVERTED behaves like SOURCE (eval, train, N ranks, frozen).
 
-    ``world_sizes`` None: 2 ranks, or under torchrun the ranks torchrun started. Under torchrun (its
-    variables set) this process is one rank of the N-rank check, on ``device`` (auto: ``cuda:LOCAL_RANK``
+    ``world_sizes`` None: 2 ranks, or under torchrun the ranks torchrun started. ``as_torchrun_rank`` (the CLI
+    under torchrun: its variables set; a script calling this keeps its own ranks unless it asks): this process is
+    one rank of the N-rank check, on ``device`` (auto: ``cuda:LOCAL_RANK``
     with NCCL where every local rank has a GPU, else gloo on the CPU; cuda: GPUs shared over gloo where
     there are fewer than local ranks) in ``precision`` (float64, float32 or bf16-autocast: judged against
     plain BN's own error, measured in the same run); only rank 0's result holds checks.
@@ -453,7 +455,12 @@ def verify(
         raise UsageError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}", "pass one of them")
     if device not in DEVICES:
         raise UsageError(f"--device {device!r} is not one of {', '.join(DEVICES)}", "pass one of them")
-    torchrun = launched_by_torchrun()
+    torchrun = as_torchrun_rank
+    if torchrun and not launched_by_torchrun():
+        raise UsageError(
+            "verify as a torchrun rank, and torchrun's variables (WORLD_SIZE, RANK) are not set",
+            "start it with torchrun (torchrun --nproc-per-node 2 -m bnsurgeon verify ...)",
+        )
     if torchrun:
         world_sizes = (check_torchrun_options(world_sizes or (), world_sizes is not None),)
     else:

@@ -193,3 +193,21 @@ def test_on_the_gpu(work, device, precision):
     ranks = [c for c in good["checks"] if "ranks" in c["name"]]
     assert ranks and all(c["passed"] for c in ranks) and all("on cuda:" in c["detail"] for c in ranks), ranks
     assert [c["passed"] for c in unsynced["checks"] if "ranks" in c["name"]] == [False, False], unsynced
+
+
+def test_a_script_calling_verify_under_torchrun_keeps_its_own_ranks(work, monkeypatch):
+    """Only the command is a torchrun rank: a training script that calls bnsurgeon's verify on rank 0 under
+    torchrun gets -w N's own ranks, and its process group is never joined or torn down."""
+    import bnsurgeon.checks.torchrun_ranks as torchrun_ranks
+    import bnsurgeon.checks.verify as verify_module
+    from bnsurgeon import api
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.syspath_prepend(str(work))
+    sys.modules.pop("tvmodels", None)
+    monkeypatch.setattr(torchrun_ranks, "join_torchrun_world", lambda *a, **k: pytest.fail("joined torchrun's world"))
+    seen = {}
+    monkeypatch.setattr(verify_module, "verify_models", lambda *a, **k: seen.update(k) or "checked")
+    assert api.verify("tvmodels:source", "tvmodels:converted", input_shape=(2, 3, 16, 16)) == "checked"
+    assert seen["torchrun"] is None and seen["world_sizes"] == (2,)

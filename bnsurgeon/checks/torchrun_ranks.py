@@ -64,6 +64,7 @@ class TorchrunWorld:
     group: Any  # gloo, CPU objects: the reference's batch out, the ranks' results in
     timeout_s: float
     peers: list  # (host, pid) of every rank
+    owns_group: bool = True  # whether the default process group is the check's own (else the script's: kept)
 
     @property
     def where(self) -> str:
@@ -134,6 +135,7 @@ def join_torchrun_world(device: str = "auto", timeout_s: float = 120.0) -> Torch
     if device == "cuda" and not cuda:
         raise UsageError("--device cuda, and torch sees no CUDA device here", "drop --device (auto) or pass cpu")
     backend = "gloo" if device == "cpu" else default_backend(cuda, torch.cuda.device_count() if cuda else 0)
+    owns_group = not dist.is_initialized()
     info = init_distributed(backend=backend, timeout_s=timeout_s)
     placed: torch.device = info.device  # type: ignore[assignment]  # DistributedInfo keeps torch out of its import
     if device == "cuda" and placed.type != "cuda":  # more local ranks than GPUs: they share them, over gloo
@@ -142,7 +144,7 @@ def join_torchrun_world(device: str = "auto", timeout_s: float = 120.0) -> Torch
     group: Any = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
     peers: list = [None] * info.world_size
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=group)
-    return TorchrunWorld(info.rank, info.world_size, placed, backend, group, timeout_s, peers)
+    return TorchrunWorld(info.rank, info.world_size, placed, backend, group, timeout_s, peers, owns_group)
 
 
 def leave_torchrun_world(world: TorchrunWorld) -> None:
@@ -154,12 +156,15 @@ def leave_torchrun_world(world: TorchrunWorld) -> None:
         return
     try:
         dist.barrier(group=world.group)
-    except BaseException:
-        culprit = stopped_peer(world)
+    except BaseException as error:
+        culprit = stopped_peer(world, error)
         if culprit is not None:
             raise culprit from None
         raise
-    dist.destroy_process_group()
+    if world.group is not None:
+        dist.destroy_process_group(world.group)
+    if world.owns_group:
+        dist.destroy_process_group()
 
 
 def quantity(name: str) -> str:
@@ -268,8 +273,13 @@ def check_torchrun_ranks(
         return _check(world, source, converted, shape, label, precision, compare_at, seed)
     except HostFailureError:
         raise
-    except BaseException:  # a collective that failed or timed out, SIGTERM from torchrun's agent
-        culprit = stopped_peer(world)
+    except KeyboardInterrupt:  # SIGTERM: torchrun's agent stops the ranks when one failed (or the user stops it)
+        culprit = stopped_peer(world, wait=True)
+        if culprit is not None:
+            raise culprit from None
+        raise
+    except BaseException as error:  # a collective that failed or timed out
+        culprit = stopped_peer(world, error)
         if culprit is not None:
             raise culprit from None
         raise
@@ -315,7 +325,7 @@ def _check(world, source, converted, shape, label, precision, compare_at, seed) 
             autocast=autocast,
         )
     except Exception as error:  # the model's own failure on this rank: a failed check, sent like a result
-        culprit = stopped_peer(world)
+        culprit = stopped_peer(world, error)
         if culprit is not None:  # no: a collective of the layers failed because another rank died or stopped
             raise culprit from None
         mine = {"error": f"{type(error).__name__}: {first_line(error)}"}
@@ -399,9 +409,53 @@ def rank_reference_on(source, shape, batch, seed, compare_at, world, dtype, draw
     )
 
 
-def stopped_peer(world: TorchrunWorld) -> HostFailureError | None:
-    """The first other rank on this node whose process is gone or stopped, as the error that names it; None when
-    every rank of this node runs (a rank on another node is named by its collective's timeout instead)."""
+#: how long a rank whose connection closed may take to become a zombie: its sockets close while it exits
+EXIT_GRACE_S = 5.0
+
+
+def stopped_peer(
+    world: TorchrunWorld, error: BaseException | None = None, *, wait: bool = False
+) -> HostFailureError | None:
+    """The first other rank whose process is gone or stopped (on this node, by its process; on another node, by the
+    collective's failure), as the error that names it; None when every rank runs and ``error`` is no collective's.
+    A peer killed this instant closes its sockets before the kernel shows it dead: it is looked for again for up
+    to ``EXIT_GRACE_S`` after a failed collective (or with ``wait``)."""
+    from bnsurgeon.core.errors import Interrupted
+    from bnsurgeon.core.interrupts import signals_collected
+
+    lost = error is not None and _collective_failure(error)
+    deadline = time.monotonic() + (EXIT_GRACE_S if lost or wait else 0.0)
+    with signals_collected() as arrived:  # torchrun's agent sends SIGTERM the moment the peer is gone: finish first
+        while True:
+            culprit = _stopped_peer_now(world)
+            if culprit is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+    if culprit is None and arrived and not lost:
+        raise Interrupted(arrived[0])
+    if culprit is None and lost:
+        assert error is not None
+        return HostFailureError(
+            f"rank {world.rank} lost another rank of the check ({type(error).__name__}: {first_line(error)[:200]}); "
+            "no rank of this node stopped, so it was one on another node, or its network",
+            "look at the other nodes' logs (torchrun names the rank that failed), and run again; nothing was written",
+        )
+    return culprit
+
+
+def _collective_failure(error: BaseException) -> bool:
+    """A collective that failed: the transport lost a peer or timed out (gloo, NCCL), not the model's own error."""
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        mark in text for mark in ("gloo/transport", "Connection closed", "Connection reset", "Timed out", "NCCL")
+    )
+
+
+def _stopped_peer_now(world: TorchrunWorld) -> HostFailureError | None:
     here = socket.gethostname()
     for rank, (host, pid) in enumerate(world.peers):
         if rank == world.rank or host != here:

@@ -664,7 +664,7 @@ def verify(
 
     out = console()
     _use_rules(rules)
-    from bnsurgeon.checks.torchrun_ranks import quiet_rank
+    from bnsurgeon.checks.torchrun_ranks import launched_by_torchrun, quiet_rank
 
     if quiet_rank():  # under torchrun rank 0 speaks: one report, one JSON document
         quiet, as_json = True, False
@@ -674,6 +674,7 @@ def verify(
         world_sizes=tuple(world_size) if world_size else None,
         precision=precision,
         device=device,
+        as_torchrun_rank=launched_by_torchrun(),
         input_shape=_parse_shape(input_shape),
         atol=atol,
         perturb=not no_perturb,
