@@ -444,17 +444,21 @@ def verify(
     from bnsurgeon.checks.torchrun_ranks import (
         DEVICES,
         PRECISIONS,
+        check_device,
         check_torchrun_options,
         join_torchrun_world,
         launched_by_torchrun,
+        said_by,
     )
     from bnsurgeon.checks.verify import verify_models
 
     timeout = verify_timeout_s()
     if precision not in PRECISIONS:
-        raise UsageError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}", "pass one of them")
+        raise said_by(
+            UsageError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}", "pass one of them"), 0
+        )
     if device not in DEVICES:
-        raise UsageError(f"--device {device!r} is not one of {', '.join(DEVICES)}", "pass one of them")
+        raise said_by(UsageError(f"--device {device!r} is not one of {', '.join(DEVICES)}", "pass one of them"), 0)
     torchrun = as_torchrun_rank
     if torchrun and not launched_by_torchrun():
         raise UsageError(
@@ -463,6 +467,7 @@ def verify(
         )
     if torchrun:
         world_sizes = (check_torchrun_options(world_sizes or (), world_sizes is not None),)
+        check_device(device)
     else:
         if precision != "float64" or device != "auto":
             flag = "--precision" if precision != "float64" else "--device"
@@ -472,7 +477,8 @@ def verify(
                 f"run it under torchrun (torchrun --nproc-per-node 2 -m bnsurgeon verify ...), or drop {flag}",
             )
         world_sizes = world_sizes or (2,)
-    check_world_sizes(world_sizes)
+    if not torchrun:  # torchrun's world is what torchrun started: the cap is on processes verify starts itself
+        check_world_sizes(world_sizes)
     check_atol(atol)
     resolved = resolve_source(source, model=model)
     resolved_converted = resolve_source(converted, role="CONVERTED", model=converted_model)

@@ -65,14 +65,12 @@ def stopped_on_rank_1() -> nn.Module:
 
 def measured_rank(rank: int, world_size: int, cases: list[str]) -> dict:
     """check_torchrun_ranks per case ("PRECISION good|unsynced[ standin]") in this gloo world: rank 0's outcomes."""
-    import socket
-
     import torch.distributed as dist
 
-    from bnsurgeon.checks.torchrun_ranks import TorchrunWorld, check_torchrun_ranks
+    from bnsurgeon.checks.torchrun_ranks import TorchrunWorld, check_torchrun_ranks, this_process
 
     peers: list = [None] * world_size
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    dist.all_gather_object(peers, this_process())
     world = TorchrunWorld(rank, world_size, torch.device("cpu"), "gloo", None, 60.0, peers)
     results = {}
     for case in cases:

@@ -429,8 +429,10 @@ def test_weights_of_a_dtype_torch_cannot_cast_are_refused_not_a_traceback(tiny):
 # ---- containers nested without end, or holding themselves -----------------------------------------
 
 
-def save_deep(path, obj_of, depth=5000):
-    """torch.save an object holding lists nested ``depth`` deep (pickling recurses: a thread with room for it)."""
+def save_deep(path, obj_of, depth=500):
+    """torch.save an object holding lists nested ``depth`` deep (pickling recurses: a thread with room for it).
+    5x bnsurgeon's limit of 100 levels: Python 3.12's pickler stopped between 500 and 1,000 levels in a thread,
+    whatever the recursion limit, and a save that failed there left a corrupt file behind."""
     import sys
     import threading
 
@@ -441,13 +443,21 @@ def save_deep(path, obj_of, depth=5000):
     limit, size = sys.getrecursionlimit(), threading.stack_size(1 << 28)
     sys.setrecursionlimit(depth * 4 + 1000)
     try:
-        worker = threading.Thread(target=torch.save, args=(obj_of(deep), path))
+        failures: list = []
+
+        def save():
+            try:
+                torch.save(obj_of(deep), path)
+            except BaseException as error:  # a thread's exception would otherwise vanish
+                failures.append(error)
+
+        worker = threading.Thread(target=save)
         worker.start()
         worker.join()
     finally:
         sys.setrecursionlimit(limit)
         threading.stack_size(size)
-    assert path.exists()
+    assert not failures and path.exists(), failures
 
 
 def test_deeply_nested_entries_are_listed_and_refused_for_a_pt_output_without_a_traceback(tiny):

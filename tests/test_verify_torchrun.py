@@ -137,7 +137,7 @@ def test_a_stopped_rank_ends_the_check_after_the_runs_timeout_named(work):
 def test_torchrun_refusals_are_one_line_from_rank_0_only(work, env, args, says):
     """Refused before any file is read or any process group starts: rank 0 says it once, exit 2; the other
     ranks and torchrun's restarts exit 2 silently."""
-    base = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "COLUMNS": "300", **env}
+    base = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "t", "COLUMNS": "300", **env}
     verify = ["verify", "tvmodels:source", "tvmodels:source", "--input-shape", SHAPE, *args]
     said = runner.invoke(app, verify, env=base)
     assert said.exit_code == 2 and says in said.output and said.output.count("error:") == 1, said.output
@@ -211,3 +211,42 @@ def test_a_script_calling_verify_under_torchrun_keeps_its_own_ranks(work, monkey
     monkeypatch.setattr(verify_module, "verify_models", lambda *a, **k: seen.update(k) or "checked")
     assert api.verify("tvmodels:source", "tvmodels:converted", input_shape=(2, 3, 16, 16)) == "checked"
     assert seen["torchrun"] is None and seen["world_sizes"] == (2,)
+
+
+def test_a_peers_end_is_read_from_its_process_and_ctrl_c_is_not_the_machines():
+    """What rank 0 reads of a peer on its node: killed (SIGKILL) is the machine's, stopped is named, SIGTERM or
+    SIGINT (torchrun forwards Ctrl-C and preemption to every rank) is an interruption, and a pid that another
+    process took since the rank joined is the rank gone."""
+    import signal
+    import time
+
+    from bnsurgeon.checks.torchrun_ranks import _process_state, this_process
+
+    def child():
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def settled(process, want):
+        for _ in range(200):  # the kernel shows the state a moment after the signal
+            state = _process_state(process.pid)
+            if state is not None and state[0] == want:
+                return state
+            time.sleep(0.02)
+        return _process_state(process.pid)
+
+    processes = [child() for _ in range(4)]
+    try:
+        killed, stopped, interrupted, running = processes
+        killed.send_signal(signal.SIGKILL)
+        stopped.send_signal(signal.SIGSTOP)
+        interrupted.send_signal(signal.SIGTERM)
+        assert settled(killed, "died") == ("died", ": killed by SIGKILL (out of memory?)")
+        assert settled(stopped, "was stopped")[0] == "was stopped"
+        assert settled(interrupted, "was interrupted") == ("was interrupted", "")
+        assert _process_state(running.pid) is None
+        assert _process_state(running.pid, b"1") == ("died", " (its process is gone)")  # another start time
+        mine = this_process()
+        assert mine[1] == os.getpid() and mine[2] is not None and _process_state(mine[1], mine[3]) is None
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()

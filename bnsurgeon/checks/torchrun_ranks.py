@@ -49,8 +49,30 @@ MEASURED_FACTOR = 2.0
 
 
 def launched_by_torchrun() -> bool:
-    """torchrun's variables describe this process (torchrun, or any launcher that sets them as env:// reads them)."""
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    """torchrun (its elastic agent: TORCHELASTIC_RUN_ID) started this process with its world's variables; another
+    launcher's WORLD_SIZE (a Kubernetes job's pod, say) leaves verify's own -w N ranks as they are."""
+    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID"))
+
+
+def this_process() -> tuple:
+    """(host, pid, machine, start time): ``machine`` is the kernel's boot id and this pid namespace, so that a
+    peer is looked at by its pid only where that pid means the same process (containers share host names, pids
+    are reused)."""
+    host, pid = socket.gethostname(), os.getpid()
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+        machine = f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+        start = _stat_fields(pid)[19]
+    except (OSError, IndexError):
+        return host, pid, None, None
+    return host, pid, machine, start
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """/proc/PID/stat after the command name: field 3 (state) is index 0, so field N is index N - 3."""
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return handle.read().rsplit(b")", 1)[1].split()
 
 
 @dataclass
@@ -63,32 +85,36 @@ class TorchrunWorld:
     backend: str
     group: Any  # gloo, CPU objects: the reference's batch out, the ranks' results in
     timeout_s: float
-    peers: list  # (host, pid) of every rank
-    owns_group: bool = True  # whether the default process group is the check's own (else the script's: kept)
+    peers: list  # this_process() of every rank
 
     @property
     def where(self) -> str:
         return f"{self.device} ({self.backend})"
 
     def rank_name(self, rank: int) -> str:
-        host, pid = self.peers[rank]
+        host, pid = self.peers[rank][:2]
         return f"rank {rank} (pid {pid}" + ("" if host == socket.gethostname() else f" on {host}") + ")"
+
+
+def said_by(error, rank: int):
+    """``error`` as one that every rank reaches alike: only ``rank`` says it (the CLI's ``speaks``)."""
+    error.speaker = rank
+    return error
 
 
 def _refusal(message: str, hint: str) -> UsageError:
     """A refusal every rank reaches alike: rank 0 says it, once (not again on torchrun's restarts)."""
-    error = UsageError(message, hint)
-    error.told_by_rank_zero = True  # type: ignore[attr-defined]
-    return error
+    return said_by(UsageError(message, hint), 0)
 
 
-def quiet_rank() -> bool:
-    """Whether this process leaves the telling to another: a torchrun rank other than 0, or a restart of one."""
+def speaks(rank: int = 0) -> bool:
+    """Whether this process is the one that tells: always outside torchrun; under it, rank ``rank`` of torchrun's
+    first start (not a restart)."""
     if not launched_by_torchrun():
-        return False
-    return os.environ.get("RANK", "0").strip() != "0" or os.environ.get(
+        return True
+    return os.environ.get("RANK", "0").strip() == str(rank) and os.environ.get(
         "TORCHELASTIC_RESTART_COUNT", "0"
-    ).strip() not in ("", "0")
+    ).strip() in ("", "0")
 
 
 def check_torchrun_options(world_sizes: tuple[int, ...], explicit: bool) -> int:
@@ -119,6 +145,18 @@ def check_torchrun_options(world_sizes: tuple[int, ...], explicit: bool) -> int:
     return world
 
 
+def check_device(device: str) -> None:
+    """``--device`` names one this rank has (before anything is read)."""
+    import torch
+
+    if device not in DEVICES:
+        raise _refusal(f"--device {device!r} is not one of {', '.join(DEVICES)}", "pass --device auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            "--device cuda, and torch sees no CUDA device on this rank", "drop --device (auto) or pass --device cpu"
+        )
+
+
 def join_torchrun_world(device: str = "auto", timeout_s: float = 120.0) -> TorchrunWorld:
     """Start the process group from torchrun's variables: NCCL on ``cuda:LOCAL_RANK`` where every local rank has a GPU
     (``device`` auto), else gloo on the CPU; ``device`` cuda with fewer GPUs than local ranks shares them over gloo."""
@@ -129,13 +167,14 @@ def join_torchrun_world(device: str = "auto", timeout_s: float = 120.0) -> Torch
 
     from bnsurgeon.runtime.distributed import default_backend, init_distributed
 
-    if device not in DEVICES:
-        raise UsageError(f"--device {device!r} is not one of {', '.join(DEVICES)}", "pass --device auto, cpu or cuda")
+    check_device(device)
     cuda = torch.cuda.is_available()
-    if device == "cuda" and not cuda:
-        raise UsageError("--device cuda, and torch sees no CUDA device here", "drop --device (auto) or pass cpu")
     backend = "gloo" if device == "cpu" else default_backend(cuda, torch.cuda.device_count() if cuda else 0)
-    owns_group = not dist.is_initialized()
+    if dist.is_initialized():  # a script's own group: its world and backend are the script's, not the check's
+        raise UsageError(
+            "verify as a torchrun rank inside a process that already has a process group",
+            "call verify without as_torchrun_rank (its own -w N ranks), or run the command under torchrun",
+        )
     info = init_distributed(backend=backend, timeout_s=timeout_s)
     placed: torch.device = info.device  # type: ignore[assignment]  # DistributedInfo keeps torch out of its import
     if device == "cuda" and placed.type != "cuda":  # more local ranks than GPUs: they share them, over gloo
@@ -143,8 +182,8 @@ def join_torchrun_world(device: str = "auto", timeout_s: float = 120.0) -> Torch
         torch.cuda.set_device(placed)
     group: Any = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
     peers: list = [None] * info.world_size
-    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=group)
-    return TorchrunWorld(info.rank, info.world_size, placed, backend, group, timeout_s, peers, owns_group)
+    dist.all_gather_object(peers, this_process(), group=group)
+    return TorchrunWorld(info.rank, info.world_size, placed, backend, group, timeout_s, peers)
 
 
 def leave_torchrun_world(world: TorchrunWorld) -> None:
@@ -157,14 +196,13 @@ def leave_torchrun_world(world: TorchrunWorld) -> None:
     try:
         dist.barrier(group=world.group)
     except BaseException as error:
-        culprit = stopped_peer(world, error)
+        culprit = stopped_peer(world, error, wait=isinstance(error, KeyboardInterrupt))
         if culprit is not None:
             raise culprit from None
         raise
     if world.group is not None:
         dist.destroy_process_group(world.group)
-    if world.owns_group:
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def quantity(name: str) -> str:
@@ -269,6 +307,8 @@ def check_torchrun_ranks(
     seed: int = SEED,
 ) -> CheckOutcome | None:
     """This process's part of one N-rank check under torchrun; rank 0 returns the outcome, the others None."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}", "pass one of them")
     try:
         return _check(world, source, converted, shape, label, precision, compare_at, seed)
     except HostFailureError:
@@ -286,37 +326,30 @@ def check_torchrun_ranks(
 
 
 def _check(world, source, converted, shape, label, precision, compare_at, seed) -> CheckOutcome | None:
+    """Every rank computes the same reference, plain run and batch (one seed, the same model: no rank waits on
+    another's computation, so every wait is the ranks' skew, bounded by the run's timeout); each runs its slice;
+    rank 0 gathers the slices and judges them."""
     import torch.distributed as dist
 
-    if precision not in PRECISIONS:
-        raise UsageError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}", "pass one of them")
-    dtype, rounding, autocast = _dtypes(precision)
+    from bnsurgeon.checks.compare import within_norm
+    from bnsurgeon.checks.ranks import FLOAT32_NORM_RTOL
+
     batch = rank_batch([world.world_size])
     splits = uneven_splits(batch, world.world_size)
     started = time.monotonic()
-    reference = plain = None
-    problem: "tuple[float, str] | None" = None
-    why_float32 = ""
-    if world.rank == 0:
-        reference, plain, problem, why_float32 = _references(source, shape, batch, seed, compare_at, world, precision)
-        if why_float32:  # the model does not run in float64: judged in float32 against plain BN's measured error
-            dtype, rounding, autocast = _dtypes("float32")
-    sent: list[Any] = [problem, why_float32, None if reference is None else (reference.x, reference.grad)]
-    dist.broadcast_object_list(sent, src=0, group=world.group)
-    if sent[0] is not None:
-        return CheckOutcome(label, False, *sent[0]) if world.rank == 0 else None
-    why_float32 = sent[1]
-    if why_float32:
-        dtype, rounding, autocast = _dtypes("float32")
-    x, grad = sent[2]
+    reference, plain, why_float32 = _references(source, shape, batch, seed, compare_at, world, precision)
+    if reference.problem is not None:  # the same on every rank: the model's outputs cannot be lined up
+        return CheckOutcome(label, False, *reference.problem) if world.rank == 0 else None
+    ranks_precision = "float32" if why_float32 and precision == "float64" else precision
+    dtype, rounding, autocast = _dtypes(ranks_precision)
     check_input = CheckInput.of_shape(shape).with_batch(batch, uniform=True)
     model = only_bn_trains(copy.deepcopy(converted).to(device=world.device, dtype=dtype))
     try:
         mine: dict = run_share(
             model,
             check_input,
-            x,
-            grad,
+            reference.x,
+            reference.grad,
             splits,
             world.rank,
             compare_at,
@@ -337,12 +370,16 @@ def _check(world, source, converted, shape, label, precision, compare_at, seed) 
     if failed:
         rank, text = failed[0]
         return CheckOutcome(label, False, float("inf"), f"ranks failed: rank {rank}: {text}")
-    assert reference is not None
     tolerance = Tolerance(rtol=DIST_RTOL)
-    bounds = measured_bounds(reference, plain, rounding) if plain is not None else None
+    # a float32 reference against float32 ranks (the model does not run in float64): -w N's rule, since plain BN
+    # against a float32 reference measures no error at all
+    norm_rule = bool(why_float32) and ranks_precision == "float32"
+    bounds = measured_bounds(reference, plain, rounding) if plain is not None and not norm_rule else None
 
     def compare(name, expected, actual):
         actual = [a.double() if a.is_floating_point() else a for a in actual]
+        if norm_rule:
+            return within_norm(expected, actual, FLOAT32_NORM_RTOL)
         if bounds is None:
             return within(expected, actual, tolerance)
         if not all(e.is_floating_point() for e in expected):  # num_batches_tracked: exactly
@@ -350,13 +387,16 @@ def _check(world, source, converted, shape, label, precision, compare_at, seed) 
         return bounds.judge(name, expected, actual)
 
     problems, worst, values = judge_ranks(reference, gathered, splits, compare)
-    judged_in = "float64" if bounds is None else ("float32" if why_float32 else precision)
-    how = (
-        f"within {DIST_RTOL:g} relative"
-        if bounds is None
-        else f"each kind within {MEASURED_FACTOR:g}x plain BN's own error in {judged_in} on this device + rounding, "
-        f"relative to its scale ({bounds.describe()})"
-    )
+    judged_in = ranks_precision
+    if norm_rule:
+        how = f"each tensor within {FLOAT32_NORM_RTOL:g} of its norm or 1, as -w N judges such a model"
+    elif bounds is None:
+        how = f"within {DIST_RTOL:g} relative"
+    else:
+        how = (
+            f"each kind within {MEASURED_FACTOR:g}x plain BN's own error in {judged_in} on this device + rounding, "
+            f"relative to its scale ({bounds.describe()})"
+        )
     if why_float32:
         how += f" (the model does not run in float64: {why_float32})"
     if bounds is not None and judged_in == "float32" and _tf32(world.device):
@@ -380,7 +420,9 @@ def _tf32(device) -> bool:
 
 
 def _references(source, shape, batch, seed, compare_at, world, precision):
-    """Rank 0: (float64 reference on the device, plain BN in the ranks' precision or None, problem, why not float64)."""
+    """(float64 reference on this rank's device, plain BN in the ranks' precision or None, why not float64)."""
+    import re
+
     import torch
 
     drawn_in = None if precision == "float64" else torch.float32
@@ -388,18 +430,13 @@ def _references(source, shape, batch, seed, compare_at, world, precision):
     try:
         reference = rank_reference_on(source, shape, batch, seed, compare_at, world, torch.float64, drawn_in)
     except RuntimeError as error:
-        import re
-
         if not re.search(r"dtype|Double|double|Float\b|float\b", str(error)):
             raise
         why_float32 = f"{type(error).__name__}: {first_line(error)[:160]}"
         reference = rank_reference_on(source, shape, batch, seed, compare_at, world, torch.float32, torch.float32)
-    if reference.problem is not None:
-        return reference, None, reference.problem, why_float32
-    plain = None
-    if precision != "float64" or why_float32:
-        plain = _plain_run(source, reference, world, "float32" if why_float32 else precision, compare_at)
-    return reference, plain, None, why_float32
+    if reference.problem is not None or precision == "float64":
+        return reference, None, why_float32
+    return reference, _plain_run(source, reference, world, precision, compare_at), why_float32
 
 
 def rank_reference_on(source, shape, batch, seed, compare_at, world, dtype, drawn_in) -> RankReference:
@@ -456,22 +493,23 @@ def _collective_failure(error: BaseException) -> bool:
 
 
 def _stopped_peer_now(world: TorchrunWorld) -> HostFailureError | None:
-    here = socket.gethostname()
-    for rank, (host, pid) in enumerate(world.peers):
-        if rank == world.rank or host != here:
-            continue
-        state = _process_state(pid)
-        if state is None:
+    machine = world.peers[world.rank][2]
+    for rank, (_host, pid, peer_machine, start) in enumerate(world.peers):
+        if rank == world.rank or machine is None or peer_machine != machine:
+            continue  # its pid means nothing here
+        state = _process_state(pid, start)
+        if state is None or state[0] == "was interrupted":  # running, or Ctrl-C / preemption: not the machine
             continue
         what, cause = state
         if what == "was stopped":  # as -w N does: the check is over, and a stopped rank would outlive it
             _kill(pid)
             cause += f" and did not answer within the run's timeout ({world.timeout_s:g} s); it was killed"
-        return HostFailureError(
+        failure = HostFailureError(
             f"{world.rank_name(rank)} {what}{cause}: the check stopped (this is the machine, not the model)",
             "free the resource named (memory: the out-of-memory killer sends SIGKILL), resume or do not stop the "
             "rank (SIGSTOP), and run again; nothing was written",
         )
+        return said_by(failure, 0 if rank != 0 else 1)  # every surviving rank of the node sees it: one says it
     return None
 
 
@@ -484,20 +522,29 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _process_state(pid: int) -> "tuple[str, str] | None":
-    """("died", how) for a process that is gone or a zombie, ("was stopped", how) for one stopped; None if it runs."""
+#: what Ctrl-C, a scheduler's preemption or a closed terminal ends a rank with: torchrun forwards them to every rank
+_INTERRUPTS = (2, 15, 1)  # SIGINT, SIGTERM, SIGHUP
+
+
+def _process_state(pid: int, start: "bytes | None" = None) -> "tuple[str, str] | None":
+    """("died", how) for a process that is gone or a zombie, ("was stopped", how) for one stopped, ("was
+    interrupted", how) for one that a signal of Ctrl-C or preemption ended; None if it runs. ``start`` (its start
+    time when it joined): another process that took the pid since is the rank gone."""
     import signal
 
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
+        fields = _stat_fields(pid)
     except FileNotFoundError:
         return "died", " (its process is gone)"
     except OSError:
         return None
+    if start is not None and (len(fields) <= 19 or fields[19] != start):
+        return "died", " (its process is gone)"
     state = fields[0].decode(errors="replace")
     if state in ("Z", "X"):
         status = int(fields[49]) if len(fields) > 49 and fields[49].isdigit() else None  # exit_code, Linux >= 3.5
+        if status is not None and (status & 0x7F in _INTERRUPTS or (status >> 8) - 128 in _INTERRUPTS):
+            return "was interrupted", ""
         if status is not None and status & 0x7F:
             name = signal.Signals(status & 0x7F).name if status & 0x7F in signal.Signals._value2member_map_ else "?"
             hint = " (out of memory?)" if status & 0x7F == signal.SIGKILL else ""
@@ -518,7 +565,8 @@ __all__ = [
     "check_torchrun_ranks",
     "join_torchrun_world",
     "launched_by_torchrun",
-    "quiet_rank",
+    "said_by",
+    "speaks",
     "leave_torchrun_world",
     "measured_bounds",
 ]

@@ -188,10 +188,11 @@ def handle_errors(command: Callable) -> Callable:
         except BnSurgeonError as error:
             if debug:
                 raise
-            if getattr(error, "told_by_rank_zero", False):
-                from bnsurgeon.checks.torchrun_ranks import quiet_rank
+            speaker = getattr(error, "speaker", None)
+            if speaker is not None:  # every torchrun rank reached it alike: one of them says it
+                from bnsurgeon.checks.torchrun_ranks import speaks
 
-                if quiet_rank():
+                if not speaks(speaker):
                     raise typer.Exit(error.exit_code) from None
             with signals_ignored():
                 _fail(error.message, error.hint, error.exit_code)
@@ -659,15 +660,16 @@ def verify(
     On your devices: `torchrun --nproc-per-node 2 -m bnsurgeon verify efficientnet_b0 b0.sync.safetensors` (each torchrun process is a rank; rank 0 reports)
     """
     from bnsurgeon import api
-    from bnsurgeon.cli.render import CheckStream, console, emit_json, render_verification_summary, say
+    from bnsurgeon.cli.render import CheckStream, console, emit_json, render_verification_summary, say, want_json
     from bnsurgeon.loading.architecture import parse_model_args
 
     out = console()
     _use_rules(rules)
-    from bnsurgeon.checks.torchrun_ranks import launched_by_torchrun, quiet_rank
+    from bnsurgeon.checks.torchrun_ranks import launched_by_torchrun, speaks
 
-    if quiet_rank():  # under torchrun rank 0 speaks: one report, one JSON document
+    if not speaks():  # under torchrun rank 0 speaks: one report, one JSON document (the others' errors on stderr)
         quiet, as_json = True, False
+        want_json(False)
     result = api.verify(
         source,
         converted,
