@@ -448,6 +448,8 @@ def verify(
         check_torchrun_options,
         join_torchrun_world,
         launched_by_torchrun,
+        leave_torchrun_world,
+        ranks_agree,
         said_by,
     )
     from bnsurgeon.checks.verify import verify_models
@@ -480,59 +482,75 @@ def verify(
     if not torchrun:  # torchrun's world is what torchrun started: the cap is on processes verify starts itself
         check_world_sizes(world_sizes)
     check_atol(atol)
-    resolved = resolve_source(source, model=model)
-    resolved_converted = resolve_source(converted, role="CONVERTED", model=converted_model)
-    example = None if isinstance(example_input, (str, os.PathLike)) else example_input
-    if isinstance(example_input, (str, os.PathLike)):  # as the CLI's --example-input: read (weights_only)
-        from bnsurgeon.checks.check_input import load_example_input
+    # under torchrun every rank joins first (they start together), then prepares; a rank that fails there stops
+    # every rank the same way (ranks_agree), and the check's collectives follow
+    world = join_torchrun_world(device, timeout) if torchrun else None
+    with ranks_agree(world):
+        resolved = resolve_source(source, model=model)
+        resolved_converted = resolve_source(converted, role="CONVERTED", model=converted_model)
+        example = None if isinstance(example_input, (str, os.PathLike)) else example_input
+        if isinstance(example_input, (str, os.PathLike)):  # as the CLI's --example-input: read (weights_only)
+            from bnsurgeon.checks.check_input import load_example_input
 
-        example = load_example_input(example_input)
-    left = load_source(
-        resolved,
-        model=model,
-        model_args=model_args,
-        weights=weights,
-        trust_pickle=trust_pickle,
-        accept_recorded_args=accept_recorded_args,
-    )
-    right = load_source(
-        resolved_converted,
-        model=converted_model,
-        model_args=converted_model_args,
-        weights=converted_weights,
-        trust_pickle=trust_pickle,
-        accept_recorded_args=accept_recorded_args,
-        flag="--converted-model",
-        named_elsewhere=left.architecture,
-    )
-    refuse_fused_source(left, "SOURCE")
-    refuse_non_finite(left.model, left.description)
-    refuse_non_finite(right.model, right.description)
-    recorded = (
-        read_recorded(right.checkpoint) if right.checkpoint is not None and right.checkpoint.is_bnsurgeon else None
-    )
-    fused = recorded is not None and recorded.target == "fused"
-    if not fused:  # a fused model lacks the folded BN modules by design
-        require_same_architecture(left.model, right.model, left.description, right.description)
-    check_input = resolve_check_input(
-        left.model,
-        input_shape=input_shape,
-        example_input=example,
-        recorded=left.check_input or right.check_input,
-        own_shape=left.input_shape or right.input_shape,
-    )
-    if check_input is None:
-        raise UsageError(
-            "cannot tell what input the models take",
-            "pass --input-shape N,C,... (e.g. 4,16,32) or --example-input x.pt",
+            example = load_example_input(example_input)
+        left = load_source(
+            resolved,
+            model=model,
+            model_args=model_args,
+            weights=weights,
+            trust_pickle=trust_pickle,
+            accept_recorded_args=accept_recorded_args,
         )
+        right = load_source(
+            resolved_converted,
+            model=converted_model,
+            model_args=converted_model_args,
+            weights=converted_weights,
+            trust_pickle=trust_pickle,
+            accept_recorded_args=accept_recorded_args,
+            flag="--converted-model",
+            named_elsewhere=left.architecture,
+        )
+        refuse_fused_source(left, "SOURCE")
+        refuse_non_finite(left.model, left.description)
+        refuse_non_finite(right.model, right.description)
+        recorded = (
+            read_recorded(right.checkpoint) if right.checkpoint is not None and right.checkpoint.is_bnsurgeon else None
+        )
+        fused = recorded is not None and recorded.target == "fused"
+        if not fused:  # a fused model lacks the folded BN modules by design
+            require_same_architecture(left.model, right.model, left.description, right.description)
+        check_input = resolve_check_input(
+            left.model,
+            input_shape=input_shape,
+            example_input=example,
+            recorded=left.check_input or right.check_input,
+            own_shape=left.input_shape or right.input_shape,
+        )
+        if check_input is None:
+            raise UsageError(
+                "cannot tell what input the models take",
+                "pass --input-shape N,C,... (e.g. 4,16,32) or --example-input x.pt",
+            )
+        with preserved_modes(left.model, right.model), torch.no_grad():
+            for loaded, what in ((left, "SOURCE"), (right, "CONVERTED")):
+                parameter = next(iter(loaded.model.parameters()), None)
+                dtype = parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
+                run_forward(
+                    loaded.model.eval(),
+                    clone_value(check_input.make(dtype=dtype)),
+                    f"{what} ({loaded.description})",
+                    check_input.describe(),
+                )
     if fused and recorded is not None:
         from bnsurgeon.checks.fused_check import verify_fused
 
-        if torchrun and int(os.environ["RANK"]) != 0:  # a fused model has no N-rank check: rank 0 runs the rest
-            from bnsurgeon.checks.verify import Verification
+        if world is not None:  # a fused model has no N-rank check: rank 0 runs the rest alone
+            leave_torchrun_world(world)
+            if world.rank != 0:
+                from bnsurgeon.checks.verify import Verification
 
-            return Verification(left.description, right.description, list(check_input.shape or []))
+                return Verification(left.description, right.description, list(check_input.shape or []))
 
         if compare_at:
             raise UsageError(
@@ -551,17 +569,6 @@ def verify(
             converted_name=right.description,
             on_check=on_check,
         )
-    with preserved_modes(left.model, right.model), torch.no_grad():
-        for loaded, what in ((left, "SOURCE"), (right, "CONVERTED")):
-            parameter = next(iter(loaded.model.parameters()), None)
-            dtype = parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
-            run_forward(
-                loaded.model.eval(),
-                clone_value(check_input.make(dtype=dtype)),
-                f"{what} ({loaded.description})",
-                check_input.describe(),
-            )
-    world = join_torchrun_world(device, timeout) if torchrun else None
     return verify_models(
         left.model,
         right.model,

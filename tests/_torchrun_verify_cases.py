@@ -86,3 +86,23 @@ def measured_rank(rank: int, world_size: int, cases: list[str]) -> dict:
         if outcome is not None:
             results[case] = {"passed": outcome.passed, "diff": outcome.max_abs_diff, "detail": outcome.detail}
     return results
+
+
+def raises_on_rank_1() -> nn.Module:
+    """A factory that fails on torchrun's rank 1 alone (a file missing on one node, say)."""
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("boom on rank 1")
+    return converted()
+
+
+def always_raises() -> nn.Module:
+    raise RuntimeError("boom everywhere")
+
+
+def hangs_on_rank_1() -> nn.Module:
+    """The conversion, hanging on torchrun's rank 1 as it runs its share (a deadlock in the model or its data)."""
+    import time
+
+    model = converted()
+    model.register_forward_pre_hook(lambda module, args: time.sleep(600) if _on_rank_1_training(module) else None)
+    return model

@@ -124,6 +124,28 @@ def test_a_stopped_rank_ends_the_check_after_the_runs_timeout_named(work):
     assert error["exit_code"] == 16 and "was stopped" in error["message"] and "(5 s)" in error["message"], error
 
 
+def test_a_failure_on_one_rank_or_every_rank_is_said_once_and_a_hang_is_named(work):
+    """A factory failing on rank 1 alone: rank 1 says why, rank 0 stops at once with its exit code and writes the
+    one JSON document; failing on every rank: said once; a rank hanging in its share: named by rank 0 after the
+    run's timeout, exit 1 (a failed check, as -w N's bound makes it), not a silent wait or an internal error."""
+    import time
+
+    env = _env(work, BNSURGEON_DIST_TIMEOUT="5")
+    started = time.monotonic()
+    one = _torchrun_verify(work, "tvmodels:source", "tvmodels:raises_on_rank_1", "--json", env=env)
+    assert time.monotonic() - started < 60, one.stderr[-2000:]
+    error = json.loads(one.stdout)["error"]
+    assert error["exit_code"] == 2 and "rank 1 stopped before the check" in error["message"], error
+    assert one.stderr.count("error:") == 1 and "boom on rank 1" in one.stderr, one.stderr[-2000:]
+    every = _torchrun_verify(work, "tvmodels:source", "tvmodels:always_raises", "--json", env=env)
+    assert json.loads(every.stdout)["error"]["exit_code"] == 2
+    assert every.stderr.count("boom everywhere") == 1, every.stderr[-2000:]
+    hang = _torchrun_verify(work, "tvmodels:source", "tvmodels:hangs_on_rank_1", "--json", env=env)
+    error = json.loads(hang.stdout)["error"]
+    assert error["exit_code"] == 1 and re.match(r"rank 1 \(pid \d+\) did not answer", error["message"]), error
+    assert "internal error" not in hang.stderr and hang.stderr.count("error:") == 1, hang.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     ("env", "args", "says"),
     [
@@ -243,7 +265,7 @@ def test_a_peers_end_is_read_from_its_process_and_ctrl_c_is_not_the_machines():
         assert settled(stopped, "was stopped")[0] == "was stopped"
         assert settled(interrupted, "was interrupted") == ("was interrupted", "")
         assert _process_state(running.pid) is None
-        assert _process_state(running.pid, b"1") == ("died", " (its process is gone)")  # another start time
+        assert _process_state(running.pid, b"1") == ("gone", "")  # another process took the pid since
         mine = this_process()
         assert mine[1] == os.getpid() and mine[2] is not None and _process_state(mine[1], mine[3]) is None
     finally:

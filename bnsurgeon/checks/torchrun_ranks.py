@@ -22,8 +22,9 @@ import copy
 import os
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from bnsurgeon.checks.check_input import CheckInput
 from bnsurgeon.checks.compare import SEED, CheckOutcome, Tolerance, only_bn_trains, within
@@ -36,7 +37,7 @@ from bnsurgeon.checks.ranks import (
     source_reference,
     uneven_splits,
 )
-from bnsurgeon.core.errors import HostFailureError, UsageError, first_line
+from bnsurgeon.core.errors import BnSurgeonError, HostFailureError, RankEndedError, UsageError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -175,7 +176,19 @@ def join_torchrun_world(device: str = "auto", timeout_s: float = 120.0) -> Torch
             "verify as a torchrun rank inside a process that already has a process group",
             "call verify without as_torchrun_rank (its own -w N ranks), or run the command under torchrun",
         )
-    info = init_distributed(backend=backend, timeout_s=timeout_s)
+    try:
+        info = init_distributed(backend=backend, timeout_s=timeout_s)
+    except ValueError as error:  # env:// without its variables: started by hand, not by torchrun
+        raise UsageError(
+            f"torchrun's variables are incomplete ({first_line(error)[:160]})",
+            "start verify with torchrun (torchrun --nproc-per-node 2 -m bnsurgeon verify ...)",
+        ) from None
+    except RuntimeError as error:  # DistStoreError, DistNetworkError: the others never came
+        raise HostFailureError(
+            f"not every rank of the check joined within {timeout_s:g} s ({type(error).__name__}: "
+            f"{first_line(error)[:160]})",
+            "start every rank (torchrun does), check that each reaches MASTER_ADDR:MASTER_PORT, and run again",
+        ) from None
     placed: torch.device = info.device  # type: ignore[assignment]  # DistributedInfo keeps torch out of its import
     if device == "cuda" and placed.type != "cuda":  # more local ranks than GPUs: they share them, over gloo
         placed = torch.device("cuda", info.local_rank % torch.cuda.device_count())
@@ -184,6 +197,56 @@ def join_torchrun_world(device: str = "auto", timeout_s: float = 120.0) -> Torch
     peers: list = [None] * info.world_size
     dist.all_gather_object(peers, this_process(), group=group)
     return TorchrunWorld(info.rank, info.world_size, placed, backend, group, timeout_s, peers)
+
+
+@contextmanager
+def ranks_agree(world: "TorchrunWorld | None") -> Iterator[None]:
+    """Run the block on every rank, then agree: where it raised on any rank, every rank stops, and a failure
+    every rank had alike is said once (by the lowest failing rank); a rank that did not fail stops with the
+    failing rank's exit code, silently (that rank said why). No torchrun world: the block as it is."""
+    if world is None:
+        yield
+        return
+    import torch.distributed as dist
+
+    mine: "BaseException | None" = None
+    try:
+        yield
+    except BaseException as error:  # every rank reaches the exchange below, whatever happened here
+        mine = error
+    summary = None
+    if mine is not None:
+        code = mine.exit_code if isinstance(mine, BnSurgeonError) else 70
+        summary = (f"{type(mine).__name__}: {getattr(mine, 'message', first_line(mine))}", code)
+    statuses: list = [None] * world.world_size
+    try:
+        dist.all_gather_object(statuses, summary, group=world.group)
+    except BaseException as error:
+        culprit = stopped_peer(world, error, wait=isinstance(error, KeyboardInterrupt))
+        if culprit is not None:
+            raise culprit from None
+        if mine is not None:
+            raise (said_by(mine, 0) if isinstance(mine, KeyboardInterrupt) else mine) from None
+        raise
+    failed = [(rank, status) for rank, status in enumerate(statuses) if status is not None]
+    if not failed:
+        return
+    _let_go(world)  # every rank stops here, together: none exits holding the group (gloo aborts at exit then)
+    first_rank, (text, code) = failed[0]
+    if mine is not None:
+        if isinstance(mine, BnSurgeonError) and all(status[0] == text for _, status in failed):
+            said_by(mine, first_rank)
+        raise mine
+    raise said_by(RankEndedError(f"rank {first_rank} stopped before the check: {text}", exit_code=code), first_rank)
+
+
+def _let_go(world: TorchrunWorld) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if world.group is not None:
+            dist.destroy_process_group(world.group)
+        dist.destroy_process_group()
 
 
 def leave_torchrun_world(world: TorchrunWorld) -> None:
@@ -200,9 +263,7 @@ def leave_torchrun_world(world: TorchrunWorld) -> None:
         if culprit is not None:
             raise culprit from None
         raise
-    if world.group is not None:
-        dist.destroy_process_group(world.group)
-    dist.destroy_process_group()
+    _let_go(world)
 
 
 def quantity(name: str) -> str:
@@ -313,11 +374,11 @@ def check_torchrun_ranks(
         return _check(world, source, converted, shape, label, precision, compare_at, seed)
     except HostFailureError:
         raise
-    except KeyboardInterrupt:  # SIGTERM: torchrun's agent stops the ranks when one failed (or the user stops it)
+    except KeyboardInterrupt as interrupt:  # SIGTERM: torchrun's agent stops the ranks when one failed (or Ctrl-C)
         culprit = stopped_peer(world, wait=True)
         if culprit is not None:
             raise culprit from None
-        raise
+        raise said_by(interrupt, 0) from None  # every rank was interrupted: one says it
     except BaseException as error:  # a collective that failed or timed out
         culprit = stopped_peer(world, error)
         if culprit is not None:
@@ -452,7 +513,7 @@ EXIT_GRACE_S = 5.0
 
 def stopped_peer(
     world: TorchrunWorld, error: BaseException | None = None, *, wait: bool = False
-) -> HostFailureError | None:
+) -> "BnSurgeonError | None":
     """The first other rank whose process is gone or stopped (on this node, by its process; on another node, by the
     collective's failure), as the error that names it; None when every rank runs and ``error`` is no collective's.
     A peer killed this instant closes its sockets before the kernel shows it dead: it is looked for again for up
@@ -464,7 +525,7 @@ def stopped_peer(
     deadline = time.monotonic() + (EXIT_GRACE_S if lost or wait else 0.0)
     with signals_collected() as arrived:  # torchrun's agent sends SIGTERM the moment the peer is gone: finish first
         while True:
-            culprit = _stopped_peer_now(world)
+            culprit = _stopped_peer_now(world, interrupted=wait)
             if culprit is not None or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
@@ -472,12 +533,33 @@ def stopped_peer(
         raise Interrupted(arrived[0])
     if culprit is None and lost:
         assert error is not None
+        said = f"{type(error).__name__}: {first_line(error)[:200]}"
+        running = [rank for rank in _peers_here(world) if _process_state(world.peers[rank][1]) is None]
+        if running and len(running) == len(world.peers) - 1:  # all on this node, all running: one hangs
+            names = ", ".join(world.rank_name(rank) for rank in running)
+            return RankEndedError(
+                f"{names} did not answer within the run's timeout ({world.timeout_s:g} s) though running: a hang "
+                f"in the model, its data or a debugger's breakpoint ({said})",
+                "find where that rank waits (py-spy dump --pid PID), or raise BNSURGEON_DIST_TIMEOUT for a slow "
+                "model; nothing was written",
+                exit_code=1,
+            )
         return HostFailureError(
-            f"rank {world.rank} lost another rank of the check ({type(error).__name__}: {first_line(error)[:200]}); "
-            "no rank of this node stopped, so it was one on another node, or its network",
+            f"rank {world.rank} lost another rank of the check ({said}); no rank of this node stopped, so it was "
+            "one on another node, or its network",
             "look at the other nodes' logs (torchrun names the rank that failed), and run again; nothing was written",
         )
     return culprit
+
+
+def _peers_here(world: TorchrunWorld) -> list[int]:
+    """The other ranks whose pids mean something here (the same boot and pid namespace)."""
+    machine = world.peers[world.rank][2]
+    return [
+        rank
+        for rank, peer in enumerate(world.peers)
+        if rank != world.rank and machine is not None and peer[2] == machine
+    ]
 
 
 def _collective_failure(error: BaseException) -> bool:
@@ -486,20 +568,27 @@ def _collective_failure(error: BaseException) -> bool:
 
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
-    text = str(error)
+    text = str(error).lower()
     return isinstance(error, RuntimeError) and any(
-        mark in text for mark in ("gloo/transport", "Connection closed", "Connection reset", "Timed out", "NCCL")
+        mark in text
+        for mark in ("gloo", "nccl", "connection", "timed out", "timeout", "pair closure", "socket", "broken pipe")
     )
 
 
-def _stopped_peer_now(world: TorchrunWorld) -> HostFailureError | None:
-    machine = world.peers[world.rank][2]
-    for rank, (_host, pid, peer_machine, start) in enumerate(world.peers):
-        if rank == world.rank or machine is None or peer_machine != machine:
-            continue  # its pid means nothing here
+def _stopped_peer_now(world: TorchrunWorld, interrupted: bool = False) -> "BnSurgeonError | None":
+    for rank in _peers_here(world):
+        _host, pid, _machine, start = world.peers[rank]
         state = _process_state(pid, start)
         if state is None or state[0] == "was interrupted":  # running, or Ctrl-C / preemption: not the machine
             continue
+        if state[0] == "ended" or (state[0] == "gone" and interrupted):
+            # it stopped on an error of its own and said it (or, reaped before this rank looked, torchrun's agent
+            # stops this one now and names how it ended): this rank stops, silently
+            code = int(state[1]) if state[1] else 1
+            ended = RankEndedError(f"rank {rank} ended with exit status {code}", exit_code=code or 1)
+            return said_by(ended, rank)
+        if state[0] == "gone":
+            state = ("died", " (its process is gone)")
         what, cause = state
         if what == "was stopped":  # as -w N does: the check is over, and a stopped rank would outlive it
             _kill(pid)
@@ -527,19 +616,20 @@ _INTERRUPTS = (2, 15, 1)  # SIGINT, SIGTERM, SIGHUP
 
 
 def _process_state(pid: int, start: "bytes | None" = None) -> "tuple[str, str] | None":
-    """("died", how) for a process that is gone or a zombie, ("was stopped", how) for one stopped, ("was
-    interrupted", how) for one that a signal of Ctrl-C or preemption ended; None if it runs. ``start`` (its start
-    time when it joined): another process that took the pid since is the rank gone."""
+    """("died", how) for a zombie a signal killed, ("ended", its exit status) for one that exited, ("gone", "") for
+    a process reaped already, ("was stopped", how) for one stopped, ("was interrupted", "") for one that a signal
+    of Ctrl-C or preemption ended; None if it runs. ``start`` (its start time when it joined): another process
+    that took the pid since is the rank gone."""
     import signal
 
     try:
         fields = _stat_fields(pid)
     except FileNotFoundError:
-        return "died", " (its process is gone)"
+        return "gone", ""
     except OSError:
         return None
     if start is not None and (len(fields) <= 19 or fields[19] != start):
-        return "died", " (its process is gone)"
+        return "gone", ""
     state = fields[0].decode(errors="replace")
     if state in ("Z", "X"):
         status = int(fields[49]) if len(fields) > 49 and fields[49].isdigit() else None  # exit_code, Linux >= 3.5
@@ -550,7 +640,7 @@ def _process_state(pid: int, start: "bytes | None" = None) -> "tuple[str, str] |
             hint = " (out of memory?)" if status & 0x7F == signal.SIGKILL else ""
             return "died", f": killed by {name}{hint}"
         if status is not None:
-            return "died", f": it exited with status {status >> 8}"
+            return "ended", str(status >> 8)
         return "died", ""
     if state in ("T", "t"):
         return "was stopped", " (SIGSTOP: a debugger, job control or a cgroup freezer)"

@@ -193,12 +193,21 @@ def handle_errors(command: Callable) -> Callable:
                 from bnsurgeon.checks.torchrun_ranks import speaks
 
                 if not speaks(speaker):
+                    if speaks(0):  # rank 0 still owes stdout its one JSON document (--json)
+                        from bnsurgeon.cli.render import emit_json_error
+
+                        emit_json_error(error.message, error.hint, error.exit_code)
                     raise typer.Exit(error.exit_code) from None
             with signals_ignored():
                 _fail(error.message, error.hint, error.exit_code)
         except KeyboardInterrupt as interrupt:
             if debug:
                 raise
+            if getattr(interrupt, "speaker", None) is not None:  # every torchrun rank was interrupted: one says it
+                from bnsurgeon.checks.torchrun_ranks import speaks
+
+                if not speaks(interrupt.speaker):
+                    raise typer.Exit(getattr(interrupt, "exit_code", 130)) from None
             name = str(interrupt) or "SIGINT"
             state = getattr(interrupt, "state", "nothing was written")
             with signals_ignored():

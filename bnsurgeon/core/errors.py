@@ -408,6 +408,17 @@ class NoBatchNormReachedError(BnSurgeonError):
     )
 
 
+class RankEndedError(BnSurgeonError):
+    """Another rank of a torchrun check ended with an error of its own (which it printed): this rank stops with its
+    exit code, saying nothing more."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None, *, exit_code: int = 1) -> None:
+        super().__init__(message, hint)
+        self.exit_code = exit_code
+
+
 class HostFailureError(BnSurgeonError):
     """The machine stopped a check's rank process: killed it (SIGKILL, as the out-of-memory killer does), or
     the rank ran out of memory, open files or disk. Not a verdict on the model: the checks that ran passed."""
