@@ -62,6 +62,7 @@ _API = {
     "NonFiniteActivationsError": ("bnsurgeon.core.errors", "NonFiniteActivationsError"),
     "NoBatchNormReachedError": ("bnsurgeon.core.errors", "NoBatchNormReachedError"),
     "HostFailureError": ("bnsurgeon.core.errors", "HostFailureError"),
+    "RankEndedError": ("bnsurgeon.core.errors", "RankEndedError"),
     "StatisticsOverflowError": ("bnsurgeon.core.errors", "StatisticsOverflowError"),
     "DistributedMismatchError": ("bnsurgeon.core.errors", "DistributedMismatchError"),
     "DistributedTimeoutError": ("bnsurgeon.core.errors", "DistributedTimeoutError"),
