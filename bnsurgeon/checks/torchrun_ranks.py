@@ -231,7 +231,11 @@ def ranks_agree(world: "TorchrunWorld | None") -> Iterator[None]:
     failed = [(rank, status) for rank, status in enumerate(statuses) if status is not None]
     if not failed:
         return
-    _let_go(world)  # every rank stops here, together: none exits holding the group (gloo aborts at exit then)
+    # every rank stops here. The group is let go at exit, after the rank has said why (a teardown can block while
+    # a peer exits: torch 2.4's gloo did), bounded; never held into exit, where gloo aborts the process
+    import atexit
+
+    atexit.register(_let_go, world, True)
     first_rank, (text, code) = failed[0]
     if mine is not None:
         if isinstance(mine, BnSurgeonError) and all(status[0] == text for _, status in failed):
@@ -240,13 +244,29 @@ def ranks_agree(world: "TorchrunWorld | None") -> Iterator[None]:
     raise said_by(RankEndedError(f"rank {first_rank} stopped before the check: {text}", exit_code=code), first_rank)
 
 
-def _let_go(world: TorchrunWorld) -> None:
+#: how long a rank that stops on a failure waits for its group's teardown before it says why and exits anyway
+TEARDOWN_S = 5.0
+
+
+def _let_go(world: TorchrunWorld, bounded: bool = False) -> None:
+    """Destroy the check's groups. ``bounded``: on a failure, in a thread waited for ``TEARDOWN_S`` at most, so a
+    teardown that blocks (torch 2.4's gloo once did while a peer exited) cannot keep the rank from saying why."""
+    import threading
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        if world.group is not None:
-            dist.destroy_process_group(world.group)
-        dist.destroy_process_group()
+    def destroy() -> None:
+        if dist.is_initialized():
+            if world.group is not None:
+                dist.destroy_process_group(world.group)
+            dist.destroy_process_group()
+
+    if not bounded:
+        destroy()
+        return
+    worker = threading.Thread(target=destroy, name="bnsurgeon-teardown", daemon=True)
+    worker.start()
+    worker.join(TEARDOWN_S)
 
 
 def leave_torchrun_world(world: TorchrunWorld) -> None:
