@@ -230,6 +230,22 @@ def clone_value(value: Any) -> Any:
     return value.clone()
 
 
+def cast_value(value: Any, device=None, dtype=None) -> Any:
+    """``value``'s tensors (nested in lists, tuples, dicts) on ``device``, floating ones in ``dtype`` (either None:
+    kept)."""
+    import torch
+
+    if device is None and dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
+    if isinstance(value, dict):
+        return {key: cast_value(item, device, dtype) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_value(item, device, dtype) for item in value)
+    return value
+
+
 def leaves(value: Any) -> list:
     if isinstance(value, list):
         return list(value)

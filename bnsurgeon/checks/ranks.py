@@ -12,7 +12,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from bnsurgeon.checks.check_input import CheckInput, clone_value, leaves
+from bnsurgeon.checks.check_input import CheckInput, cast_value, clone_value, leaves
 from bnsurgeon.checks.compare import (
     SEED,
     CheckOutcome,
@@ -90,7 +90,7 @@ def run_share(
     import torch
 
     first = sum(splits[:rank])
-    xs = _to(clone_value(check_input.split(x, splits)[rank]), device, dtype)
+    xs = cast_value(clone_value(check_input.split(x, splits)[rank]), device, dtype)
     for leaf in leaves(xs):
         leaf.requires_grad_()
     context = torch.autocast(torch.device(device or "cpu").type, torch.bfloat16) if autocast else nullcontext()
@@ -98,7 +98,7 @@ def run_share(
         samples = per_sample(run_model(model, xs, compare_at), splits[rank])
     if samples is None:
         raise RuntimeError("the converted model's outputs are not per sample")
-    loss = _loss(samples, _to(grad[first : first + splits[rank]], device, dtype))
+    loss = _loss(samples, cast_value(grad[first : first + splits[rank]], device, dtype))
     if loss is not None and loss.requires_grad:
         loss.backward()
 
@@ -115,21 +115,6 @@ def run_share(
             if n.endswith(("running_mean", "running_var", "num_batches_tracked"))
         },
     }
-
-
-def _to(value: Any, device, dtype) -> Any:
-    """``value``'s tensors on ``device``, floating ones in ``dtype`` (either None: kept)."""
-    import torch
-
-    if device is None and dtype is None:
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
-    if isinstance(value, dict):
-        return {key: _to(item, device, dtype) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(item, device, dtype) for item in value)
-    return value
 
 
 def rank_batch(world_sizes) -> int:
@@ -237,8 +222,8 @@ def _rank_reference(
     check_input = CheckInput.of_shape(shape).with_batch(batch, uniform=True)  # same-size images: same padding
     source64 = only_bn_trains(copy.deepcopy(source).to(device=device, dtype=dtype))
     generator = torch.Generator().manual_seed(seed)
-    x = _to(check_input.make(generator=generator, dtype=drawn_in or dtype), None, dtype)
-    xr = _to(clone_value(x), device, None)
+    x = cast_value(check_input.make(generator=generator, dtype=drawn_in or dtype), None, dtype)
+    xr = cast_value(clone_value(x), device, None)
     for leaf in leaves(xr):
         leaf.requires_grad_()
     samples = per_sample(run_model(source64, xr, compare_at), batch)
@@ -265,7 +250,7 @@ def _rank_reference(
         [torch.randn(o.shape, generator=generator, dtype=drawn_in or dtype).to(dtype) for o in sample]
         for sample in samples
     ]
-    loss = _loss(samples, _to(grad, device, None))
+    loss = _loss(samples, cast_value(grad, device, None))
     if loss is not None and loss.requires_grad:
         loss.backward()
     payload = (

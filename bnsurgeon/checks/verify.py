@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
-from bnsurgeon.checks.check_input import CheckInput, clone_value
+from bnsurgeon.checks.check_input import CheckInput, cast_value, clone_value
 from bnsurgeon.checks.compare import (
     EXACT,
     FLOAT64_AGREEMENT,
@@ -231,9 +231,11 @@ def _judged_in_float64(source, converted, x, compare_at) -> str:
     beyond the tolerance: the same comparison in float64, where rounding cannot hide a real difference. A model
     that amplifies float32 rounding (deformable attention samples at the positions it computes) agrees there to
     1e-12; a wrong conversion does not. Returns what float64 showed when it agrees, else ""."""
+    import torch
+
     try:
         source64, converted64 = copy.deepcopy(source).double().eval(), copy.deepcopy(converted).double().eval()
-        x64 = _to_double(clone_value(x))
+        x64 = cast_value(clone_value(x), dtype=torch.float64)
         ok, diff, _ = compare_outputs(
             run_model(source64, clone_value(x64), compare_at),
             run_model(converted64, clone_value(x64), compare_at),
@@ -242,18 +244,6 @@ def _judged_in_float64(source, converted, x, compare_at) -> str:
     except Exception:  # a model that does not run in float64 keeps its float32 verdict
         return ""
     return f"float32 rounding: in float64 the outputs agree to {diff:.2g}" if ok else ""
-
-
-def _to_double(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.double() if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {key: _to_double(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_double(item) for item in value)
-    return value
 
 
 def _is_detections(output: Any) -> bool:
