@@ -129,6 +129,10 @@ def _quoted(error: BaseException) -> str:
     return (named or clauses)[-1]
 
 
+#: how gloo says a peer went while the group connected (a peer out of sockets closes or aborts)
+_PEER_LOST = re.compile(r"connectFullMesh|Connection closed by peer|Connection reset by peer", re.IGNORECASE)
+
+
 def machine_cause(error: BaseException) -> tuple[str, str] | None:
     """(what happened, the fix) when ``error`` is the machine's limit (memory, open files, disk), else None.
 
@@ -138,6 +142,10 @@ def machine_cause(error: BaseException) -> tuple[str, str] | None:
     said = f"{type(error).__name__}: {_quoted(error)}"
     if number in (errno.EMFILE, errno.ENFILE) or "Too many open files" in text:
         return f"hit the limit on open files{_open_file_limit()}: {said}", FILES_HINT
+    limit = open_file_limit()
+    if limit is not None and limit < FEW_FILES and _PEER_LOST.search(text):
+        # the peer that ran out of sockets said nothing (gloo closes or aborts it): this rank only sees it go
+        return f"lost its peers while connecting (out of open files? ulimit -n is {limit}): {said}", FILES_HINT
     if isinstance(error, MemoryError) or number == errno.ENOMEM or _OUT_OF_MEMORY.search(text):
         return f"ran out of memory: {said}", MEMORY_HINT
     if number == errno.ENOSPC or "No space left on device" in text:
