@@ -276,10 +276,16 @@ def test_a_preprocessor_size_too_large_for_one_image_is_refused_before_decoding(
 def test_a_crop_pct_of_the_smallest_float_is_refused_as_too_large_not_a_crash(
     resnet_dir, images, tmp_path, no_decoding
 ):
-    """32 / 5e-324 is no float: the plan is worked out in whole numbers (it was an OverflowError, exit 70)."""
+    """32 / 5e-324 is no float: the plan is worked out in whole numbers (it was an OverflowError, exit 70).
+    ConvNeXt crops what it resized to 32 x 32; the resize itself is past what bnsurgeon works out, said as such."""
     preprocessor(resnet_dir, image_processor_type="ConvNextImageProcessor", size={"shortest_edge": 32}, crop_pct=5e-324)
     result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
-    one_line_failure(result, 12, "into 3 x over 1,099,511,627,775 x over 1,099,511,627,775", "nothing was decoded")
+    one_line_failure(result, 12, "would take over ", "into 3 x 32 x 32 float32", "nothing was decoded")
+    preprocessor(resnet_dir, size={"shortest_edge": 32}, crop_pct=5e-324)  # a processor that keeps the resize
+    result = run("recalibrate", resnet_dir, "--data", images, "-o", tmp_path / "out")
+    one_line_failure(
+        result, 12, "into up to 3 x over 1,099,511,627,775 x over 1,099,511,627,775", "nothing was decoded"
+    )
 
 
 def test_a_batch_is_bounded_before_its_first_image_is_decoded(resnet_dir, images, tmp_path, no_decoding):
@@ -325,24 +331,47 @@ def test_images_whose_outputs_differ_in_size_are_refused_in_one_line(resnet_dir,
 
 
 @pytest.mark.parametrize(
-    "fields",
+    "fields, exact",
     [
-        {"size": {"height": 12, "width": 20}},
-        {"image_processor_type": "ConvNextImageProcessor", "size": {"shortest_edge": 12}, "crop_pct": 0.875},
-        {"image_processor_type": "ConvNextImageProcessor", "size": {"shortest_edge": 400}},
-        {
-            "image_processor_type": "CLIPImageProcessor",
-            "size": {"shortest_edge": 14},
-            "crop_size": {"height": 10, "width": 10},
-        },
-        {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 9}, "do_center_crop": False},
-        {"do_resize": False},
+        ({"size": {"height": 12, "width": 20}}, True),
+        ({"image_processor_type": "ConvNextImageProcessor", "size": {"shortest_edge": 12}, "crop_pct": 0.875}, True),
+        ({"image_processor_type": "ConvNextImageProcessor", "size": {"shortest_edge": 400}}, True),
+        (
+            {
+                "image_processor_type": "ConvNextImageProcessor",
+                "size": {"shortest_edge": 12},
+                "do_center_crop": True,
+                "crop_size": {"height": 8, "width": 6},
+            },
+            True,
+        ),
+        (
+            {
+                "image_processor_type": "CLIPImageProcessor",
+                "size": {"shortest_edge": 14},
+                "crop_size": {"height": 10, "width": 10},
+            },
+            True,
+        ),
+        ({"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 9}, "do_center_crop": False}, False),
+        ({"do_resize": False}, True),
     ],
-    ids=["exact", "convnext-crop-pct", "convnext-warp", "clip-crop", "shortest-edge", "no-resize"],
+    ids=[
+        "exact",
+        "convnext-crop-pct",
+        "convnext-warp",
+        "convnext-crop-size",
+        "clip-crop",
+        "shortest-edge",
+        "no-resize",
+    ],
 )
 @pytest.mark.parametrize("size", [(48, 40), (17, 300), (300, 17)])
-def test_what_a_processor_makes_is_never_more_than_bnsurgeon_foresaw(tmp_path, fields, size):
-    """The plan is an upper bound of each real processor's output (else the image is refused after it is made)."""
+def test_what_a_processor_makes_is_never_more_than_bnsurgeon_foresaw(tmp_path, fields, exact, size):
+    """The plan is an upper bound of each real processor's output (else the image is refused after it is made),
+    and a message names the output exactly where the plan knows it, else as a bound ("up to"). ConvNeXt crops
+    inside its resize below 384 and squashes from 384: before, its plan kept the ratio and found no crop, and a
+    message named 3 x 258 x 387 for its 3 x 224 x 224."""
     from bnsurgeon.loading.data import image_transform
 
     directory = tmp_path / "processor"
@@ -353,8 +382,13 @@ def test_what_a_processor_makes_is_never_more_than_bnsurgeon_foresaw(tmp_path, f
     batch, _ = first_batch(folder, directory)
     (mid_h, mid_w), (out_h, out_w) = plan.sizes(size[1], size[0])
     assert batch.shape[2] <= out_h and batch.shape[3] <= out_w and out_h <= mid_h and out_w <= mid_w
-    if plan.crop is not None or plan.resize is None or plan.resize[0] == "exact":  # there it is exact, not a guess
-        assert (out_h, out_w) == tuple(batch.shape[2:])
+    made = tuple(batch.shape[1:])
+    if exact:
+        assert plan.exact_output(size[1], size[0]) == made[1:]
+        assert plan.describe(size[1], size[0]) == " x ".join(str(side) for side in made)
+    else:
+        assert plan.exact_output(size[1], size[0]) is None
+        assert plan.describe(size[1], size[0]) == f"up to 3 x {out_h} x {out_w}"
 
 
 def test_an_output_larger_than_foreseen_is_refused(tmp_path):

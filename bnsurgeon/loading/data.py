@@ -567,10 +567,27 @@ class ImagePlan:
             num, den = (first, height) if first * width <= second * height else (second, width)
         return -(-height * num // den) + 1, -(-width * num // den) + 1  # rounded up, and one more for rounding
 
+    def exact_output(self, height: int, width: int) -> "tuple[int, int] | None":
+        """The output's (height, width) where the plan knows it exactly (a crop, a resize to one size, no resize;
+        padded to a size it fits in), else None: a resize that keeps the ratio rounds as each processor does."""
+        if self.multiple != 1:
+            return None
+        if self.crop is not None:
+            base: tuple[int, int] | None = self.crop
+        elif self.resize is None:
+            base = (height, width)
+        else:
+            base = (self.resize[1], self.resize[2]) if self.resize[0] == "exact" else None
+        if base is None or self.pad is None:
+            return base
+        return self.pad if base[0] <= self.pad[0] and base[1] <= self.pad[1] else None
+
     def describe(self, height: int, width: int) -> str:
+        """The output's shape for a message: exact where the plan knows it, else the bound, said as one."""
         _, out = self.sizes(height, width)
-        sides = [f"{side:,}" if side < MAX_PLANNED_SIDE else f"over {MAX_PLANNED_SIDE - 1:,}" for side in out]
-        return f"{self.channels} x {sides[0]} x {sides[1]}"
+        exact = self.exact_output(height, width)
+        sides = [f"{side:,}" if side < MAX_PLANNED_SIDE else f"over {MAX_PLANNED_SIDE - 1:,}" for side in exact or out]
+        return f"{'' if exact else 'up to '}{self.channels} x {sides[0]} x {sides[1]}"
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -608,7 +625,8 @@ def _image_limits(path: Path, image: Any, plan: ImagePlan, limit: int) -> "tuple
     working = height * width * max(bands, 3) * 4 + mid_h * mid_w * plan.channels * WORKING_BYTES
     if working > limit or out_h * out_w * plan.channels * 4 > limit:
         raise DataError(
-            f"{path} ({width:,} x {height:,} pixels) would take {_size(working)} to preprocess, into "
+            f"{path} ({width:,} x {height:,} pixels) would take "
+            f"{'over ' if max(mid_h, mid_w) >= MAX_PLANNED_SIDE else ''}{_size(working)} to preprocess, into "
             f"{plan.describe(height, width)} float32 ({_size(out_h * out_w * plan.channels * 4)}): more than "
             f"{_size(limit)} ({BATCH_BYTES_VARIABLE}); nothing was decoded. The sizes are {plan.origin}'s",
             f"check the sizes in {plan.origin}, or resize the image (or raise {BATCH_BYTES_VARIABLE})",
@@ -733,6 +751,19 @@ def _shape(value: Any) -> str:
     return " x ".join(f"{side:,}" for side in shape) if shape is not None else type(value).__name__
 
 
+#: ConvNeXt's image processor squashes to a square from this shortest_edge on, and crops below it
+CONVNEXT_SQUASH_FROM = 384
+
+
+def _scaled(shortest: int, crop_pct: Any) -> int:
+    """``shortest / crop_pct`` rounded up, and one more for the processor's own rounding (exact arithmetic: 12 /
+    5e-324 is no float); ``shortest`` where there is no crop_pct below 1."""
+    if not isinstance(crop_pct, (int, float)) or isinstance(crop_pct, bool) or not 0 < crop_pct < 1:
+        return shortest
+    ratio = Fraction(crop_pct)
+    return -(-shortest * ratio.denominator // ratio.numerator) + 1
+
+
 def transformers_plan(processor: Any, origin: str) -> ImagePlan:
     """What a transformers image processor makes of an image, from its own settings (``size``, ``crop_pct``,
     ``crop_size``, ``pad_size``, ...), as ``ImagePlan``. A setting it does not read (a processor that makes
@@ -745,6 +776,7 @@ def transformers_plan(processor: Any, origin: str) -> ImagePlan:
 
     size = getattr(processor, "size", None)
     resize: tuple[str, int, int] | None = None
+    inner_crop: tuple[int, int] | None = None
     if getattr(processor, "do_resize", True) is not False and size is not None:
         height, width = field(size, "height"), field(size, "width")
         shortest, longest = field(size, "shortest_edge"), field(size, "longest_edge")
@@ -752,12 +784,16 @@ def transformers_plan(processor: Any, origin: str) -> ImagePlan:
             resize = ("exact", size, size)
         elif height and width:
             resize = ("cover" if getattr(processor, "keep_aspect_ratio", False) else "exact", height, width)
+        elif shortest and type(processor).__name__.startswith("ConvNext"):
+            # ConvNeXt's own resize: below 384, the shortest side to shortest / crop_pct, then a crop of
+            # shortest x shortest; from 384, squashed to shortest x shortest (then any crop_size crop)
+            if shortest >= CONVNEXT_SQUASH_FROM:
+                resize = ("exact", shortest, shortest)
+            else:
+                resize = ("shortest", _scaled(shortest, getattr(processor, "crop_pct", None)), 0)
+                inner_crop = (shortest, shortest)
         elif shortest:
-            crop_pct = getattr(processor, "crop_pct", None)
-            if isinstance(crop_pct, (int, float)) and 0 < crop_pct < 1:  # ConvNeXt's: resized to shortest / crop_pct
-                ratio = Fraction(crop_pct)  # exact: 12 / 5e-324 is no float
-                shortest = -(-shortest * ratio.denominator // ratio.numerator) + 1
-            resize = ("shortest", shortest, longest or 0)
+            resize = ("shortest", _scaled(shortest, getattr(processor, "crop_pct", None)), longest or 0)
         elif longest:
             resize = ("longest", longest, 0)
         elif field(size, "max_height") and field(size, "max_width"):
@@ -766,7 +802,7 @@ def transformers_plan(processor: Any, origin: str) -> ImagePlan:
     crop = (
         (field(crop_size, "height"), field(crop_size, "width"))
         if getattr(processor, "do_center_crop", False) and field(crop_size, "height") and field(crop_size, "width")
-        else None
+        else inner_crop  # a crop_size crop comes after ConvNeXt's own
     )
     pad = (
         (field(pad_size, "height"), field(pad_size, "width"))
