@@ -86,6 +86,50 @@ def test_the_file_that_runs_is_never_a_report_force_or_not(tmp_path, cli):
     assert script.read_text() == "print('ran')\n"
 
 
+def test_force_replaces_only_reports_never_a_packages_init_or_a_module_of_the_script(tmp_path, monkeypatch, cli):
+    """-m pkg.sub.train runs pkg/__init__.py and pkg/sub/__init__.py too: each was replaced by the report with
+    --force (exit 0, the package's source gone); so was a module the script imports. --force removes only a file
+    that holds a bnsurgeon report."""
+    sub = tmp_path / "pkg" / "sub"
+    sub.mkdir(parents=True)
+    sources = {
+        tmp_path / "pkg" / "__init__.py": "X = 1\n",
+        sub / "__init__.py": "Y = 2\n",
+        sub
+        / "train.py": "import helper\nfrom torch import nn\nnn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm2d(2))\n",
+        tmp_path / "helper.py": "Z = 3\n",
+    }
+    for path, text in sources.items():
+        path.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    for victim in (tmp_path / "pkg" / "__init__.py", sub / "__init__.py", tmp_path / "helper.py"):
+        result = cli.invoke(app, ["run", "--report", str(victim), "--force", "-m", "pkg.sub.train"])
+        put_back()
+        assert result.exit_code == 8, (victim, result.output)
+        assert "Traceback" not in result.output
+    assert {path: path.read_text() for path in sources} == sources
+    report = tmp_path / "run.json"
+    for _ in range(2):  # an earlier run's report is replaced with --force
+        result = cli.invoke(app, ["run", "--report", str(report), "--force", "-m", "pkg.sub.train"])
+        put_back()
+        assert result.exit_code == 0, result.output
+        assert json.loads(report.read_text())["target"] == "sync"
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_report_name_ending_in_a_slash_names_a_directory_and_is_refused(tmp_path, cli, existing):
+    """--report newdir/ wrote a file named newdir (the slash dropped); --report x.json/ --force replaced x.json."""
+    script = tmp_path / "train.py"
+    script.write_text("from torch import nn\nnn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm2d(2))\n")
+    name = tmp_path / ("x.json" if existing else "newdir")
+    if existing:
+        name.write_text("{}")
+    result = cli.invoke(app, ["run", "--report", f"{name}/", "--force", str(script)])
+    assert result.exit_code == 8, result.output
+    assert "names a directory" in result.output and "Traceback" not in result.output
+    assert (name.read_text() == "{}") if existing else not os.path.lexists(name)
+
+
 def test_what_is_not_a_regular_file_is_refused_without_the_force_advice_and_never_removed(tmp_path, cli):
     fifo = tmp_path / "pipe.json"
     os.mkfifo(fifo)
@@ -144,6 +188,74 @@ def test_a_child_whose_rank_is_not_known_says_which_process_it_is(tmp_path, caps
     assert (tmp_path / "r.json").exists()
 
 
+FORKED_POOL = """
+import multiprocessing, sys
+from torch import nn
+
+def convert(_):
+    nn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm2d(2))
+
+if __name__ == "__main__":
+    convert(0)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        pool.map(convert, [0])
+"""
+
+
+def test_a_forked_worker_says_which_process_it_is_not_the_runs_rank(tmp_path):
+    """A fork-start pool's worker inherited the run's log: its line read as the run's own (rank 0). And a
+    child whose RANK is the run's own (torch.multiprocessing.spawn under torchrun) only inherited it."""
+    from _forked import run_python
+
+    (tmp_path / "pool.py").write_text(FORKED_POOL)
+    done = run_python(
+        "import os\nfrom bnsurgeon.launch.script import run_script\nrun_script('pool.py', report='r.json')\n"
+        "print(os.getpid())\n",
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "RANK"},
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("bnsurgeon run")]
+    assert len(lines) == 2 and lines[0].startswith("bnsurgeon run: "), lines
+    worker = lines[1].split("(process ", 1)[1].split(":", 1)[0]
+    assert worker.isdigit() and worker != done.stdout.strip(), lines
+    assert sorted(path.name for path in tmp_path.glob("r*.json")) == ["r.2.json", "r.json"]
+
+
+@pytest.mark.parametrize("rank, known", [("0", None), ("3", 3), (None, None)])
+def test_a_childs_rank_is_its_own_not_the_one_it_inherited(monkeypatch, rank, known):
+    monkeypatch.delenv("RANK", raising=False)
+    if rank is not None:
+        monkeypatch.setenv("RANK", rank)
+    assert ConversionLog(child=True, run_rank="0").rank() == known
+    monkeypatch.setenv("RANK", "0")
+    assert ConversionLog().rank() == 0  # the run's own process: torchrun's RANK is its own
+
+
+KILLED_WHILE_WRITING = """
+import os
+from pathlib import Path
+from bnsurgeon.launch import log
+
+def killed(*args, **kwargs):  # the process ends (a SIGKILL, a script's handler calling os._exit) mid-write
+    os._exit(42)
+
+os.link = killed
+log.write_report(Path("r.json"), "{}")
+"""
+
+
+def test_a_report_write_cut_short_leaves_no_file_behind(tmp_path):
+    """A script whose SIGTERM handler ends the process with os._exit while a report was written left a hidden
+    .bnsurgeon-report-*.tmp behind (5 kills in 6). The report is written to a file with no name until it is
+    linked."""
+    from _forked import run_python
+
+    done = run_python(KILLED_WHILE_WRITING, cwd=tmp_path)
+    assert done.returncode == 42, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_report_name_is_judged_by_its_own_length(tmp_path, cli):
     """300 bytes: the name is the problem, one line (before: a traceback); 245 bytes fits with room for
     NAME.999.json, and is written (before: refused with advice about the directory, by a longer probe name)."""
@@ -175,7 +287,17 @@ class _NoFlush:
         self.text += text
 
 
-@pytest.mark.parametrize("stream", [_Broken(), _NoFlush(), "closed"])
+class _Raising:
+    """A script's own stderr wrapper that raises what no I/O error is."""
+
+    def write(self, text):
+        raise NotImplementedError("no write")
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("stream", [_Broken(), _NoFlush(), _Raising(), "closed"])
 def test_the_summary_line_never_stops_the_script(tmp_path, monkeypatch, stream):
     if stream == "closed":
         stream = open(os.devnull, "w")  # noqa: SIM115

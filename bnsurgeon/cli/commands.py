@@ -849,7 +849,7 @@ def run(
         None, metavar="ARGS", show_default=False, help="The script's own arguments, passed on unchanged."
     ),
     module: bool = typer.Option(False, "-m", "--module", help="SCRIPT is a module, run as `python -m` runs it."),
-    report: Optional[Path] = typer.Option(
+    report: Optional[str] = typer.Option(  # a string: a Path would drop a trailing / (a directory, refused)
         None,
         "--report",
         metavar="PATH",
@@ -861,7 +861,7 @@ def run(
         False,
         "--force",
         help="Replace reports an earlier run left at PATH, NAME.2.json, ... (removed before the script starts; "
-        "never the script itself).",
+        "only bnsurgeon reports, never the script or another file).",
     ),
     allow_unhandled: bool = typer.Option(
         False,

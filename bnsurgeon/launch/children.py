@@ -84,6 +84,7 @@ def child_environment(log: ConversionLog, rules: Sequence[str]) -> Callable[[], 
         "quiet": log.quiet,
         "rules": list(rules),
         "rules_directory": os.getcwd(),  # where the run loaded them from, whatever a child's directory
+        "rank": os.environ.get("RANK"),  # the run's own: a child that sees the same only inherited it
     }
     os.environ[ENV] = json.dumps(settings, allow_nan=False)
     if start_hook_directory() is None:
@@ -112,6 +113,7 @@ def start_child(text: str) -> None:
         report_path=None if report is None else Path(report),
         quiet=bool(values.get("quiet")),
         child=True,
+        run_rank=None if values.get("rank") is None else str(values.get("rank")),
     )
     rules = [str(spec) for spec in values.get("rules") or []]
     if rules:

@@ -6,6 +6,7 @@ a model builds itself, adopted where the model is wrapped or first runs).
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ class ConversionLog:
     refusal: BnSurgeonError | None = None
     #: a process the script started (not the run's own): its rank is not 0 just because it has none yet
     child: bool = False
+    #: the process this log was made in: a process forked from it (a fork-start pool's worker) is not the run's own
+    pid: int = field(default_factory=os.getpid)
+    #: the RANK the run itself had (for a child: inherited from it, so no rank of the child's own)
+    run_rank: str | None = field(default_factory=lambda: os.environ.get("RANK"))
     #: a failure to print or write already said (said once; training goes on)
     failed_output: bool = False
     #: False once the run's replacements are put back: one the script kept behaves as the original
@@ -64,7 +69,7 @@ class ConversionLog:
         report.tool_version = report.tool_version or __version__
         conversion = Conversion(converter, called_at, report)
         self.conversions.append(conversion)
-        known = rank(child=self.child)
+        known = self.rank()
         if known is not None and known != 0:
             return
         who = "" if known is not None else f" (process {os.getpid()}: its rank is not known yet)"
@@ -73,10 +78,17 @@ class ConversionLog:
         if self.report_path is not None:
             try:
                 write_report(self.report_path, report.to_json() + "\n")
-            except OSError as error:
+            except Exception as error:  # a full disk, or anything the script did to the process: training goes on
                 if not self.failed_output:
                     self.failed_output = True
-                    say(f"bnsurgeon run: the report could not be written ({error.strerror or error}); training goes on")
+                    why = getattr(error, "strerror", None) or f"{type(error).__name__}: {error}"
+                    say(f"bnsurgeon run: the report could not be written ({why}); training goes on")
+
+    def rank(self) -> int | None:
+        """This process's rank, as ``rank`` tells it: a process other than the run's own (started or forked by the
+        script) has no rank from the run's RANK, which it only inherited."""
+        own = not self.child and os.getpid() == self.pid
+        return rank(child=not own, inherited=None if own else self.run_rank)
 
 
 def say(line: str) -> bool:
@@ -87,7 +99,7 @@ def say(line: str) -> bool:
         flush = getattr(stream, "flush", None)
         if flush is not None:
             flush()
-    except (OSError, ValueError, AttributeError, TypeError):
+    except Exception:  # the script's stream may raise anything (a wrapper's NotImplementedError, a closed file)
         return False
     return True
 
@@ -95,43 +107,75 @@ def say(line: str) -> bool:
 def write_report(path: Path, text: str) -> Path:
     """``text`` in the first free name of PATH, NAME.2.json, ..., atomically and never over an existing file.
 
-    Written to a temporary file beside it, then hard-linked to the name, which fails if the name exists: of
-    several processes or threads converting at once, each report gets its own name. (A filesystem without hard
-    links: the name is reserved by an exclusive create, then filled.) Files are created with mode 0666 and the
-    kernel applies the umask: reading the umask means setting it, a race with the script's own threads.
+    Written to a file with no name (Linux's O_TMPFILE: a process killed meanwhile, as a script's own SIGTERM
+    handler may end it, leaves nothing behind), or else to a hidden temporary file beside it, then hard-linked to
+    the name, which fails if the name exists: of several processes or threads converting at once, each report
+    gets its own name. (A filesystem without hard links: the name is reserved by an exclusive create, then
+    filled.) Files are created with mode 0666 and the kernel applies the umask: reading the umask means setting
+    it, a race with the script's own threads.
     """
+    handle = _unnamed_file(path.parent)
+    if handle is not None:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            try:
+                return _link_first_free(f"/proc/self/fd/{file.fileno()}", path)
+            except OSError:  # no /proc, no hard links: a named temporary file says why, if it fails too
+                pass
     import secrets
 
-    from bnsurgeon.files.safewrite import NO_LINKS
-
-    exclusive = os.O_CREAT | os.O_EXCL | os.O_WRONLY
     temp = path.parent / f".bnsurgeon-report-{secrets.token_hex(8)}.tmp"
-    handle = os.open(temp, exclusive, 0o666)
+    handle = os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
-        count = 1
-        while True:
-            final = numbered(path, count)
-            try:
-                os.link(temp, final)
-                return final
-            except FileExistsError:
-                count += 1
-            except OSError as error:
-                if error.errno not in NO_LINKS:
-                    raise
-                try:
-                    reserved = os.open(final, exclusive, 0o666)
-                except FileExistsError:
-                    count += 1
-                    continue
-                os.close(reserved)
-                os.replace(temp, final)
-                return final
+        return _link_first_free(str(temp), path, temp)
     finally:
         if os.path.lexists(temp):
             os.unlink(temp)
+
+
+#: why an unnamed file cannot be made here: a filesystem or kernel without O_TMPFILE
+_NO_UNNAMED = {errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.ENOTSUP}
+
+
+def _unnamed_file(directory: Path) -> int | None:
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None:
+        return None
+    try:
+        return os.open(directory, flag | os.O_WRONLY, 0o666)
+    except OSError as error:
+        if error.errno in _NO_UNNAMED:
+            return None
+        raise
+
+
+def _link_first_free(source: str, path: Path, temp: Path | None = None) -> Path:
+    """``source`` hard-linked to the first free name of ``path``; without hard links (``temp`` given), the name
+    reserved by an exclusive create and ``temp`` moved there."""
+    from bnsurgeon.files.safewrite import NO_LINKS
+
+    count = 1
+    while True:
+        final = numbered(path, count)
+        try:
+            os.link(source, final)  # follows /proc/self/fd's link to the unnamed file (linkat, AT_SYMLINK_FOLLOW)
+            return final
+        except FileExistsError:
+            count += 1
+        except OSError as error:
+            if error.errno not in NO_LINKS or temp is None:
+                raise
+            try:
+                reserved = os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            except FileExistsError:
+                count += 1
+                continue
+            os.close(reserved)
+            os.replace(temp, final)
+            return final
 
 
 def numbered(path: Path, count: int) -> Path:
@@ -157,15 +201,20 @@ def summary(conversion: Conversion, who: str = "") -> str:
     )
 
 
-def rank(*, child: bool = False) -> int | None:
+def rank(*, child: bool = False, inherited: str | None = None) -> int | None:
     """This process's rank: the default group's when it exists, else torchrun's RANK, else 0 for the run's own
-    process and None (not known yet) for a process the script started (a spawn worker before it joins)."""
+    process and None (not known yet) for a process the script started (a spawn worker before it joins). A child's
+    RANK that equals ``inherited`` (the run's own) was only inherited (``torch.multiprocessing.spawn`` workers
+    of torchrun's rank 0 all see RANK=0): not its rank."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
+    given = os.environ.get("RANK")
+    if child and given == inherited:
+        return None
     try:
-        return int(os.environ["RANK"])
-    except (KeyError, ValueError):
+        return int(given) if given is not None else (None if child else 0)
+    except ValueError:
         return None if child else 0
 
 

@@ -168,7 +168,23 @@ def report_names(report: Path) -> list[Path]:
     return [report, *sorted(numbered_names)]
 
 
-def check_report(report: str | os.PathLike, *, force: bool, first: bool) -> tuple[Path, list[Path]]:
+def report_location(report: str | os.PathLike) -> Path:
+    """``--report`` as an absolute path. A name ending in a separator names a directory, and a report is a file:
+    refused, not read as the file without the slash (as ``os.path.abspath`` and a click Path would drop it)."""
+    text = os.fspath(report)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if text.endswith(("/", os.sep)):
+        raise OutputError(
+            f"--report {text}: a name ending in {os.sep} names a directory, and a report is a file",
+            f"give a file path such as {text.rstrip('/' + os.sep) or '.'}{os.sep}run.json",
+        )
+    return Path(os.path.abspath(text))
+
+
+def check_report(
+    report: str | os.PathLike, *, force: bool, first: bool, script: str | None = None
+) -> tuple[Path, list[Path]]:
     """``--report``, absolute (a script that changes directory writes it where it was asked for), checked
     before anything of the script runs (a package's ``__init__`` for ``-m`` included): a name the filesystem
     takes, in a directory whose files can be created; a regular file or nothing (a FIFO, a device, a link,
@@ -213,7 +229,56 @@ def check_report(report: str | os.PathLike, *, force: bool, first: bool) -> tupl
             f"--report {path}: {existing[0]} already exists",
             "pass --force to replace the reports of an earlier run, or choose another path",
         )
+    runs = [] if script is None else [script, os.path.join(script, "__main__.py")]
+    for name in existing:  # --force replaces reports, never a file of the user's (a package's __init__.py)
+        said = next((given for given in runs if _same_file(name, given)), None)
+        if said is not None:
+            raise OutputError(
+                f"--report {path} would write over the script {said}",
+                "choose another report path; bnsurgeon never overwrites what it runs, --force or not",
+            )
+        if not holds_a_report(name):
+            raise OutputError(
+                f"--report {path}: {name} is not a bnsurgeon report; --force replaces only the reports of an "
+                "earlier run, and bnsurgeon never removes another file",
+                "choose another report path",
+            )
     return path, existing
+
+
+#: the most of an existing file read to tell whether it is a report (a run's reports are kilobytes to megabytes)
+REPORT_READ_LIMIT = 64 * 1024 * 1024
+#: what every report's JSON starts with (``Report.to_json``: its first field), and the fields it always has
+REPORT_START = b'{\n  "target": '
+REPORT_FIELDS = frozenset({"target", "changed", "kept", "unhandled", "schema_version", "tool_version"})
+
+
+def holds_a_report(name: Path) -> bool:
+    """Whether ``name`` is a regular file holding a bnsurgeon report (a JSON document as ``Report.to_json`` writes
+    it): read without following a link or waiting on a FIFO put there meanwhile, and at most ``REPORT_READ_LIMIT``."""
+    import json
+    import stat
+
+    try:
+        handle = os.open(name, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            return False
+        with os.fdopen(handle, "rb", closefd=False) as file:
+            data = file.read(REPORT_READ_LIMIT + 1)
+    except OSError:
+        return False
+    finally:
+        os.close(handle)
+    if len(data) > REPORT_READ_LIMIT or not data.startswith(REPORT_START):
+        return False
+    try:
+        document = json.loads(data)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(document, dict) and REPORT_FIELDS <= document.keys()
 
 
 def _name_max(directory: Path) -> int:
@@ -284,12 +349,20 @@ def _same_file(name: Path, other: str) -> bool:
 
 def _files_run(target: str, module: bool, names: dict[str, Any]) -> list[str]:
     """The files python runs for the target: the script, or the ``__main__`` module's origin (a directory's
-    ``__main__.py``, a module's file); a zip itself, as its members are no files."""
+    ``__main__.py``, a module's file) and, for ``-m a.b.c``, the ``__init__.py`` of ``a`` and ``a.b``; a zip
+    itself, as its members are no files."""
     spec = names.get("__spec__")
     origin = getattr(spec, "origin", None) if spec is not None else None
     files = [target] if not module else []
     if origin and os.path.exists(origin):
         files.append(origin)
+    if module:
+        parts = target.split(".")
+        for end in range(1, len(parts)):
+            package = sys.modules.get(".".join(parts[:end]))
+            init = getattr(package, "__file__", None)
+            if isinstance(init, str) and os.path.exists(init):
+                files.append(init)
     return files
 
 
@@ -339,7 +412,7 @@ def run_script(
         from bnsurgeon.rules import use_rules
 
         use_rules(list(rules))
-    path = None if report is None else Path(os.path.abspath(report))  # before the script changes directory
+    path = None if report is None else report_location(report)  # before the script changes directory
     log = ConversionLog(allow_unhandled=allow_unhandled, report_path=path, quiet=quiet)
     saved_argv, saved_path, saved_main, saved_hook = (
         sys.argv,
@@ -368,7 +441,7 @@ def run_script(
             undo.append(child_environment(log, rules))
         earlier: list[Path] = []
         if path is not None:  # before anything of the script runs, a package's __init__ for -m included
-            path, earlier = check_report(path, force=force, first=rank() == 0)
+            path, earlier = check_report(path, force=force, first=rank() == 0, script=None if module else target)
         undo.append(install(log))  # before a package's __init__ runs for -m, as it is part of what runs
         sys.argv = [target, *args]
         try:
