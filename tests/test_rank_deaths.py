@@ -92,13 +92,13 @@ def out_of_files(pids):  # ulimit -n reached in rank 0 while rank 1 waits on its
         return pool.run(2, out_of_open_files)
 
 def start_refused(pids):  # the machine refuses the processes (EAGAIN: too many processes)
-    def refuse(processes):
+    def refuse(processes, stopped_bound):
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
-    real, multiproc._start_all = multiproc._start_all, refuse
+    real, multiproc.start_ranks = multiproc.start_ranks, refuse
     try:
         return RankPool(2)
     finally:
-        multiproc._start_all = real
+        multiproc.start_ranks = real
 
 def with_open_files(limit, body):
     import resource
@@ -151,6 +151,17 @@ def stopped_running(pids):  # SIGSTOP (a debugger, a cgroup freezer) while the o
 def killed_while_other_busy(pids):  # run_world: rank 0 busy for 300 s, rank 1 killed: do not wait for rank 0
     return run_world(2, killed_while_the_other_works, 300.0, timeout=400)
 
+def server_stopped_under_ranks(pids):  # the fork server stopped (SIGSTOP) once the ranks ran: neither the pool's
+    with RankPool(2) as pool:            # close nor the interpreter's exit waits for the exit statuses it relays
+        pool_pids(pool, pids)
+        pool.run(2, environment_and_modules, "X")
+        server = multiproc.fork_server_pid()
+        os.kill(server, signal.SIGSTOP)
+        while not multiproc.stopped(server):  # a signal takes effect a moment after it is sent
+            time.sleep(0.01)
+        closing = time.monotonic()
+    return round(time.monotonic() - closing, 1)
+
 if __name__ == "__main__":
     for name, body in list(globals().items()):
         if name in {names}:
@@ -172,6 +183,7 @@ NAMES = [
     "server_killed_under_ranks",
     "killed_while_other_busy",
     "stopped_running",
+    "server_stopped_under_ranks",
 ]
 
 
@@ -312,6 +324,54 @@ def test_a_rank_that_aborts_under_a_low_open_file_limit_is_said_to_be_out_of_fil
     ), outcome
     plain = _outcome(deaths, "aborted_plainly")
     assert plain["error"] == "RankFailure" and plain["message"] == "rank 1 crashed with SIGABRT", plain
+
+
+def test_a_fork_server_stopped_under_its_ranks_holds_up_neither_the_close_nor_the_exit(deaths):
+    """verify printed "all checks passed" and never exited: the pool's close, then multiprocessing's join at
+    interpreter exit, waited for exit statuses the stopped server relays. The server is killed at the close."""
+    outcome = _outcome(deaths, "server_stopped_under_ranks")
+    assert outcome["error"] is None and float(outcome["value"]) < 5.0, outcome
+
+
+STOPPED_SERVER_START = """
+import os, signal, subprocess, threading, time
+from bnsurgeon.checks import multiproc
+from bnsurgeon.core.errors import HostFailureError, Interrupted
+
+server = subprocess.Popen(["sleep", "600"])
+os.kill(server.pid, signal.SIGSTOP)
+multiproc.fork_server_pid = lambda: server.pid  # the ranks' fork server, stopped
+
+class Waiting:  # a start that waits for the server's answer, as multiprocessing's does
+    pid = None
+    def start(self):
+        threading.Event().wait()
+
+if {interrupt}:
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+started = time.monotonic()
+try:
+    multiproc.start_ranks([Waiting()], {bound})
+except (HostFailureError, Interrupted) as error:
+    print(type(error).__name__, round(time.monotonic() - started, 1), server.wait(5), error)
+"""
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_a_start_waiting_on_a_stopped_fork_server_is_bounded_and_answers_signals(interrupt):
+    """The fork server stopped before it forked the ranks: verify hung for good, Ctrl-C and SIGTERM held (the start
+    waited in the server's pipe, signals deferred). Now a server stopped for the run's timeout is named and killed
+    (exit 16), and a signal meanwhile is answered at once."""
+    from _forked import run_python
+
+    done = run_python(STOPPED_SERVER_START.format(interrupt=interrupt, bound=60.0 if interrupt else 1.0), timeout=60)
+    kind, seconds, status, message = done.stdout.split(" ", 3)
+    assert status == "-9", done.stdout + done.stderr  # the stopped server was killed
+    if interrupt:
+        assert kind == "Interrupted" and float(seconds) < 10, done.stdout
+    else:
+        assert kind == "HostFailureError" and 1.0 <= float(seconds) < 10, done.stdout
+        assert "the fork server that starts the ranks (pid" in message and "was stopped for 1 s" in message
 
 
 @pytest.mark.parametrize("limit", [48, 1024, None])

@@ -44,8 +44,8 @@ from typing import Any, Callable, cast
 
 import torch.multiprocessing as mp
 
-from bnsurgeon.core.errors import HostFailureError, first_line
-from bnsurgeon.core.interrupts import signals_deferred
+from bnsurgeon.core.errors import HostFailureError, Interrupted, first_line
+from bnsurgeon.core.interrupts import signals_collected
 
 
 class RankFailure(RuntimeError):
@@ -340,19 +340,82 @@ def _become_rank(environment: dict[str, str]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _start_all(processes: list) -> None:
-    """Start every process with Ctrl-C (and SIGTERM/SIGHUP) held until all have started: a start cut short
-    leaves a half-made rank that prints a traceback. If starting fails or is interrupted, the ones that
-    started are killed (no rank may wait for work forever) and the error is raised."""
-    try:
-        with signals_deferred():
+def start_ranks(processes: list, stopped_bound: float) -> None:
+    """Start every process, from a thread of its own: a start waits on the fork server, which may never answer
+    (stopped by SIGSTOP, a debugger, a cgroup freezer), and Python cannot cut that wait short. Meanwhile Ctrl-C
+    (and SIGTERM/SIGHUP) is held, so that no start is cut in half (a half-made rank prints a traceback), and
+    answered as soon as the starts end, or at once where the server answers nothing; a server stopped for
+    ``stopped_bound`` seconds is the machine's doing (``HostFailureError``), and is killed. If starting fails or
+    is interrupted, the ones that started are killed (no rank may wait for work forever) and the error is
+    raised; an interruption first, as it is what the user asked for."""
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    def start() -> None:
+        try:
             for process in processes:
                 process.start()
+        except BaseException as error:  # noqa: B036 - raised in the caller's thread
+            failures.append(error)
+        finally:
+            done.set()
+
+    starter = threading.Thread(target=start, name="bnsurgeon-start", daemon=True)
+    try:
+        with signals_collected() as arrived:
+            starter.start()
+            stopped_since: float | None = None
+            while not done.wait(START_POLL_S):
+                server = fork_server_pid()
+                if server is None or not stopped(server):
+                    stopped_since = None
+                    continue
+                stopped_since = stopped_since or time.monotonic()
+                if arrived:  # the server answers nothing until it is continued: the interruption is answered now
+                    break
+                if time.monotonic() - stopped_since >= stopped_bound:
+                    raise HostFailureError(
+                        f"the fork server that starts the ranks (pid {server}) was stopped for {stopped_bound:g} s "
+                        "(SIGSTOP: a debugger, job control or a cgroup freezer) and started none; it was killed",
+                        STOPPED_HINT,
+                    )
+        if arrived:
+            raise Interrupted(arrived[0])
+        if failures:
+            raise failures[0]
     except BaseException:
+        if not done.is_set():
+            _kill_fork_server()  # it will never start the rest; its end frees every wait on it
         for process in (p for p in processes if p.pid is not None):
             process.kill()
-            process.join()
+            process.join(5.0)
         raise
+
+
+def fork_server_pid() -> int | None:
+    """The pid of the fork server the ranks come from (None before it starts, or where there is none)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return None
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+
+
+def _kill_fork_server() -> None:
+    """Kill our fork server (a stopped one answers nothing: multiprocessing waits on it for every start and
+    every exit status it relays). The next pool starts another."""
+    server = fork_server_pid()
+    if server is not None:
+        try:
+            os.kill(server, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+#: how often a start that has not ended looks at the fork server
+START_POLL_S = 0.02
+#: how often a wait for a rank's end looks at the fork server that relays it
+REAP_POLL_S = 0.2
 
 
 def _pool_entry(rank, tasks, results, environment):
@@ -474,8 +537,17 @@ class _Rank:
         return running(pid)
 
     def reap(self, seconds: float) -> None:
-        if self.process.pid is not None:
-            self.process.join(seconds)
+        """Wait up to ``seconds`` for the process's end, as its fork server relays it; a server stopped meanwhile
+        would relay nothing until it is continued (and multiprocessing's join at interpreter exit would wait as
+        long): it is killed, which ends every such wait."""
+        if self.process.pid is None:
+            return
+        deadline = time.monotonic() + seconds
+        while self.process.exitcode is None and time.monotonic() < deadline:
+            server = fork_server_pid()
+            if server is not None and stopped(server):
+                _kill_fork_server()
+            self.process.join(min(REAP_POLL_S, max(0.0, deadline - time.monotonic())))
 
     def close(self) -> None:
         """Close the parent's ends once no thread of ours can still be using them (else leave them open:
@@ -531,7 +603,7 @@ class RankPool:
             context = forked_context()
             environment = dict(os.environ)
             self._ranks = [_Rank(context, rank, environment) for rank in range(size)]
-            _start_all([r.process for r in self._ranks])
+            start_ranks([r.process for r in self._ranks], self.collective_timeout)
             for r in self._ranks:
                 r.started()
                 r.listen(self._events)
