@@ -381,12 +381,57 @@ UNHANDLED_CHILD = """
 """
 
 
+def test_a_rules_file_named_like_a_module_loaded_before_it_is_named_not_ignored(tmp_path):
+    """A timeit.py of rules: the standard library's timeit was imported first, so the file was never read, and the
+    message said "timeit has no 'RULES'"."""
+    from bnsurgeon.core.errors import ShadowedModuleError
+    from bnsurgeon.rules import use_rules
+
+    (tmp_path / "timeit.py").write_text("RULES = []\n")
+    with pytest.raises(ShadowedModuleError, match=r"'timeit' is .*timeit.py, imported before your .*so your rules"):
+        use_rules(["timeit:RULES"], directory=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "source, fix",
+    [
+        ("def (:\n", "fix the error in broken_rules_here"),
+        ("import no_such_module_anywhere\n", "fix the error in broken_rules_here"),
+        (None, "run from the directory that holds it"),
+    ],
+    ids=["syntax", "its-own-import", "missing"],
+)
+def test_a_rules_module_that_fails_as_it_is_imported_is_told_to_fix_it_not_to_move(tmp_path, source, fix):
+    """It was found and failed: the advice was "run from the directory that holds it, or install it"."""
+    from bnsurgeon.core.errors import SourceNotFoundError
+    from bnsurgeon.rules import use_rules
+
+    if source is not None:
+        (tmp_path / "broken_rules_here.py").write_text(source)
+    with pytest.raises(SourceNotFoundError) as raised:
+        use_rules(["broken_rules_here:RULES"], directory=str(tmp_path))
+    assert raised.value.hint.startswith(fix), raised.value.hint
+    sys.modules.pop("broken_rules_here", None)
+
+
 def test_a_refusal_in_a_child_is_one_line_and_exit_7_as_in_the_run(tmp_path):
     out = tmp_path / "child.txt"
     _run(tmp_path, UNHANDLED_CHILD, str(out), quiet=True)
     code, _, stderr = out.read_text().partition("\n")
     assert code == "7", stderr
     assert "MyBN" in stderr and "Traceback" not in stderr and len(stderr.strip().splitlines()) <= 2, stderr
+
+
+def test_a_script_path_python_cannot_open_is_said_in_pythons_words_and_the_script_as_report_comes_first(tmp_path, cli):
+    """s.py/ was "no such file or directory" (python: Not a directory); --report train.py train.py was told to
+    pass --force, which could never make it usable."""
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    result = cli.invoke(app, ["run", f"{script}/"])
+    assert result.exit_code == 2 and "Not a directory" in result.output, result.output
+    result = cli.invoke(app, ["run", "--report", str(script), str(script)])
+    assert result.exit_code == 8 and "would write over the script" in result.output, result.output
+    assert "--force" not in result.output.split("fix:")[-1].replace("--force or not", "")
 
 
 def test_a_bad_report_is_refused_before_a_packages_init_runs(tmp_path, monkeypatch, cli):

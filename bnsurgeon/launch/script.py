@@ -224,19 +224,20 @@ def check_report(
     existing = [name for name in report_names(path) if os.path.lexists(name)]
     for name in existing:
         _refuse_special(path, name)
-    if existing and not force:
-        raise OutputError(
-            f"--report {path}: {existing[0]} already exists",
-            "pass --force to replace the reports of an earlier run, or choose another path",
-        )
     runs = [] if script is None else [script, os.path.join(script, "__main__.py")]
-    for name in existing:  # --force replaces reports, never a file of the user's (a package's __init__.py)
+    for name in existing:  # first: no --force makes this path usable
         said = next((given for given in runs if _same_file(name, given)), None)
         if said is not None:
             raise OutputError(
                 f"--report {path} would write over the script {said}",
                 "choose another report path; bnsurgeon never overwrites what it runs, --force or not",
             )
+    if existing and not force:
+        raise OutputError(
+            f"--report {path}: {existing[0]} already exists",
+            "pass --force to replace the reports of an earlier run, or choose another path",
+        )
+    for name in existing:  # --force replaces reports, never a file of the user's (a package's __init__.py)
         if not holds_a_report(name):
             raise OutputError(
                 f"--report {path}: {name} is not a bnsurgeon report; --force replaces only the reports of an "
@@ -406,8 +407,13 @@ def run_script(
     converters in place (for a process that ends with the script: its threads and atexit handlers see them);
     ``put_back()`` undoes it.
     """
-    if not module and not os.path.exists(target):
-        raise UsageError(f"cannot open the script {target!r}: no such file or directory", "check the path")
+    if not module and target != "":  # "" is the working directory, as python reads it
+        try:
+            os.stat(target)
+        except OSError as error:  # python's own words: "No such file or directory", "Not a directory", ...
+            raise UsageError(
+                f"cannot open the script {target!r}: {error.strerror or error}", "check the path"
+            ) from None
     if rules:
         from bnsurgeon.rules import use_rules
 

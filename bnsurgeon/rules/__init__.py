@@ -149,10 +149,17 @@ def use_rules(specs, directory: str | None = None) -> list[str]:
         try:
             module, attribute = import_named_module(spec, directory)
         except ImportError as error:
+            missing = getattr(error, "name", None)
+            it_failed = not isinstance(error, ModuleNotFoundError) or not (
+                missing is not None and (module_name == missing or module_name.startswith(missing + "."))
+            )
             raise SourceNotFoundError(
                 f"--rules {spec}: cannot import {module_name!r} ({error})",
-                "run from the directory that holds it, or install it",
+                f"fix the error in {module_name} (it was found, and failed as it was imported)"
+                if it_failed
+                else "run from the directory that holds it, or install it",
             ) from None
+        _refuse_shadowed(spec, module_name, directory)
         if not hasattr(module, attribute):
             raise SourceNotFoundError(f"--rules {spec}: {module_name} has no {attribute!r}", "check the object's name")
         found = _as_rules(getattr(module, attribute), f"--rules {spec}")
@@ -161,6 +168,35 @@ def use_rules(specs, directory: str | None = None) -> list[str]:
             register(rule, replace=True)
         _named_specs[spec] = [rule.name for rule in found]
     return list(_named_specs)
+
+
+def _refuse_shadowed(spec: str, module_name: str, directory: str | None) -> None:
+    """A rules file named like a module imported before it (``timeit.py``, ``csv.py``: the standard library's, which
+    torch or bnsurgeon had already imported) is never read: the import returns the other module. Said as such,
+    not as "no RULES in it"."""
+    import os
+    import sys
+
+    from bnsurgeon.core.errors import ShadowedModuleError
+
+    top = module_name.partition(".")[0]
+    home = directory if directory is not None else os.getcwd()
+    yours = next(
+        (
+            path
+            for path in (os.path.join(home, f"{top}.py"), os.path.join(home, top, "__init__.py"))
+            if os.path.isfile(path)
+        ),
+        None,
+    )
+    imported = getattr(sys.modules.get(top), "__file__", None)
+    if yours is None or (isinstance(imported, str) and os.path.realpath(imported) == os.path.realpath(yours)):
+        return
+    raise ShadowedModuleError(
+        f"--rules {spec}: {top!r} is {imported or 'a built-in module'}, imported before your {yours} (a module of "
+        "that name was already loaded), so your rules were never read",
+        f"rename {yours} to a name of its own (my_bn_rules.py, say) and name that in --rules",
+    )
 
 
 def _refuse_builtin_overrides(found: list[Rule], spec: str) -> None:
