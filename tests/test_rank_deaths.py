@@ -330,7 +330,7 @@ def test_a_fork_server_stopped_under_its_ranks_holds_up_neither_the_close_nor_th
     """verify printed "all checks passed" and never exited: the pool's close, then multiprocessing's join at
     interpreter exit, waited for exit statuses the stopped server relays. The server is killed at the close."""
     outcome = _outcome(deaths, "server_stopped_under_ranks")
-    assert outcome["error"] is None and float(outcome["value"]) < 5.0, outcome
+    assert outcome["error"] is None and float(outcome["value"]) < 15.0, outcome
 
 
 STOPPED_SERVER_START = """
@@ -339,8 +339,9 @@ from bnsurgeon.checks import multiproc
 from bnsurgeon.core.errors import HostFailureError, Interrupted
 
 server = subprocess.Popen(["sleep", "600"])
-os.kill(server.pid, signal.SIGSTOP)
-multiproc.fork_server_pid = lambda: server.pid  # the ranks' fork server, stopped
+if {stop}:
+    os.kill(server.pid, signal.SIGSTOP)
+multiproc.fork_server_pid = lambda: server.pid  # the ranks' fork server: stopped, or hung (it answers nothing)
 
 class Waiting:  # a start that waits for the server's answer, as multiprocessing's does
     pid = None
@@ -357,27 +358,32 @@ except (HostFailureError, Interrupted) as error:
 """
 
 
-@pytest.mark.parametrize("interrupt", [False, True])
-def test_a_start_waiting_on_a_stopped_fork_server_is_bounded_and_answers_signals(interrupt):
+@pytest.mark.parametrize("server, interrupt", [("stopped", False), ("stopped", True), ("hung", True)])
+def test_a_start_waiting_on_a_stopped_fork_server_is_bounded_and_answers_signals(server, interrupt):
     """The fork server stopped before it forked the ranks: verify hung for good, Ctrl-C and SIGTERM held (the start
     waited in the server's pipe, signals deferred). Now a server stopped for the run's timeout is named and killed
-    (exit 16), and a signal meanwhile is answered at once."""
+    (exit 16), and a signal meanwhile is answered at once; where the server hangs without being stopped, after a
+    few seconds' grace (a start takes milliseconds)."""
     from _forked import run_python
 
-    done = run_python(STOPPED_SERVER_START.format(interrupt=interrupt, bound=60.0 if interrupt else 1.0), timeout=60)
+    script = STOPPED_SERVER_START.format(
+        stop=server == "stopped", interrupt=interrupt, bound=60.0 if interrupt else 1.0
+    )
+    done = run_python(script, timeout=60)
     kind, seconds, status, message = done.stdout.split(" ", 3)
-    assert status == "-9", done.stdout + done.stderr  # the stopped server was killed
+    assert status == "-9", done.stdout + done.stderr  # the server that answered nothing was killed
     if interrupt:
-        assert kind == "Interrupted" and float(seconds) < 10, done.stdout
+        assert kind == "Interrupted" and float(seconds) < (10 if server == "stopped" else 20), done.stdout
     else:
         assert kind == "HostFailureError" and 1.0 <= float(seconds) < 10, done.stdout
         assert "the fork server that starts the ranks (pid" in message and "was stopped for 1 s" in message
 
 
-@pytest.mark.parametrize("limit", [48, 1024, None])
-def test_a_peer_lost_while_the_group_connects_is_out_of_files_only_under_a_low_limit(monkeypatch, limit):
+@pytest.mark.parametrize("limit, connecting", [(48, True), (1024, True), (None, True), (48, False)])
+def test_a_peer_lost_while_the_group_connects_is_out_of_files_only_under_a_low_limit(monkeypatch, limit, connecting):
     """At torch 2.4, a rank under ulimit -n 48 could see its peer go while gloo connected ("Connection closed by
-    peer": the peer, out of sockets, said nothing): a failed check, though the machine's limit did it."""
+    peer": the peer, out of sockets, said nothing): a failed check, though the machine's limit did it. A peer lost
+    once connected is a peer that failed, and says so itself."""
     from bnsurgeon.checks import multiproc
 
     monkeypatch.setattr(multiproc, "open_file_limit", lambda: limit)
@@ -385,13 +391,13 @@ def test_a_peer_lost_while_the_group_connects_is_out_of_files_only_under_a_low_l
         "Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
         "by peer [127.0.0.1]:39660"
     )
-    cause = multiproc.machine_cause(error)
-    if limit == 48:
+    cause = multiproc.machine_cause(error, connecting=connecting)
+    if limit == 48 and connecting:
         assert cause is not None and cause[0].startswith(
             "lost its peers while connecting (out of open files? ulimit -n is 48): RuntimeError: "
         ), cause
         assert cause[1] == multiproc.FILES_HINT
-    else:  # under the usual limit the same words are a crash of the peer, not the machine's doing
+    else:  # under the usual limit, or once connected, the same words are a crash of the peer, not the machine's
         assert cause is None
 
 

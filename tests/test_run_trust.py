@@ -102,11 +102,12 @@ def test_force_replaces_only_reports_never_a_packages_init_or_a_module_of_the_sc
     for path, text in sources.items():
         path.write_text(text)
     monkeypatch.chdir(tmp_path)
-    for victim in (tmp_path / "pkg" / "__init__.py", sub / "__init__.py", tmp_path / "helper.py"):
-        result = cli.invoke(app, ["run", "--report", str(victim), "--force", "-m", "pkg.sub.train"])
-        put_back()
-        assert result.exit_code == 8, (victim, result.output)
-        assert "Traceback" not in result.output
+    for victim in (tmp_path / "pkg" / "__init__.py", sub / "__init__.py", sub / "train.py", tmp_path / "helper.py"):
+        for force in (["--force"], []):  # never told to pass --force, which could not make it usable
+            result = cli.invoke(app, ["run", "--report", str(victim), *force, "-m", "pkg.sub.train"])
+            put_back()
+            assert result.exit_code == 8, (victim, result.output)
+            assert "Traceback" not in result.output and "pass --force" not in result.output, result.output
     assert {path: path.read_text() for path in sources} == sources
     report = tmp_path / "run.json"
     for _ in range(2):  # an earlier run's report is replaced with --force
@@ -222,14 +223,32 @@ def test_a_forked_worker_says_which_process_it_is_not_the_runs_rank(tmp_path):
     assert sorted(path.name for path in tmp_path.glob("r*.json")) == ["r.2.json", "r.json"]
 
 
-@pytest.mark.parametrize("rank, known", [("0", None), ("3", 3), (None, None)])
-def test_a_childs_rank_is_its_own_not_the_one_it_inherited(monkeypatch, rank, known):
+@pytest.mark.parametrize(
+    "rank, parents, known", [("0", "0", None), ("3", "0", 3), (None, "0", None), ("2", "2", 2), ("0", None, 0)]
+)
+def test_a_childs_rank_is_its_own_not_the_one_it_inherited(monkeypatch, rank, parents, known):
+    """RANK=0 only inherited from torchrun's rank 0 (its spawn workers) is no rank: the child names itself; one
+    inherited from rank 2 keeps the child as silent as rank 2 (it printed for each of rank k's children); a RANK
+    its own launcher gave it is its own."""
     monkeypatch.delenv("RANK", raising=False)
     if rank is not None:
         monkeypatch.setenv("RANK", rank)
-    assert ConversionLog(child=True, run_rank="0").rank() == known
+    assert ConversionLog(child=True, run_rank=parents).rank() == known
     monkeypatch.setenv("RANK", "0")
     assert ConversionLog().rank() == 0  # the run's own process: torchrun's RANK is its own
+
+
+def test_a_process_group_a_fork_copied_gives_no_rank(monkeypatch):
+    """A worker forked from rank 0 after init_process_group holds a copy of its group: it spoke as rank 0."""
+    import types
+
+    from bnsurgeon.launch.log import rank
+
+    group = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 0)
+    monkeypatch.setitem(sys.modules, "torch.distributed", group)
+    monkeypatch.setenv("RANK", "0")
+    assert rank(child=True, inherited="0", group_copied=True) is None
+    assert rank(child=True, inherited="0") == 0  # a group it joined itself
 
 
 KILLED_WHILE_WRITING = """
@@ -390,6 +409,18 @@ def test_a_rules_file_named_like_a_module_loaded_before_it_is_named_not_ignored(
     (tmp_path / "timeit.py").write_text("RULES = []\n")
     with pytest.raises(ShadowedModuleError, match=r"'timeit' is .*timeit.py, imported before your .*so your rules"):
         use_rules(["timeit:RULES"], directory=str(tmp_path))
+    (tmp_path / "json").mkdir()  # a package of rules named like one: its module is "not found" in the other
+    (tmp_path / "json" / "bn_rules.py").write_text("RULES = []\n")
+    with pytest.raises(ShadowedModuleError, match=r"'json' is .*imported before your .*json"):
+        use_rules(["json.bn_rules:RULES"], directory=str(tmp_path))
+    both = tmp_path / "both"  # a package and a module of one name: python imports the package, as the check reads
+    (both / "twin_rules_pkg").mkdir(parents=True)
+    (both / "twin_rules_pkg" / "__init__.py").write_text("RULES = []\n")
+    (both / "twin_rules_pkg.py").write_text("")
+    try:
+        use_rules(["twin_rules_pkg:RULES"], directory=str(both))
+    finally:
+        sys.modules.pop("twin_rules_pkg", None)
 
 
 @pytest.mark.parametrize(

@@ -133,17 +133,19 @@ def _quoted(error: BaseException) -> str:
 _PEER_LOST = re.compile(r"connectFullMesh|Connection closed by peer|Connection reset by peer", re.IGNORECASE)
 
 
-def machine_cause(error: BaseException) -> tuple[str, str] | None:
+def machine_cause(error: BaseException, *, connecting: bool = False) -> tuple[str, str] | None:
     """(what happened, the fix) when ``error`` is the machine's limit (memory, open files, disk), else None.
 
-    Python says it with an errno or MemoryError; torch's C++ (gloo, the allocator) only in its message."""
+    Python says it with an errno or MemoryError; torch's C++ (gloo, the allocator) only in its message.
+    ``connecting``: the error came while the group connected (a peer lost then, under a low open-file limit, ran
+    out of sockets; a peer lost later is a peer that failed, and says so itself)."""
     number = error.errno if isinstance(error, OSError) else None
     text = str(error) if isinstance(error, (OSError, RuntimeError, MemoryError)) else ""
     said = f"{type(error).__name__}: {_quoted(error)}"
     if number in (errno.EMFILE, errno.ENFILE) or "Too many open files" in text:
         return f"hit the limit on open files{_open_file_limit()}: {said}", FILES_HINT
     limit = open_file_limit()
-    if limit is not None and limit < FEW_FILES and _PEER_LOST.search(text):
+    if connecting and limit is not None and limit < FEW_FILES and _PEER_LOST.search(text):
         # the peer that ran out of sockets said nothing (gloo closes or aborts it): this rank only sees it go
         return f"lost its peers while connecting (out of open files? ulimit -n is {limit}): {said}", FILES_HINT
     if isinstance(error, MemoryError) or number == errno.ENOMEM or _OUT_OF_MEMORY.search(text):
@@ -173,7 +175,7 @@ def _run_in_group(
     import torch
     import torch.distributed as dist
 
-    unpickled = False
+    unpickled = connected = False
     try:
         try:
             fn, args = pickle.loads(work)  # after the environment is adopted: an import it triggers may read it
@@ -185,12 +187,13 @@ def _run_in_group(
                 world_size=world_size,
                 timeout=timedelta(seconds=collective_timeout),
             )
+            connected = True
             value = fn(rank, world_size, *args)
             buffer = io.BytesIO()
             torch.save(value, buffer)
             outcome: tuple[str, object] = ("ok", buffer.getvalue())
         except BaseException as error:  # report every failure to the parent
-            cause = machine_cause(error)
+            cause = machine_cause(error, connecting=unpickled and not connected)
             if cause is not None:
                 send("machine", (f"rank {rank} {cause[0]}", cause[1]))
                 hold()
@@ -365,15 +368,25 @@ def start_ranks(processes: list, stopped_bound: float) -> None:
         with signals_collected() as arrived:
             starter.start()
             stopped_since: float | None = None
+            signalled: float | None = None
+            last = time.monotonic()
             while not done.wait(START_POLL_S):
+                now = time.monotonic()
+                if now - last > 1.0:  # this process was itself stopped (the whole job): start the count again
+                    stopped_since = None
+                last = now
+                if arrived:
+                    signalled = signalled or now
+                    if now - signalled >= SIGNAL_GRACE_S:  # a server that hangs (not stopped) answers nothing either
+                        break
                 server = fork_server_pid()
                 if server is None or not stopped(server):
                     stopped_since = None
                     continue
-                stopped_since = stopped_since or time.monotonic()
+                stopped_since = stopped_since or now
                 if arrived:  # the server answers nothing until it is continued: the interruption is answered now
                     break
-                if time.monotonic() - stopped_since >= stopped_bound:
+                if now - stopped_since >= stopped_bound:
                     raise HostFailureError(
                         f"the fork server that starts the ranks (pid {server}) was stopped for {stopped_bound:g} s "
                         "(SIGSTOP: a debugger, job control or a cgroup freezer) and started none; it was killed",
@@ -384,7 +397,7 @@ def start_ranks(processes: list, stopped_bound: float) -> None:
         if failures:
             raise failures[0]
     except BaseException:
-        if not done.is_set():
+        if starter.is_alive():
             _kill_fork_server()  # it will never start the rest; its end frees every wait on it
         for process in (p for p in processes if p.pid is not None):
             process.kill()
@@ -414,8 +427,13 @@ def _kill_fork_server() -> None:
 
 #: how often a start that has not ended looks at the fork server
 START_POLL_S = 0.02
+#: how long a start may still take once Ctrl-C or SIGTERM came (a start takes milliseconds; a hung server, forever)
+SIGNAL_GRACE_S = 5.0
 #: how often a wait for a rank's end looks at the fork server that relays it
 REAP_POLL_S = 0.2
+#: how long the server must stay stopped before a wait for a rank's end kills it (a profiler or a tracer stops a
+#: process for moments: py-spy, strace -f)
+SERVER_STOPPED_S = 2.0
 
 
 def _pool_entry(rank, tasks, results, environment):
@@ -543,10 +561,15 @@ class _Rank:
         if self.process.pid is None:
             return
         deadline = time.monotonic() + seconds
+        stopped_since: float | None = None
         while self.process.exitcode is None and time.monotonic() < deadline:
             server = fork_server_pid()
             if server is not None and stopped(server):
-                _kill_fork_server()
+                stopped_since = stopped_since or time.monotonic()
+                if time.monotonic() - stopped_since >= SERVER_STOPPED_S:
+                    _kill_fork_server()
+            else:
+                stopped_since = None
             self.process.join(min(REAP_POLL_S, max(0.0, deadline - time.monotonic())))
 
     def close(self) -> None:

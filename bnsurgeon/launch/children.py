@@ -107,6 +107,8 @@ def start_child(text: str) -> None:
     """In a process the script started: the run's replaced converters for the rest of the process, and its rules
     once torch is imported (importing them imports torch: a child that never does runs as under python)."""
     values = json.loads(text)
+    if values.get("rank") != os.environ.get("RANK"):  # this child's own RANK is what its children inherit
+        os.environ[ENV] = json.dumps({**values, "rank": os.environ.get("RANK")}, allow_nan=False)
     report = values.get("report")
     log = ConversionLog(
         allow_unhandled=bool(values.get("allow_unhandled")),

@@ -86,9 +86,10 @@ class ConversionLog:
 
     def rank(self) -> int | None:
         """This process's rank, as ``rank`` tells it: a process other than the run's own (started or forked by the
-        script) has no rank from the run's RANK, which it only inherited."""
-        own = not self.child and os.getpid() == self.pid
-        return rank(child=not own, inherited=None if own else self.run_rank)
+        script) has no rank from the RANK it only inherited, nor from a process group its fork copied."""
+        if os.getpid() != self.pid:  # forked from the process this log was made in (a fork-start pool's worker)
+            return rank(child=True, inherited=FORK.rank, group_copied=FORK.with_group)
+        return rank(child=self.child, inherited=self.run_rank)
 
 
 def say(line: str) -> bool:
@@ -201,21 +202,46 @@ def summary(conversion: Conversion, who: str = "") -> str:
     )
 
 
-def rank(*, child: bool = False, inherited: str | None = None) -> int | None:
+def rank(*, child: bool = False, inherited: str | None = None, group_copied: bool = False) -> int | None:
     """This process's rank: the default group's when it exists, else torchrun's RANK, else 0 for the run's own
-    process and None (not known yet) for a process the script started (a spawn worker before it joins). A child's
-    RANK that equals ``inherited`` (the run's own) was only inherited (``torch.multiprocessing.spawn`` workers
-    of torchrun's rank 0 all see RANK=0): not its rank."""
+    process and None (not known yet) for a process the script started (a spawn worker before it joins).
+
+    A child's RANK equal to ``inherited`` (its parent's) was only inherited: ``torch.multiprocessing.spawn``
+    workers of torchrun's rank 0 all see RANK=0, and none is rank 0 (None: it names itself); those of rank k > 0
+    are silent as rank k is. ``group_copied``: a forked process whose parent had a process group holds a copy of
+    it, not a rank of its own."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if not group_copied and dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     given = os.environ.get("RANK")
-    if child and given == inherited:
-        return None
     try:
-        return int(given) if given is not None else (None if child else 0)
+        number = int(given) if given is not None else None
     except ValueError:
+        number = None
+    if child and given == inherited:
+        return number or None
+    if number is None:
         return None if child else 0
+    return number
+
+
+@dataclass
+class _Fork:
+    """What a forked process inherited, read at the fork (``os.register_at_fork``): its parent's RANK, and whether
+    its parent had a process group (copied by the fork, not one it joined)."""
+
+    rank: str | None = None
+    with_group: bool = False
+
+    def forked(self) -> None:
+        dist = sys.modules.get("torch.distributed")
+        self.rank = os.environ.get("RANK")
+        self.with_group = bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+FORK = _Fork()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=FORK.forked)
 
 
 def called_at(*outside: str) -> str:

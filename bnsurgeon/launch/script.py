@@ -232,18 +232,18 @@ def check_report(
                 f"--report {path} would write over the script {said}",
                 "choose another report path; bnsurgeon never overwrites what it runs, --force or not",
             )
+    for name in existing:  # --force replaces reports, never a file of the user's (a package's __init__.py)
+        if not holds_a_report(name):
+            raise OutputError(
+                f"--report {path}: {name} exists and is not a bnsurgeon report; --force replaces only the reports "
+                "of an earlier run, and bnsurgeon never removes another file",
+                "choose another report path",
+            )
     if existing and not force:
         raise OutputError(
             f"--report {path}: {existing[0]} already exists",
             "pass --force to replace the reports of an earlier run, or choose another path",
         )
-    for name in existing:  # --force replaces reports, never a file of the user's (a package's __init__.py)
-        if not holds_a_report(name):
-            raise OutputError(
-                f"--report {path}: {name} is not a bnsurgeon report; --force replaces only the reports of an "
-                "earlier run, and bnsurgeon never removes another file",
-                "choose another report path",
-            )
     return path, existing
 
 
@@ -338,6 +338,11 @@ def claim_report(path: Path, run: Sequence[str], earlier: Sequence[Path], *, for
     for name in earlier:
         if os.path.lexists(name):
             _refuse_special(path, name)
+            if not holds_a_report(name):  # replaced since it was checked (by a package's __init__ for -m)
+                raise OutputError(
+                    f"--report {path}: {name} is no longer a bnsurgeon report; bnsurgeon never removes another file",
+                    "choose another report path",
+                )
             name.unlink()
 
 

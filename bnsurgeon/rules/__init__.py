@@ -153,14 +153,16 @@ def use_rules(specs, directory: str | None = None) -> list[str]:
             it_failed = not isinstance(error, ModuleNotFoundError) or not (
                 missing is not None and (module_name == missing or module_name.startswith(missing + "."))
             )
+            if not it_failed:  # json/bn_rules.py: the standard library's json was found, without bn_rules
+                _refuse_shadowed(spec, module_name, directory)
             raise SourceNotFoundError(
                 f"--rules {spec}: cannot import {module_name!r} ({error})",
                 f"fix the error in {module_name} (it was found, and failed as it was imported)"
                 if it_failed
                 else "run from the directory that holds it, or install it",
             ) from None
-        _refuse_shadowed(spec, module_name, directory)
         if not hasattr(module, attribute):
+            _refuse_shadowed(spec, module_name, directory)
             raise SourceNotFoundError(f"--rules {spec}: {module_name} has no {attribute!r}", "check the object's name")
         found = _as_rules(getattr(module, attribute), f"--rules {spec}")
         _refuse_builtin_overrides(found, spec)
@@ -181,20 +183,25 @@ def _refuse_shadowed(spec: str, module_name: str, directory: str | None) -> None
 
     top = module_name.partition(".")[0]
     home = directory if directory is not None else os.getcwd()
-    yours = next(
-        (
-            path
-            for path in (os.path.join(home, f"{top}.py"), os.path.join(home, top, "__init__.py"))
-            if os.path.isfile(path)
-        ),
-        None,
-    )
-    imported = getattr(sys.modules.get(top), "__file__", None)
-    if yours is None or (isinstance(imported, str) and os.path.realpath(imported) == os.path.realpath(yours)):
+    # as python looks in a directory: a package first, then a module, then a directory (a namespace package)
+    package, single = os.path.join(home, top, "__init__.py"), os.path.join(home, f"{top}.py")
+    found = [path for path in (package, single) if os.path.isfile(path)]
+    yours = found[0] if found else (os.path.join(home, top) if os.path.isdir(os.path.join(home, top)) else None)
+    module = sys.modules.get(top)
+    imported = getattr(module, "__file__", None)
+    searched = [os.path.realpath(entry) for entry in getattr(module, "__path__", None) or []]
+    if os.path.realpath(os.path.join(home, top)) in searched:  # it is yours (a package, or a namespace package)
         return
+    if (
+        yours is None
+        or module is None
+        or (isinstance(imported, str) and os.path.realpath(imported) == os.path.realpath(yours))
+    ):
+        return
+    where = imported or "a module without a file (built in, or a namespace package)"
     raise ShadowedModuleError(
-        f"--rules {spec}: {top!r} is {imported or 'a built-in module'}, imported before your {yours} (a module of "
-        "that name was already loaded), so your rules were never read",
+        f"--rules {spec}: {top!r} is {where}, imported before your {yours} (a module of that name was already "
+        "loaded), so your rules were never read",
         f"rename {yours} to a name of its own (my_bn_rules.py, say) and name that in --rules",
     )
 
