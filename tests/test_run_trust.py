@@ -118,17 +118,36 @@ def test_force_replaces_only_reports_never_a_packages_init_or_a_module_of_the_sc
 
 
 @pytest.mark.parametrize("existing", [False, True])
-def test_a_report_name_ending_in_a_slash_names_a_directory_and_is_refused(tmp_path, cli, existing):
-    """--report newdir/ wrote a file named newdir (the slash dropped); --report x.json/ --force replaced x.json."""
+@pytest.mark.parametrize("ending", ["/", "/.", "/.."])
+def test_a_report_name_ending_in_a_slash_names_a_directory_and_is_refused(tmp_path, cli, existing, ending):
+    """--report newdir/ wrote a file named newdir (the slash dropped); --report x.json/ --force replaced x.json;
+    so did x.json/. (tidied as text, where the system refuses it: Not a directory)."""
     script = tmp_path / "train.py"
     script.write_text("from torch import nn\nnn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm2d(2))\n")
     name = tmp_path / ("x.json" if existing else "newdir")
     if existing:
         name.write_text("{}")
-    result = cli.invoke(app, ["run", "--report", f"{name}/", "--force", str(script)])
+    result = cli.invoke(app, ["run", "--report", f"{name}{ending}", "--force", str(script)])
     assert result.exit_code == 8, result.output
     assert "names a directory" in result.output and "Traceback" not in result.output
     assert (name.read_text() == "{}") if existing else not os.path.lexists(name)
+
+
+def test_a_report_path_through_a_missing_directory_is_read_as_the_system_reads_it(tmp_path, cli, monkeypatch):
+    """nodir/../r.json was tidied to r.json and written, where open() fails (nodir does not exist); through a
+    linked directory, .. is the link target's parent, not the link's."""
+    script = tmp_path / "train.py"
+    script.write_text("from torch import nn\nnn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm2d(2))\n")
+    monkeypatch.chdir(tmp_path)
+    result = cli.invoke(app, ["run", "--report", "nodir/../r.json", str(script)])
+    assert result.exit_code == 8 and "does not exist" in result.output, result.output
+    assert not (tmp_path / "r.json").exists()
+    put_back()
+    (tmp_path / "deep" / "target").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "deep" / "target")
+    result = cli.invoke(app, ["run", "--report", "link/../r.json", str(script)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "deep" / "r.json").is_file() and not (tmp_path / "r.json").exists()
 
 
 def test_what_is_not_a_regular_file_is_refused_without_the_force_advice_and_never_removed(tmp_path, cli):
@@ -221,6 +240,8 @@ def test_a_forked_worker_says_which_process_it_is_not_the_runs_rank(tmp_path):
     worker = lines[1].split("(process ", 1)[1].split(":", 1)[0]
     assert worker.isdigit() and worker != done.stdout.strip(), lines
     assert sorted(path.name for path in tmp_path.glob("r*.json")) == ["r.2.json", "r.json"]
+    sources = sorted(json.loads(path.read_text())["source"] for path in tmp_path.glob("r*.json"))
+    assert [f"(process {worker}:" in source for source in sources].count(True) == 1, sources  # its report too
 
 
 @pytest.mark.parametrize(
@@ -411,8 +432,9 @@ def test_a_rules_file_named_like_a_module_loaded_before_it_is_named_not_ignored(
         use_rules(["timeit:RULES"], directory=str(tmp_path))
     (tmp_path / "json").mkdir()  # a package of rules named like one: its module is "not found" in the other
     (tmp_path / "json" / "bn_rules.py").write_text("RULES = []\n")
-    with pytest.raises(ShadowedModuleError, match=r"'json' is .*imported before your .*json"):
+    with pytest.raises(ShadowedModuleError, match=r"'json' is .*imported before your .*json") as raised:
         use_rules(["json.bn_rules:RULES"], directory=str(tmp_path))
+    assert "(my_bn_rules, say)" in raised.value.hint  # a package is renamed as a directory, not to a .py
     both = tmp_path / "both"  # a package and a module of one name: python imports the package, as the check reads
     (both / "twin_rules_pkg").mkdir(parents=True)
     (both / "twin_rules_pkg" / "__init__.py").write_text("RULES = []\n")

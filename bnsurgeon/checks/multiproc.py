@@ -64,6 +64,10 @@ FILES_HINT = "nothing was written; raise the open-file limit (ulimit -n 4096) an
 DISK_HINT = "nothing was written; free disk space (the temporary directory too) and run again"
 START_HINT = "nothing was written; the machine refused new processes or pipes: free resources and run again"
 STOPPED_HINT = "nothing was written; something on this machine stopped a rank: run again once it lets the ranks run"
+SERVER_STOPPED_HINT = (
+    "nothing was written; something on this machine stopped the process that starts the ranks: run again once it "
+    "lets it run"
+)
 LIMIT_HINT = "nothing was written; raise the limit named (ulimit) and run again"
 #: signals by which the machine, or someone on it, stops a process (not a failure of the code it ran): why, the fix
 MACHINE_SIGNALS = {
@@ -390,7 +394,7 @@ def start_ranks(processes: list, stopped_bound: float) -> None:
                     raise HostFailureError(
                         f"the fork server that starts the ranks (pid {server}) was stopped for {stopped_bound:g} s "
                         "(SIGSTOP: a debugger, job control or a cgroup freezer) and started none; it was killed",
-                        STOPPED_HINT,
+                        SERVER_STOPPED_HINT,
                     )
         if arrived:
             raise Interrupted(arrived[0])

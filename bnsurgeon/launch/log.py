@@ -65,14 +65,14 @@ class ConversionLog:
 
         if not self.active:
             return
-        report.source = f"{converter} at {called_at}"
+        known = self.rank()
+        who = "" if known is not None else f" (process {os.getpid()}: its rank is not known yet)"
+        report.source = f"{converter} at {called_at}{who}"  # a report names the process its line names
         report.tool_version = report.tool_version or __version__
         conversion = Conversion(converter, called_at, report)
         self.conversions.append(conversion)
-        known = self.rank()
         if known is not None and known != 0:
             return
-        who = "" if known is not None else f" (process {os.getpid()}: its rank is not known yet)"
         if not self.quiet:
             say(summary(conversion, who))
         if self.report_path is not None:

@@ -174,11 +174,21 @@ def report_location(report: str | os.PathLike) -> Path:
     text = os.fspath(report)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
-    if text.endswith(("/", os.sep)):
+    name = os.path.basename(text)
+    if text.endswith(("/", os.sep)) or name in (".", ".."):
         raise OutputError(
-            f"--report {text}: a name ending in {os.sep} names a directory, and a report is a file",
-            f"give a file path such as {text.rstrip('/' + os.sep) or '.'}{os.sep}run.json",
+            f"--report {text}: a name ending in {os.sep}, {os.sep}. or {os.sep}.. names a directory, and a report is "
+            "a file",
+            f"give a file path such as {text.rstrip('/' + os.sep + '.') or '.'}{os.sep}run.json",
         )
+    parent = os.path.dirname(text) or "."
+    if ".." in Path(parent).parts:  # resolved as the system resolves it (a missing or linked directory before ..)
+        if not os.path.isdir(parent):
+            raise OutputError(
+                f"--report {text}: the directory {parent!r} does not exist, as the system reads the path",
+                "create it first, or give the path without ..",
+            )
+        return Path(os.path.realpath(parent)) / name
     return Path(os.path.abspath(text))
 
 

@@ -202,7 +202,8 @@ def _refuse_shadowed(spec: str, module_name: str, directory: str | None) -> None
     raise ShadowedModuleError(
         f"--rules {spec}: {top!r} is {where}, imported before your {yours} (a module of that name was already "
         "loaded), so your rules were never read",
-        f"rename {yours} to a name of its own (my_bn_rules.py, say) and name that in --rules",
+        f"rename {yours} to a name of its own ({'my_bn_rules' if os.path.isdir(yours) else 'my_bn_rules.py'}, say) "
+        "and name that in --rules",
     )
 
 
