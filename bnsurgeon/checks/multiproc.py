@@ -264,15 +264,13 @@ def fork_server_lost() -> bool:
     """Whether the ranks come from a fork server that is no longer running (killed under them)."""
     if "forkserver" not in mp.get_all_start_methods():  # spawned ranks (Windows): no server to lose
         return False
-    from multiprocessing import forkserver
-
-    return not _server_alive(forkserver)
+    return not _server_alive()
 
 
-def _server_alive(forkserver) -> bool:
+def _server_alive() -> bool:
     """Whether the fork server we started still runs, asked without reaping it (multiprocessing's own
     check reaps it, and starts another one, without our terms, where it died)."""
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    pid = fork_server_pid()
     if pid is None or not hasattr(os, "waitid"):
         return True  # nothing to ask, or no way to ask without reaping: as before
     try:
@@ -291,7 +289,7 @@ def _start_fork_server() -> None:
     global _server_started
     import multiprocessing.forkserver as forkserver
 
-    if _server_started and _server_alive(forkserver):
+    if _server_started and _server_alive():
         return
 
     import torch
