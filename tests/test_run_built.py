@@ -338,19 +338,34 @@ def test_detectron2s_frozen_bn_beside_syncbn_trains_at_ddp(tmp_path, world_of_on
     assert "detectron2" in sys.modules  # (removed again by monkeypatch)
 
 
-def test_layers_adopted_at_their_first_forward_are_named_by_where_they_were_made():
-    """No module path is known at a first forward: each layer syncs under where it was made and its number there,
-    given when it was made, so ranks name the same layers alike whatever else one of them makes later (a global
-    counter at adoption time named them by adoption order, which an extra model on one rank shifted)."""
+def test_an_adopted_layer_is_named_by_what_runs_it_not_by_when_or_where_it_was_adopted(world_of_one):
+    """Adoption gives no name (a name from where or when a layer was made or adopted differed between ranks that
+    built one more layer, or adopted at another moment): the name is fixed at the first synchronized call, by the
+    layer's path in the outermost module running it, else by its place among the layers first synchronized over
+    its group; a deep copy (an EMA) is named again by what runs it."""
+    import copy
+
     from bnsurgeon.launch import built
+    from bnsurgeon.runtime.identity import running_path
 
     log = ConversionLog(quiet=True)
     with patched_converters(log):
         layers = [nn.SyncBatchNorm(2) for _ in range(2)]
         extra = nn.SyncBatchNorm(2)  # made later, on this rank only
-        built.adopt_remembered(log, layers[1], "train.py:9")
-    names = [layer.layer_name for layer in layers]
-    assert names[0].startswith("built at test_run_built.py:") and names[0].endswith(" #1"), names
-    assert names[1] == names[0][: -len("#1")] + "#2"
-    assert type(extra) is SyncBatchNorm and extra.layer_name.endswith(" #1") and extra.layer_name != names[0]
+        built.adopt_remembered(log, "train.py:9", layers[1])
+    assert all(type(layer) is SyncBatchNorm and not layer._identity.fixed for layer in [*layers, extra])
     assert not built._remembered  # put back with the run
+    model = nn.Sequential(nn.Identity(), nn.Sequential(layers[0]))
+    seen = []
+    layers[0].register_forward_pre_hook(lambda module, args: seen.append(running_path(module, sys._getframe(0))))
+    model(torch.randn(3, 2))
+    assert seen == ["Sequential.1.0"]
+    layers[0]._identity.fix(layers[0], None)  # called here, outside any module: its place over the group
+    assert layers[0].layer_name.endswith("(the 1st layer to synchronize over ranks [0])"), layers[0].layer_name
+    layers[1]._identity.fix(layers[1], None)
+    assert "the 2nd layer" in layers[1].layer_name and layers[1]._identity.id != layers[0]._identity.id
+    ema = copy.deepcopy(layers[0])
+    assert not ema._identity.fixed and ema.layer_name == layers[0]._identity.own_name
+    converted = SyncBatchNorm(2)
+    converted.layer_name = "backbone.bn1"  # a path given at conversion: the same on every rank, fixed at once
+    assert converted._identity.fixed and copy.deepcopy(converted).layer_name == "backbone.bn1"

@@ -8,13 +8,18 @@ process group exists.
 torch's class itself is never replaced: registries captured it, and frameworks test ``isinstance`` with
 it. Instead each instance built (or unpickled, or copied) while the script runs is remembered with where
 it came from, and is *adopted* (``SyncBatchNorm.adopt``: made bnsurgeon's layer in place, the same object
-with the same Parameters, buffers, keys and hooks) at the first of two moments:
+with the same Parameters, buffers, keys and hooks) at the first of three moments:
 
 - ``DistributedDataParallel`` wraps a model that holds it (Lightning's, mmengine's and detectron2's
-  wrappers are DDP): every such layer of that model at once, named by its path, in one summary line and
-  report. A BN class no rule claims stops the script there, before it trains, as ``convert`` refuses it.
-- It runs while a process group exists (a model used without DDP): every remembered layer not yet
-  adopted, at once.
+  wrappers are DDP): every such layer of that model at once, in one summary line and report listing their
+  paths. A BN class no rule claims stops the script there, before it trains, as ``convert`` refuses it.
+- It runs in train mode while a process group exists (a model used without DDP): every remembered layer
+  not yet adopted, at once. An eval-mode forward adopts nothing: torch's layer syncs nothing in eval mode.
+- ``torch.compile`` starts compiling while a process group exists (dynamo's start callback, before it
+  traces anything): every remembered layer, so that no adoption ever runs inside a trace.
+
+When or on which rank a layer was adopted never names it: the name its rows carry is fixed at its first
+synchronized call by what the ranks run in sync (``runtime/identity.py``).
 
 In one process without a process group torch's layer already computes plain BN, bit for bit, so it is
 left alone. Only classes a rule converts as torch's class are adopted (torch's, mmengine's ``SyncBatchNorm``
@@ -38,19 +43,14 @@ AT_WRAP = "torch.nn.SyncBatchNorm layers the model built, adopted at Distributed
 AT_FORWARD = "torch.nn.SyncBatchNorm layers the model built, adopted at their first forward under a process group"
 _BEFORE = "built before bnsurgeon run started"
 
+AT_COMPILE = "torch.nn.SyncBatchNorm layers the model built, adopted as torch.compile started under a process group"
+
 #: torch SyncBatchNorm layers built, unpickled or copied while the script runs -> where
 _remembered: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
-#: the name a layer adopted at its first forward syncs under (no module path is known there): where it was made
-#: and its number among the layers made there, given when it is made, so that ranks that make the same layers
-#: in the same order name them alike whatever else one rank makes later, or when its collector runs
-_names: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
-_made_at: dict[str, int] = {}
 
 
 def _remember(layer: Any, where: str) -> None:
     _remembered[layer] = where
-    _made_at[where] = _made_at.get(where, 0) + 1
-    _names[layer] = f"{where} #{_made_at[where]}"
 
 
 def _foreign(layer: Any) -> bool:
@@ -76,6 +76,7 @@ def patch_sync_class(batchnorm: ModuleType, log: ConversionLog) -> Callable[[], 
     skipped = _torch_dirs(batchnorm)
     originals = {name: cls.__dict__.get(name) for name in ("__init__", "__setstate__", "forward")}
     init, forward = originals["__init__"], originals["forward"]
+    torch = batchnorm.torch  # still being imported here: its compiler is read when the forward runs
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
@@ -88,9 +89,11 @@ def patch_sync_class(batchnorm: ModuleType, log: ConversionLog) -> Callable[[], 
             _remember(self, f"unpickled or copied at {called_at(*skipped)}")
 
     def adopting_forward(self: Any, input: Any) -> Any:
-        if not (log.active and _foreign(self) and _group_exists()):
+        # never inside a trace (dynamo's start callback adopted first); never in eval mode, where torch's layer
+        # syncs nothing: one rank's shape print or look at an EMA copy must not change what it trains with
+        if torch.compiler.is_compiling() or not (self.training and log.active and _foreign(self) and _group_exists()):
             return forward(self, input)
-        adopt_remembered(log, self, called_at(*skipped))
+        adopt_remembered(log, called_at(*skipped), self)
         return self.forward(input)
 
     replacements = {"__init__": __init__, "__setstate__": __setstate__, "forward": adopting_forward}
@@ -106,8 +109,6 @@ def patch_sync_class(batchnorm: ModuleType, log: ConversionLog) -> Callable[[], 
             else:
                 setattr(cls, name, original)
         _remembered.clear()  # a later run (run_script again) remembers its own
-        _names.clear()
-        _made_at.clear()
 
     return undo
 
@@ -184,9 +185,8 @@ def adopt_model(log: ConversionLog, model: Any, where: str) -> None:
             )
         elif entry in syncs:
             built_where = _remembered.pop(entry.module, _BEFORE)
-            _names.pop(entry.module, None)
             origin = entry.cls_name
-            SyncBatchNorm.adopt(entry.module, name=entry.path)
+            SyncBatchNorm.adopt(entry.module)  # named by what runs in sync, not by this path (identity.py)
             report.changed.append(
                 ModuleChange(
                     entry.path,
@@ -204,7 +204,7 @@ def adopt_model(log: ConversionLog, model: Any, where: str) -> None:
     log.record(AT_WRAP, where, report)
 
 
-def adopt_remembered(log: ConversionLog, layer: Any, where: str) -> None:
+def adopt_remembered(log: ConversionLog, where: str, layer: Any = None, label: str = AT_FORWARD) -> None:
     """``layer`` and every other remembered torch SyncBatchNorm not yet adopted, in one line and one report."""
     from bnsurgeon.core.anatomy import qualname
     from bnsurgeon.rules import default_registry
@@ -212,13 +212,16 @@ def adopt_remembered(log: ConversionLog, layer: Any, where: str) -> None:
     from bnsurgeon.surgery.report import ModuleChange, Report
 
     registry = default_registry()
-    pending = [layer, *(other for other in list(_remembered) if other is not layer and _foreign(other))]
+    first = [] if layer is None else [layer]
+    pending = [*first, *(other for other in list(_remembered) if other is not layer and _foreign(other))]
+    if not pending:
+        return
     candidates = [(module, registry.lookup(type(module)), _remembered.get(module, _BEFORE)) for module in pending]
-    _refuse_unadoptable(log, AT_FORWARD, where, [(module, rule, f"<{site}>") for module, rule, site in candidates])
+    _refuse_unadoptable(log, label, where, [(module, rule, f"<{site}>") for module, rule, site in candidates])
     report = Report(target="sync", options={"allow_unhandled": log.allow_unhandled, "inplace": True})
     for module, rule, site in candidates:
         origin = qualname(type(module))
-        SyncBatchNorm.adopt(module, name=_names.pop(module, None))
+        SyncBatchNorm.adopt(module)
         _remembered.pop(module, None)
         report.changed.append(
             ModuleChange(
@@ -231,7 +234,41 @@ def adopt_remembered(log: ConversionLog, layer: Any, where: str) -> None:
                 [site, "adopted in place"],
             )
         )
-    log.record(AT_FORWARD, where, report)
+    log.record(label, where, report)
+
+
+def patch_compile_start(dynamo: ModuleType, log: ConversionLog) -> Callable[[], None]:
+    """Every remembered layer adopted as ``torch.compile`` starts compiling under a process group, before dynamo
+    traces anything: adoption calls Python that dynamo cannot trace (``sys._getframe``), so inside the trace it
+    failed a ``fullgraph=True`` compile and warned otherwise. dynamo's own start callback; registered again after
+    ``torch._dynamo.reset()``, which clears the callbacks; returns the undo."""
+    handler = dynamo.callback_handler
+    import contextlib
+
+    torch_dir = os.path.dirname(os.path.dirname(os.path.abspath(str(dynamo.__file__)))) + os.sep
+    skipped = (torch_dir, os.path.abspath(contextlib.__file__))  # the script's line that called the compiled code
+
+    def adopt_before_tracing(*_: Any) -> None:  # torch >= 2.5 passes the compile's details; 2.4 nothing
+        if log.active and _group_exists() and any(_foreign(layer) for layer in list(_remembered)):
+            adopt_remembered(log, called_at(*skipped), label=AT_COMPILE)
+
+    reset: Callable[..., Any] = dynamo.reset
+
+    def reset_keeping_the_callback(*args: Any, **kwargs: Any) -> Any:
+        result = reset(*args, **kwargs)
+        if adopt_before_tracing not in handler.start_callbacks:
+            handler.register_start_callback(adopt_before_tracing)
+        return result
+
+    handler.register_start_callback(adopt_before_tracing)
+    setattr(dynamo, "reset", functools.update_wrapper(reset_keeping_the_callback, reset))  # noqa: B010
+
+    def undo() -> None:
+        if adopt_before_tracing in handler.start_callbacks:
+            handler.remove_start_callback(adopt_before_tracing)
+        setattr(dynamo, "reset", reset)  # noqa: B010
+
+    return undo
 
 
 def _refuse_unadoptable(log: ConversionLog, label: str, where: str, layers: list[tuple[Any, Any, str]]) -> None:

@@ -257,6 +257,10 @@ def _patch_ddp(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[
     return built.patch_ddp(module, log)
 
 
+def _patch_compile_start(module: ModuleType, log: ConversionLog, fresh: bool) -> Callable[[], None]:
+    return built.patch_compile_start(module, log)
+
+
 def _batch_norm_class() -> type:
     from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -344,6 +348,7 @@ def _patch_mmengine(module: ModuleType, log: ConversionLog, fresh: bool) -> Call
 PATCHES: dict[str, Callable[[ModuleType, ConversionLog, bool], Callable[[], None]]] = {
     "torch.nn.modules.batchnorm": _patch_torch,
     "torch.nn.parallel.distributed": _patch_ddp,
+    "torch._dynamo": _patch_compile_start,
     "timm.layers.norm_act": _patch_timm,
     "lightning.pytorch.plugins.layer_sync": _patch_lightning,
     "pytorch_lightning.plugins.layer_sync": _patch_lightning,

@@ -112,7 +112,7 @@ def forward(
         local_invstd = torch.ones(channels, dtype=stats_dtype, device=x.device)
     name = identity.name if identity is not None else "<anonymous>"
     if identity is not None:
-        header = identity.header_for(x.device, x.dtype, channels, stats_dtype, advance=not replay)
+        header = identity.header_for(x.device, x.dtype, channels, stats_dtype, advance=not replay, group=group)
     else:
         header = torch.zeros(HEADER, dtype=stats_dtype, device=x.device)
     row = torch.cat([header, local_mean, local_invstd, _count_tensor(count, stats_dtype, x.device)])

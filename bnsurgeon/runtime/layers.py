@@ -88,12 +88,13 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype)
             if affine and not bias:
                 self.register_parameter("bias", None)
-        self._identity = LayerIdentity(default_name(type(self).__name__, num_features))
+        self._identity = LayerIdentity(default_name(type(self).__name__, num_features), fixed=False)
         self._pickled_group: Optional[str] = None
 
     @property
     def layer_name(self) -> str:
-        """Name in the header of this layer's rows (identity.py): the module path once converted or loaded."""
+        """Name in the header of this layer's rows (identity.py): the module path once converted or loaded; for a
+        layer built directly or adopted, what the ranks run fixes it at the first synchronized call."""
         return self._identity.name
 
     @layer_name.setter
@@ -126,7 +127,10 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         module.bnsurgeon_origin = f"{origin.__module__}.{origin.__qualname__}"
         module._adopted_from = origin
         module._pickled_group = None
-        module._identity = LayerIdentity(name or default_name(cls.__name__, module.num_features))
+        if name:
+            module._identity = LayerIdentity(name)
+        else:  # named by what the ranks run at its first synchronized call, never by when this rank adopted it
+            module._identity = LayerIdentity(default_name(cls.__name__, module.num_features), fixed=False)
         return module  # type: ignore[return-value]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -166,9 +170,8 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         super().__setstate__(state)
         self.__dict__.setdefault("_pickled_group", None)
         if "_identity" not in self.__dict__:  # pickled by a bnsurgeon without layer identities
-            self._identity = LayerIdentity(
-                state.get("layer_name") or default_name(type(self).__name__, self.num_features)
-            )
+            given = state.get("layer_name")
+            self._identity = LayerIdentity(given or default_name(type(self).__name__, self.num_features), bool(given))
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -208,6 +211,8 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         group, world_size = self._sync_group()
         if world_size <= 1:
             return None
+        if not self._identity.fixed:
+            self._identity.fix(self, group)
         momentum: Any = factor
         if cumulative and self.num_batches_tracked is not None:
             momentum = cumulative_factor(self.num_batches_tracked, x.dtype)

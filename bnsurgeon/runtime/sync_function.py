@@ -214,7 +214,9 @@ def global_stats(
         if stats is not None:  # a recognised recompute: the original forward's statistics
             return stats
     if identity is not None:
-        header = identity.header_for(local_mean.device, input_dtype, channels, local_mean.dtype, advance=not replay)
+        header = identity.header_for(
+            local_mean.device, input_dtype, channels, local_mean.dtype, advance=not replay, group=group
+        )
     else:
         header = local_mean.new_zeros(HEADER)
     local = torch.cat([header, fingerprint])
