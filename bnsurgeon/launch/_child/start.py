@@ -1,6 +1,7 @@
 """Imported by the start hook (``zz-bnsurgeon-run.pth`` in site-packages) in a process that ``bnsurgeon run``'s
-script started (``BNSURGEON_RUN`` set): the run's converters for the process (``children.start_child``), or one
-line and exit 1 where they cannot be installed."""
+script started (``BNSURGEON_RUN`` carries the run's token): the run's converters for the process
+(``children.start_child``), or one line and exit 1 where they cannot be installed; nothing where that run has
+ended."""
 
 import os
 
@@ -8,6 +9,10 @@ import os
 def _start() -> None:
     settings = os.environ.get("BNSURGEON_RUN")
     if not settings:
+        return
+    from bnsurgeon.core.processes import live_run  # the standard library only
+
+    if live_run(settings) is None:  # a run that ended (killed before removing its hook): as under python
         return
     try:
         from bnsurgeon.launch.children import refuse, start_child
