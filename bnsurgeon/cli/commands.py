@@ -890,13 +890,15 @@ def run(
     A model that builds torch.nn.SyncBatchNorm itself, with no converter call (OpenMMLab
     norm_cfg=dict(type="SyncBN"), detectron2 norm="SyncBN", its own __init__, a module it unpickles):
     each such layer becomes bnsurgeon's in place, the same object, where DistributedDataParallel wraps
-    the model (one summary line per model), or at its first forward under a process group. In one
-    process without a process group torch's layer is plain BN already and is left as it is.
+    the model (one summary line per model), at its first train-mode forward under a process group, or
+    as torch.compile starts under one. In one process without a process group torch's layer is plain BN
+    already and is left as it is.
 
     Python processes the script starts inherit the replaced converters: the ranks Lightning's
     Trainer(devices=N) starts without torchrun (strategy="ddp" or "ddp_spawn"), a script's own
-    torch.multiprocessing.spawn workers (through a start hook in site-packages, zz-bnsurgeon-run.pth, that
-    acts only where BNSURGEON_RUN is set, as coverage.py does).
+    torch.multiprocessing.spawn workers (through a start hook written into site-packages for the run and
+    removed at its end, as coverage.py's patch = subprocess does; it acts only where BNSURGEON_RUN
+    carries this run's token while the run lives).
 
     Not covered: a project's own copy of a converter (apex's convert_syncbn_model): call
     bnsurgeon.convert(model, "sync", inplace=True) after it.
