@@ -270,16 +270,16 @@ def load_example_input(path: "str | os.PathLike") -> CheckInput:
     import pickle
     import warnings
 
-    import torch
-
     from bnsurgeon.core.errors import CheckpointError, first_line
     from bnsurgeon.core.paths import check_reachable
     from bnsurgeon.files.reading import (
         UNSUPPORTED_GLOBAL,
         refuse_compressed_records,
+        refuse_dtypes_this_torch_lacks,
         unpickler_refusal,
         unsupported_global,
     )
+    from bnsurgeon.files.torch_pickle import load_weights_only
 
     check_reachable(path, "--example-input", UsageError, "pass a file of this machine with a shorter path")
     path = Path(path)
@@ -308,8 +308,11 @@ def load_example_input(path: "str | os.PathLike") -> CheckInput:
     try:
         with warnings.catch_warnings():  # torch's notes on pickle protocols and sparse checks: not the user's line
             warnings.simplefilter("ignore")
-            value = torch.load(path, map_location="meta", weights_only=True)
+            value = load_weights_only(path, map_location="meta")  # torch's allow-list as the program left it
+    except CheckpointError as error:  # a TorchScript archive, torch's legacy tar format
+        raise UsageError(error.message, save_hint) from None
     except pickle.UnpicklingError as error:
+        refuse_dtypes_this_torch_lacks(path, flag)  # a dtype of a newer torch: exit 18, not "would run code"
         text = str(error)
         why = (
             unsupported_global(text) + ", which would run code"
@@ -321,6 +324,7 @@ def load_example_input(path: "str | os.PathLike") -> CheckInput:
             "save only tensors, lists or dicts of tensors: torch.save(x, 'x.pt')",
         ) from None
     except Exception as error:  # truncated or not a torch file
+        refuse_dtypes_this_torch_lacks(path, flag)
         raise UsageError(f"{flag} cannot be read ({first_line(error, 'unknown error')[:120]})", save_hint) from None
     structure = _structure_of(value, str(path))
     _refuse_more_than_the_file_holds(value, path, flag)

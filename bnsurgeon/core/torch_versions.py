@@ -18,8 +18,8 @@ FLOOR = (2, 4)
 
 #: feature -> the torch release that brought it (what bnsurgeon uses where it exists)
 FEATURES: dict[str, tuple[int, int]] = {
-    # torch.serialization.safe_globals, the context manager for one load's allow-list (2.4: add_safe_globals only)
-    "safe_globals": (2, 5),
+    # the weights_only unpickler refusing with pickle.UnpicklingError (2.4: RuntimeError; torch#132349)
+    "weights_only_unpickling_error": (2, 5),
     # FSDP2's fully_shard as torch.distributed.fsdp.fully_shard (2.4, 2.5: torch.distributed._composable.fsdp)
     "fully_shard_public": (2, 6),
     # torch.onnx.export(..., dynamo=True) returning an ONNXProgram (2.4 has the older torch.onnx.dynamo_export)
@@ -69,27 +69,12 @@ def require(feature: str, what: str) -> None:
     )
 
 
-def safe_globals(extra: list[Any]) -> Any:
-    """A context for one ``torch.load(weights_only=True)`` with ``extra`` allowed as well: torch's
-    ``safe_globals`` where it exists; on torch 2.4, ``add_safe_globals`` with the list put back afterwards."""
-    import contextlib
+def weights_only_refusal() -> type[Exception]:
+    """What torch's weights_only unpickler raises when it refuses a file, which torch.load's weights_only path
+    reports as an UnpicklingError: UnpicklingError itself, RuntimeError on torch 2.4 (whatever its cause)."""
+    import pickle
 
-    import torch
-
-    if has("safe_globals"):
-        return torch.serialization.safe_globals(extra)
-
-    @contextlib.contextmanager
-    def added() -> Any:
-        before = list(torch.serialization.get_safe_globals())
-        torch.serialization.add_safe_globals(extra)
-        try:
-            yield
-        finally:
-            torch.serialization.clear_safe_globals()
-            torch.serialization.add_safe_globals(before)
-
-    return added()
+    return pickle.UnpicklingError if has("weights_only_unpickling_error") else RuntimeError
 
 
 def flat_all_gather() -> Any:

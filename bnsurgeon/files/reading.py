@@ -1,8 +1,9 @@
 """Read checkpoints: tensors + bnsurgeon metadata, and the state dicts a file holds.
 
-Every file is untrusted: ``torch.load(weights_only=True)`` with only harmless globals
-allowed (``argparse.Namespace`` of timm training checkpoints); arbitrary pickles need
-``trust_pickle=True``. Writing is ``files.writing``'s job.
+Every file is untrusted: torch's weights_only load with only harmless globals admitted
+(``argparse.Namespace`` of timm training checkpoints), for that one load (``files.torch_pickle``:
+torch's process-wide allow-list is never touched); arbitrary pickles need ``trust_pickle=True``.
+Writing is ``files.writing``'s job.
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import json
 import os
 import re
 import struct
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from bnsurgeon.core.errors import CheckpointError, SourceNotFoundError, UnsafeCheckpointError, UsageError, first_line
 from bnsurgeon.core.json_text import RepeatedKeyError, unique_keys
 from bnsurgeon.core.layout import counted, shown
 from bnsurgeon.core.torch_versions import FEATURES, installed_text, require
+from bnsurgeon.files.torch_pickle import global_name, globals_named, load_weights_only, weights_only_forced
 
 if TYPE_CHECKING:
     import torch
@@ -349,21 +350,32 @@ def _read_safetensors_copy(path: Path, header: dict[str, Any]) -> dict[str, "tor
     return tensors
 
 
-def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckpoint:
+def harmless_globals() -> list[Any]:
+    """What a read admits beyond torch's weights_only defaults and the program's own allow-list, for itself only:
+    ``argparse.Namespace``, what timm's train.py saves its arguments as."""
     import argparse
+
+    return [argparse.Namespace]
+
+
+def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckpoint:
     import pickle
+    import zipfile
 
     import torch
 
     try:
         if trust_pickle:
             obj = torch.load(path, map_location="cpu", weights_only=False)
-        else:
-            with harmless_globals_allowed([argparse.Namespace]):
-                obj = _torch_load(path, mmap)
+        else:  # torch's weights_only load with Namespace admitted for this load only (torch's list untouched)
+            obj = load_weights_only(path, also_allowed=harmless_globals(), mmap=mmap and zipfile.is_zipfile(path))
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as error:
+        refuse_dtypes_this_torch_lacks(path, f"reading {path}")
         text = str(error)
         if UNSUPPORTED_GLOBAL.search(text):  # the pickle imports something: code would run
+            _refuse_harmless_global_when_forced(path, text)
             culprit = unsupported_global(text)
             raise UnsafeCheckpointError(f"{path} is a pickle that would run code when loaded ({culprit})") from None
         if "WeightsUnpickler error:" in text:  # torch's safe loader refused a construct: say which, not its advice
@@ -377,6 +389,7 @@ def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckp
             "the file is truncated or corrupt; use an intact copy",
         ) from None
     except Exception as error:  # garbage makes the unpickler raise anything: IndexError, KeyError, ...
+        refuse_dtypes_this_torch_lacks(path, f"reading {path}")
         raise CheckpointError(
             f"{path} is not a readable PyTorch checkpoint ({first_line(error, 'unknown error')})",
             "the file is truncated, corrupt, or not a checkpoint; use an intact .pt/.pth/.safetensors file",
@@ -395,32 +408,26 @@ def _read_torch(path: Path, trust_pickle: bool, mmap: bool = False) -> RawCheckp
     return RawCheckpoint(path, obj, metadata)
 
 
-@contextmanager
-def harmless_globals_allowed(extra: list) -> Iterator[None]:
-    """torch's ``safe_globals(extra)`` for one load, leaving the caller's allow-list as it was: torch's
-    context removes ``extra`` on exit, also what the caller had added with ``add_safe_globals`` before."""
-    import torch
-
-    from bnsurgeon.core.torch_versions import safe_globals
-
-    before = list(torch.serialization.get_safe_globals())
-    try:
-        with safe_globals(extra):  # torch's context from 2.5; a shim on 2.4 (torch_versions.py)
-            yield
-    finally:
-        now = torch.serialization.get_safe_globals()
-        lost = [entry for entry in before if entry not in now]
-        if lost:
-            torch.serialization.add_safe_globals(lost)
+def _refuse_harmless_global_when_forced(path: Path, text: str) -> None:
+    """Under TORCH_FORCE_WEIGHTS_ONLY_LOAD a read is torch's own load, which admits no Namespace of bnsurgeon's:
+    the variable is the reason, not the file."""
+    match = UNSUPPORTED_GLOBAL.search(text)
+    harmless = {global_name(value) for value in harmless_globals()}
+    if match is None or match.group(1) not in harmless or not weights_only_forced():
+        return
+    raise UnsafeCheckpointError(
+        f"{path} holds {match.group(1)}, which bnsurgeon's reads admit, but TORCH_FORCE_WEIGHTS_ONLY_LOAD is set "
+        "and makes every read torch's own weights_only load, which refuses it",
+        "unset TORCH_FORCE_WEIGHTS_ONLY_LOAD for this command (bnsurgeon's reads are weights_only loads already)",
+    )
 
 
-def _torch_load(path: Path, mmap: bool):
-    """weights_only load; memory-mapped on request when the file is in torch's zip format."""
-    import zipfile
-
-    import torch
-
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
+def refuse_dtypes_this_torch_lacks(path: Path, what: str) -> None:
+    """A torch.save file that names a dtype of a newer torch (``torch.float8_e8m0fnu`` on torch 2.4): one line,
+    exit 18, naming both versions (as a .safetensors file holding it gets), not "would run code" or "corrupt"."""
+    newer = {name.partition(".")[2] for name in globals_named(path) if name.partition(".")[0] == "torch"}
+    for dtype in sorted(newer & set(SAFETENSORS_DTYPES.values()) & set(FEATURES)):
+        require(dtype, f"{what} (it holds {dtype} tensors)")
 
 
 #: torch's weights_only refusals of a GLOBAL ("Unsupported global: GLOBAL m.f was not an allowed global",
