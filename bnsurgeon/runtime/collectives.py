@@ -86,9 +86,10 @@ def all_gather_rows(
 ) -> torch.Tensor:
     """One all_gather of a 1-D tensor; row r of the result is rank r's tensor.
 
-    The output is allocated flat because gloo's flat all_gather requires it.
+    The output is allocated flat because gloo's flat all_gather requires it, with ``torch.empty``: a tensor
+    subclass's own ``new_empty`` may take narrower arguments (MONAI's MetaTensor takes no int size).
     """
-    gathered = local.new_empty(world_size * local.numel())
+    gathered = torch.empty(world_size * local.numel(), dtype=local.dtype, device=local.device)
     on_cpu = local.device.type == "cpu"
     _finish(_flat_all_gather(gathered, local, group=group, async_op=on_cpu), local, describe, group)
     return gathered.view(world_size, local.numel())

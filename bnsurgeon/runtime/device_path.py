@@ -105,18 +105,21 @@ def forward(
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     stats_dtype = stats_dtype_of(x.dtype)
+    device = x.device  # read once: each read builds a torch.device on the host
     if count:
         local_mean, local_invstd = torch.batch_norm_stats(x, eps)
     else:  # an empty rank still joins: count 0, and a finite invstd so that its weight 0 is exact
-        local_mean = torch.zeros(channels, dtype=stats_dtype, device=x.device)
-        local_invstd = torch.ones(channels, dtype=stats_dtype, device=x.device)
+        local_mean = torch.zeros(channels, dtype=stats_dtype, device=device)
+        local_invstd = torch.ones(channels, dtype=stats_dtype, device=device)
     name = identity.name if identity is not None else "<anonymous>"
     if identity is not None:
-        header = identity.header_for(x.device, x.dtype, channels, stats_dtype, advance=not replay, group=group)
+        header = identity.header_for(device, x.dtype, channels, stats_dtype, advance=not replay, group=group)
     else:
-        header = torch.zeros(HEADER, dtype=stats_dtype, device=x.device)
-    row = torch.cat([header, local_mean, local_invstd, _count_tensor(count, stats_dtype, x.device)])
-    flat = row.new_empty(world_size * row.numel())  # flat: gloo's all_gather requires it
+        header = torch.zeros(HEADER, dtype=stats_dtype, device=device)
+    row = torch.cat([header, local_mean, local_invstd, _count_tensor(count, stats_dtype, device)])
+    # flat: gloo's all_gather requires it; torch.Tensor's own new_empty, never a subclass's (MONAI's takes no int
+    # size), at new_empty's host cost (torch.empty's dtype and device keywords cost more)
+    flat = torch.Tensor.new_empty(row, world_size * row.numel())
     all_gather_into(flat, row, group)
     gathered = flat.view(world_size, -1)
 

@@ -3,7 +3,9 @@
 ``SyncBatchNorm`` subclasses ``torch.nn.SyncBatchNorm`` (isinstance checks and state-dict
 keys unchanged) and makes the same decisions as torch: eval mode, no process group, or
 a world of one -> plain ``F.batch_norm``, bit-identical to the original BN. Training
-under a process group of size > 1 -> ``SyncBatchNormFunction``, on CPU (gloo) too.
+under a process group of size > 1 -> ``SyncBatchNormFunction``, on CPU (gloo) too. A tensor
+subclass with a ``__torch_function__`` (MONAI's MetaTensor) enters a synchronizing call as it
+enters ``F.batch_norm`` (``synchronized_batch_norm``), and gets its result back as from it.
 
 The frozen classes normalize with the running statistics through ``F.batch_norm`` in
 eval mode, so a frozen model is bit-identical to the source BN model in eval mode.
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from bnsurgeon.core.anatomy import BNFields, attach_affine, attach_children, attach_stats, read_fields
 from bnsurgeon.runtime import replicas
@@ -230,6 +233,22 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         )
 
     @torch.jit.unused
+    def _synchronizes(self) -> bool:
+        """Whether a train-mode call synchronizes: a DataParallel replica, or a group of more than one rank."""
+        return self._is_replica or self._sync_group()[1] > 1
+
+    @torch.jit.unused
+    def _normalize_subclass(self, x: torch.Tensor) -> torch.Tensor:
+        """A synchronizing call given a tensor subclass (MONAI's MetaTensor), entered as ``F.batch_norm`` is: through
+        the subclass's ``__torch_function__``, which runs ``synchronized_batch_norm`` and wraps its plain result as
+        it wraps F.batch_norm's. Outside compiled graphs (below the class). A layer whose first synchronized call
+        fixes its name is named here, from its callers' frames rather than the subclass's."""
+        group, world_size = self._sync_group()
+        if world_size > 1 and not self._identity.fixed:
+            self._identity.fix(self, group)
+        return handle_torch_function(synchronized_batch_norm, (x,), x, self)
+
+    @torch.jit.unused
     def _compiled_sync(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Under ``torch.compile``: traced batch norm around two collective custom ops (sync_op.py), or None."""
         group, world_size = self._sync_group()
@@ -278,6 +297,13 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             return F.batch_norm(
                 x, self.running_mean, self.running_var, self.weight, self.bias, stats_missing, momentum, self.eps
             )
+        if not torch.jit.is_scripting():
+            if type(x) is not torch.Tensor and has_torch_function_unary(x) and self._synchronizes():
+                return self._normalize_subclass(x)  # MONAI's MetaTensor, torchvision's tv_tensors, ...
+        return self._normalize_batch(x)
+
+    def _normalize_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """Train mode: by the batch's statistics, synchronized where torch's layer would synchronize."""
         counts = True
         if not torch.jit.is_scripting():
             if self.training and self._is_replica:
@@ -337,12 +363,32 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         new.bnsurgeon_origin = fields.origin
 
 
+def synchronized_batch_norm(input: torch.Tensor, layer: SyncBatchNorm) -> torch.Tensor:
+    """``layer``'s synchronized train-mode batch norm of a tensor subclass's ``input``: the function the subclass's
+    ``__torch_function__`` runs, as it runs ``F.batch_norm``, and whose plain result it wraps as it wraps that one
+    (MONAI's MetaTensor with its metadata; torchvision's tv_tensors as a plain tensor). The layer sees a plain alias
+    of the input (its strides, attached to autograd), so no allocation or collective inside meets the subclass's own
+    methods (a MetaTensor's ``new_empty`` takes no int size). Made with the subclass's ``__torch_function__`` off,
+    not by ``as_subclass``, which torch 2.4 refuses under any dispatch mode (a FLOP counter)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        plain = torch.ops.aten.alias.default(input)
+    return layer._normalize_batch(plain)
+
+
 outside_compile(
     SyncBatchNorm,
     "_normalize_eagerly",
     "bnsurgeon: a sync batch norm layer whose local batch is empty runs eagerly (traced, its collectives "
     "would carry no data dependency and inductor would drop and reorder them); compile without "
     "fullgraph=True, or give every rank at least one sample",
+)
+outside_compile(
+    SyncBatchNorm,
+    "_normalize_subclass",
+    "bnsurgeon: a sync batch norm layer given a tensor subclass (MONAI's MetaTensor, torchvision's tv_tensors) "
+    "runs eagerly, entered through the subclass's __torch_function__ as F.batch_norm is, which dynamo cannot trace "
+    "around the layer's collectives; compile without fullgraph=True, or give the model a plain tensor "
+    "(x.as_subclass(torch.Tensor))",
 )
 
 

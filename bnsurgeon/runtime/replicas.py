@@ -330,7 +330,7 @@ def _replica_stats(x: torch.Tensor, slot: ReplicaSlot, eps: float, kernels, repl
     local_mean, local_var, centred = kernels.local_stats(x, eps)
     channels = x.shape[1]
     count = math.prod(x.shape) // max(channels, 1)
-    row = torch.cat([local_mean.new_full((1,), count), local_mean, local_var])
+    row = torch.cat([torch.full((1,), count, dtype=local_mean.dtype, device=local_mean.device), local_mean, local_var])
     group = slot.group
     if replay:
         for index, (fingerprint, stats) in enumerate(slot.stash):

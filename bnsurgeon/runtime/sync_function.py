@@ -205,7 +205,7 @@ def global_stats(
     Shared by the eager Function and the compiled path's custom op (sync_op.py).
     """
     channels = shape[1]
-    count = local_mean.new_full((1,), local_count(shape))
+    count = torch.full((1,), local_count(shape), dtype=local_mean.dtype, device=local_mean.device)
     fingerprint = torch.cat([count, local_mean, local_var])
     on_host = counts_on_host(local_mean)
     name = identity.name if identity is not None else "<anonymous>"
@@ -218,7 +218,7 @@ def global_stats(
             local_mean.device, input_dtype, channels, local_mean.dtype, advance=not replay, group=group
         )
     else:
-        header = local_mean.new_zeros(HEADER)
+        header = torch.zeros(HEADER, dtype=local_mean.dtype, device=local_mean.device)
     local = torch.cat([header, fingerprint])
 
     def describe() -> str:

@@ -91,20 +91,21 @@ def sync_statistics(
     total = stats.total
     if not isinstance(total, Tensor):
         total = torch.tensor([float(total)], dtype=stats.mean.dtype, device=stats.mean.device)
-    counted = stats.mean.new_full((1,), 0.0 if replay else 1.0)
-    share = total.new_full((1,), float(local_count(shape))).div_(total.clamp(min=1))
+    counted = torch.full((1,), 0.0 if replay else 1.0, dtype=stats.mean.dtype, device=stats.mean.device)
+    share = torch.full((1,), float(local_count(shape)), dtype=total.dtype, device=total.device)
+    share.div_(total.clamp(min=1))
     assert stats.var is not None and stats.header is not None  # global_stats always fills both
     return stats.mean.clone(), stats.var.clone(), total.clone(), stats.header.clone(), counted, share
 
 
 @sync_statistics.register_fake
 def _(local_mean, local_var, shape, input_dtype, eps, group_name, world_size, layer):
-    scalar = local_mean.new_empty((1,))
+    scalar = torch.empty(1, dtype=local_mean.dtype, device=local_mean.device)
     return (
         torch.empty_like(local_mean),
         torch.empty_like(local_var),
         scalar,
-        local_mean.new_empty((HEADER,)),
+        torch.empty(HEADER, dtype=local_mean.dtype, device=local_mean.device),
         torch.empty_like(scalar),
         torch.empty_like(scalar),
     )
