@@ -35,6 +35,8 @@ _API = {
     "run_script": ("bnsurgeon.launch.script", "run_script"),
     "ScriptRaised": ("bnsurgeon.launch.script", "ScriptRaised"),
     "ScriptNotRunnable": ("bnsurgeon.launch.script", "ScriptNotRunnable"),
+    "record_sync_gaps": ("bnsurgeon.launch.gaps", "record_sync_gaps"),
+    "SyncGapRecording": ("bnsurgeon.launch.gaps", "SyncGapRecording"),
     # the errors a caller may catch: BnSurgeonError and its subclasses carry ``exit_code`` (the CLI's exit
     # status) and ``hint`` (the fix); the distributed ones are RuntimeErrors raised inside training
     "BnSurgeonError": ("bnsurgeon.core.errors", "BnSurgeonError"),

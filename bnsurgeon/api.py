@@ -21,6 +21,7 @@ from bnsurgeon.checks.eval_check import (  # noqa: F401
 )
 from bnsurgeon.core.running import preserved_modes  # noqa: F401
 from bnsurgeon.files.conversion import save, write_reports  # noqa: F401
+from bnsurgeon.launch.gaps import SyncGapRecording, record_sync_gaps  # noqa: F401
 from bnsurgeon.launch.script import ScriptRaised, run_script  # noqa: F401
 from bnsurgeon.loading.architecture import Architecture, LoadedSource  # noqa: F401
 from bnsurgeon.loading.rebuild import load, rebuild_from_checkpoint  # noqa: F401

@@ -93,7 +93,8 @@ def children_launched(tmp_path_factory):
     out = work / "out"
     out.mkdir()
     sections = ["spawn"] + (["lightning"] if HAS_LIGHTNING else [])
-    command = ["-m", "bnsurgeon", "run", "--report", str(out / "report.json"), "train.py", str(out), *sections]
+    gaps = ["--stats", str(out / "gaps.json")]  # the ranks are children: they record, and their rank 0 writes
+    command = ["-m", "bnsurgeon", "run", "--report", str(out / "report.json"), *gaps, "train.py", str(out), *sections]
     done = _python(*command, cwd=work, timeout=LAUNCH_TIMEOUT)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stderr, out
@@ -120,7 +121,23 @@ def test_processes_the_script_starts_inherit_the_converters(children_launched):
     if HAS_LIGHTNING:
         expected += ["torch.nn.SyncBatchNorm.convert_sync_batchnorm at layer_sync.py", "Lightning TorchSyncBatchNorm"]
     assert len(sources) == len(expected) and all(s.startswith(e) for s, e in zip(sources, expected)), sources
-    assert len([line for line in stderr.splitlines() if line.startswith("bnsurgeon run:")]) == len(expected)
+    conversions = [
+        line for line in stderr.splitlines() if line.startswith("bnsurgeon run:") and "sync changed" not in line
+    ]
+    assert len(conversions) == len(expected)
+
+
+@pytest.mark.distributed
+def test_stats_is_recorded_by_the_ranks_the_script_starts(children_launched):
+    """--stats under the script's own spawn workers and Lightning's launcher (ranks that are children of the run):
+    each world's rank 0 writes one document of 2 ranks, and says one verdict line."""
+    stderr, out = children_launched
+    documents = [json.loads(path.read_text()) for path in sorted(out.glob("gaps*.json"))]
+    assert len(documents) == 1 + HAS_LIGHTNING, [p.name for p in out.iterdir()]
+    for document in documents:
+        assert document["world_size"] == 2 and document["layers"], document
+    verdicts = [line for line in stderr.splitlines() if "sync changed batch means" in line]
+    assert len(verdicts) == len(documents), stderr[-3000:]
 
 
 @pytest.mark.distributed

@@ -857,6 +857,28 @@ def run(
         "a second conversion's to NAME.2.json, and so on (rank 0). Checked before the script starts; a relative "
         "PATH is the working directory's at the start.",
     ),
+    stats: Optional[str] = typer.Option(
+        None,
+        "--stats",
+        metavar="PATH",
+        help="Measure whether this model and data need sync BN: in the first --stats-steps training steps, how far "
+        "each rank's batch mean and variance are from the global batch's, per sync layer (from what each layer "
+        "gathers anyway: no extra collective). Rank 0 writes the JSON document to PATH, its picture to PATH with "
+        ".html, and says the verdict in one line. Checked as --report is.",
+    ),
+    stats_steps: int = typer.Option(
+        20,
+        "--stats-steps",
+        min=1,
+        metavar="N",
+        help="Training steps --stats records (a step: a call of the first layer).",
+    ),
+    stats_layers: Optional[List[str]] = typer.Option(
+        None,
+        "--stats-layers",
+        metavar="PATTERN",
+        help="Only the sync layers whose names match this shell pattern (repeatable), e.g. 'Net.layer1.*'.",
+    ),
     force: bool = typer.Option(
         False,
         "--force",
@@ -900,11 +922,15 @@ def run(
     removed at its end, as coverage.py's patch = subprocess does; it acts only where BNSURGEON_RUN
     carries this run's token while the run lives).
 
+    --stats PATH answers "do I need sync BN?" for this model and data: per sync layer, how far each rank's
+    batch statistics are from the global batch's, against the global batch's own sampling error.
+
     Not covered: a project's own copy of a converter (apex's convert_syncbn_model): call
     bnsurgeon.convert(model, "sync", inplace=True) after it.
     """
     import sys
 
+    from bnsurgeon.launch.gaps import GapRequest
     from bnsurgeon.launch.script import ScriptNotRunnable, ScriptRaised, run_script
 
     if rules:  # as every command loads them: a module that fails to import is bnsurgeon's error, not the script's
@@ -923,6 +949,7 @@ def run(
             quiet=quiet,
             rules=rules or [],
             restore=False,
+            stats=None if stats is None else GapRequest(stats, stats_steps, stats_layers or []),
         )
     except ScriptNotRunnable as refused:  # a directory without __main__.py, a package without __main__
         print(f"{sys.executable}: {refused}", file=sys.stderr)

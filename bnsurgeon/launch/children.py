@@ -32,7 +32,7 @@ import secrets
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from bnsurgeon.core.after_import import after_import
 from bnsurgeon.core.processes import live_run, start_time, still_running
@@ -146,9 +146,11 @@ def _remove_dead_hooks(directory: Path) -> None:
                 hook.unlink()
 
 
-def child_environment(log: ConversionLog, rules: Sequence[str]) -> Callable[[], None]:
+def child_environment(
+    log: ConversionLog, rules: Sequence[str], gaps: dict[str, Any] | None = None
+) -> Callable[[], None]:
     """Set the environment the script's child processes start with, and this run's start hook; returns the undo,
-    which removes the hook."""
+    which removes the hook. ``gaps``: ``--stats``, for the ranks among them (they record, and rank 0 writes)."""
     saved = {name: os.environ.get(name) for name in (ENV, "PYTHONPATH")}
     token, pid = secrets.token_hex(16), os.getpid()
     started = start_time(pid)
@@ -162,6 +164,7 @@ def child_environment(log: ConversionLog, rules: Sequence[str]) -> Callable[[], 
         "rules": list(rules),
         "rules_directory": os.getcwd(),  # where the run loaded them from, whatever a child's directory
         "rank": os.environ.get("RANK"),  # the run's own: a child that sees the same only inherited it
+        "stats": gaps,
     }
     os.environ[ENV] = json.dumps(settings, allow_nan=False)
     hook = write_start_hook(token, pid, started)
@@ -226,6 +229,27 @@ def start_child(text: str) -> None:
         after_import(["torch"], load_rules)
     install(log)
     _refusals_in_one_line(log)
+    _record_gaps(values.get("stats"))
+
+
+def _record_gaps(stats: Any) -> None:
+    """``--stats`` in a child (a rank Lightning's launcher or the script's spawn started): it records as the run's
+    own process does, and writes if it is rank 0. Settings that are not the run's are ignored."""
+    if not isinstance(stats, dict) or not isinstance(stats.get("path"), str):
+        return
+    steps, layers = stats.get("steps"), stats.get("layers") or []
+    if not isinstance(steps, int) or steps < 1 or not all(isinstance(layer, str) for layer in layers):
+        return
+    from bnsurgeon.launch.gaps import start_recording_gaps
+
+    start_recording_gaps(
+        Path(stats["path"]),
+        steps,
+        layers,
+        quiet=bool(stats.get("quiet")),
+        source=str(stats.get("source") or ""),
+        child=True,
+    )
 
 
 def _refusals_in_one_line(log: ConversionLog) -> None:

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import builtins
 import os
-import re
 import runpy
 import sys
 import types
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bnsurgeon.core.errors import OutputError, UsageError
+from bnsurgeon.core.errors import UsageError
 from bnsurgeon.launch.converters import install
+from bnsurgeon.launch.gaps import GAPS, GapRequest, refuse_shared_names, start_recording_gaps
 from bnsurgeon.launch.log import ConversionLog, rank, say
+from bnsurgeon.launch.outputs import check_report, claim_report, report_location
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _RUNPY = os.path.abspath(runpy.__file__)
@@ -158,211 +159,6 @@ def _execute(code: Any, names: dict[str, Any]) -> None:
     exec(code, main.__dict__)
 
 
-def report_names(report: Path) -> list[Path]:
-    """The report files a run may write: PATH, then NAME.2.SUFFIX, NAME.3.SUFFIX, ... (those that exist)."""
-    pattern = re.compile(re.escape(report.stem) + r"\.([2-9]|[1-9]\d+)" + re.escape(report.suffix))
-    try:
-        numbered_names = [entry for entry in report.parent.iterdir() if pattern.fullmatch(entry.name)]
-    except OSError:
-        numbered_names = []
-    return [report, *sorted(numbered_names)]
-
-
-def report_location(report: str | os.PathLike) -> Path:
-    """``--report`` as an absolute path. A name ending in a separator names a directory, and a report is a file:
-    refused, not read as the file without the slash (as ``os.path.abspath`` and a click Path would drop it)."""
-    text = os.fspath(report)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    name = os.path.basename(text)
-    if text.endswith(("/", os.sep)) or name in (".", ".."):
-        raise OutputError(
-            f"--report {text}: a name ending in {os.sep}, {os.sep}. or {os.sep}.. names a directory, and a report is "
-            "a file",
-            f"give a file path such as {text.rstrip('/' + os.sep + '.') or '.'}{os.sep}run.json",
-        )
-    parent = os.path.dirname(text) or "."
-    if ".." in Path(parent).parts:  # resolved as the system resolves it (a missing or linked directory before ..)
-        if not os.path.isdir(parent):
-            raise OutputError(
-                f"--report {text}: the directory {parent!r} does not exist, as the system reads the path",
-                "create it first, or give the path without ..",
-            )
-        return Path(os.path.realpath(parent)) / name
-    return Path(os.path.abspath(text))
-
-
-def check_report(
-    report: str | os.PathLike, *, force: bool, first: bool, script: str | None = None
-) -> tuple[Path, list[Path]]:
-    """``--report``, absolute (a script that changes directory writes it where it was asked for), checked
-    before anything of the script runs (a package's ``__init__`` for ``-m`` included): a name the filesystem
-    takes, in a directory whose files can be created; a regular file or nothing (a FIFO, a device, a link,
-    a directory is refused and never removed, ``--force`` or not); existing reports (PATH, NAME.2.SUFFIX, ...)
-    only with ``force``. ``first``: this process writes the reports (rank 0 of a torchrun launch): only it looks
-    at existing ones. Returns the path and the earlier run's reports, which ``claim_report`` removes once the
-    script's own file is known (only those: a report a package's ``__init__`` wrote meanwhile is this run's)."""
-    import tempfile
-
-    path = Path(os.path.abspath(report))
-    limit = _name_max(path.parent)
-    longest = len(os.fsencode(path.name)) + len(".999")  # room for NAME.999.SUFFIX
-    if longest > limit:
-        raise OutputError(
-            f"--report {path}: the file name is too long ({len(os.fsencode(path.name))} bytes; this filesystem takes "
-            f"{limit}, and numbered reports add up to 4)",
-            "choose a shorter report name",
-        )
-    parent = path.parent
-    if not parent.is_dir():
-        what = "is not a directory" if os.path.lexists(parent) else "does not exist"
-        raise OutputError(f"--report {path}: the directory {str(parent)!r} {what}", "create it first")
-    if path.is_dir() and not path.is_symlink():
-        raise OutputError(f"--report {path} is a directory", "give a file path such as run.json")
-    _refuse_special(path, path)
-    try:
-        probe, probe_path = tempfile.mkstemp(dir=parent, prefix=".bnsurgeon-probe-")
-        os.close(probe)
-        os.unlink(probe_path)
-    except OSError as error:
-        raise OutputError(
-            f"--report {path}: cannot create a file in {parent} ({error.strerror or error})",
-            "choose a directory you can write to",
-        ) from None
-    if not first:
-        return path, []
-    existing = [name for name in report_names(path) if os.path.lexists(name)]
-    for name in existing:
-        _refuse_special(path, name)
-    runs = [] if script is None else [script, os.path.join(script, "__main__.py")]
-    for name in existing:  # first: no --force makes this path usable
-        said = next((given for given in runs if _same_file(name, given)), None)
-        if said is not None:
-            raise OutputError(
-                f"--report {path} would write over the script {said}",
-                "choose another report path; bnsurgeon never overwrites what it runs, --force or not",
-            )
-    for name in existing:  # --force replaces reports, never a file of the user's (a package's __init__.py)
-        if not holds_a_report(name):
-            raise OutputError(
-                f"--report {path}: {name} exists and is not a bnsurgeon report; --force replaces only the reports "
-                "of an earlier run, and bnsurgeon never removes another file",
-                "choose another report path",
-            )
-    if existing and not force:
-        raise OutputError(
-            f"--report {path}: {existing[0]} already exists",
-            "pass --force to replace the reports of an earlier run, or choose another path",
-        )
-    return path, existing
-
-
-#: the most of an existing file read to tell whether it is a report (a run's reports are kilobytes to megabytes)
-REPORT_READ_LIMIT = 64 * 1024 * 1024
-#: what every report's JSON starts with (``Report.to_json``: its first field), and the fields it always has
-REPORT_START = b'{\n  "target": '
-REPORT_FIELDS = frozenset({"target", "changed", "kept", "unhandled", "schema_version", "tool_version"})
-
-
-def holds_a_report(name: Path) -> bool:
-    """Whether ``name`` is a regular file holding a bnsurgeon report (a JSON document as ``Report.to_json`` writes
-    it): read without following a link or waiting on a FIFO put there meanwhile, and at most ``REPORT_READ_LIMIT``."""
-    import json
-    import stat
-
-    try:
-        handle = os.open(name, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(handle).st_mode):
-            return False
-        with os.fdopen(handle, "rb", closefd=False) as file:
-            data = file.read(REPORT_READ_LIMIT + 1)
-    except OSError:
-        return False
-    finally:
-        os.close(handle)
-    if len(data) > REPORT_READ_LIMIT or not data.startswith(REPORT_START):
-        return False
-    try:
-        document = json.loads(data)
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(document, dict) and REPORT_FIELDS <= document.keys()
-
-
-def _name_max(directory: Path) -> int:
-    try:
-        return os.pathconf(directory, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return 255
-
-
-def _refuse_special(report: Path, name: Path) -> None:
-    """A name that exists and is not a regular file (a FIFO, a device, a socket, a symbolic link, /dev/stdout) is
-    no report of an earlier run: refused, and never removed."""
-    import stat
-
-    try:
-        mode = os.lstat(name).st_mode
-    except OSError:
-        return
-    if stat.S_ISREG(mode):
-        return
-    kind = (
-        "a symbolic link"
-        if stat.S_ISLNK(mode)
-        else "a directory"
-        if stat.S_ISDIR(mode)
-        else "a FIFO"
-        if stat.S_ISFIFO(mode)
-        else "a device"
-        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-        else "not a regular file"
-    )
-    raise OutputError(
-        f"--report {report}: {name} is {kind}; reports are written only as regular files, and bnsurgeon never "
-        "removes anything else",
-        "give the path of a regular file (or of none yet)",
-    )
-
-
-def claim_report(path: Path, run: Sequence[str], earlier: Sequence[Path], *, force: bool, first: bool) -> None:
-    """Once the file that runs is known (a script, a directory's or zip's ``__main__``, a module's file), before
-    its first line: no report name is that file (by identity: a hard link too), then, with ``force``, the
-    earlier run's reports (``earlier``, found by ``check_report``) are removed, so that a report there afterwards
-    is this run's."""
-    pattern = re.compile(re.escape(path.stem) + r"(\.\d+)?" + re.escape(path.suffix))
-    names = report_names(path)
-    for given in run:
-        entry = Path(os.path.realpath(given))
-        same_place = entry.parent == Path(os.path.realpath(path.parent)) and pattern.fullmatch(entry.name)
-        if same_place or any(_same_file(name, given) for name in names):
-            raise OutputError(
-                f"--report {path} would write over the script {given}",
-                "choose another report path; bnsurgeon never overwrites what it runs, --force or not",
-            )
-    if not first or not force:
-        return
-    for name in earlier:
-        if os.path.lexists(name):
-            _refuse_special(path, name)
-            if not holds_a_report(name):  # replaced since it was checked (by a package's __init__ for -m)
-                raise OutputError(
-                    f"--report {path}: {name} is no longer a bnsurgeon report; bnsurgeon never removes another file",
-                    "choose another report path",
-                )
-            name.unlink()
-
-
-def _same_file(name: Path, other: str) -> bool:
-    try:
-        return os.path.samefile(name, other)
-    except OSError:
-        return False
-
-
 def _files_run(target: str, module: bool, names: dict[str, Any]) -> list[str]:
     """The files python runs for the target: the script, or the ``__main__`` module's origin (a directory's
     ``__main__.py``, a module's file) and, for ``-m a.b.c``, the ``__init__.py`` of ``a`` and ``a.b``; a zip
@@ -404,6 +200,7 @@ def run_script(
     rules: Sequence[str] = (),
     children: bool = True,
     restore: bool = True,
+    stats: "GapRequest | None" = None,
 ) -> ConversionLog:
     """Run ``target`` (a script path, or a module name with ``module=True``) with ``args`` as ``__main__``,
     every known sync-BN converter doing bnsurgeon's exact conversion while it runs.
@@ -420,7 +217,8 @@ def run_script(
     ``torch.multiprocessing.spawn``) get the same converters. The script starts with Python's own
     ``sys.excepthook``. ``restore=False`` leaves the script's ``__main__``, ``sys.argv``, hook, environment and
     converters in place (for a process that ends with the script: its threads and atexit handlers see them);
-    ``put_back()`` undoes it.
+    ``put_back()`` undoes it. ``stats``: record how far each rank's batch statistics are from the global batch's in
+    the sync layers' first steps (``--stats``; its document follows ``report``'s rules).
     """
     if not module and target != "":  # "" is the working directory, as python reads it
         try:
@@ -434,7 +232,9 @@ def run_script(
 
         use_rules(list(rules))
     path = None if report is None else report_location(report)  # before the script changes directory
+    gap_path = None if stats is None else report_location(stats.path, GAPS)
     log = ConversionLog(allow_unhandled=allow_unhandled, report_path=path, quiet=quiet)
+    source = f"bnsurgeon run {'-m ' if module else ''}{target}"
     saved_argv, saved_path, saved_main, saved_hook = (
         sys.argv,
         list(sys.path),
@@ -459,10 +259,19 @@ def run_script(
         if children:
             from bnsurgeon.launch.children import child_environment
 
-            undo.append(child_environment(log, rules))
+            gaps = (
+                None if stats is None or gap_path is None else {**stats.settings(quiet, source), "path": str(gap_path)}
+            )
+            undo.append(child_environment(log, rules, gaps))
         earlier: list[Path] = []
+        gaps_earlier: list[Path] = []
         if path is not None:  # before anything of the script runs, a package's __init__ for -m included
             path, earlier = check_report(path, force=force, first=rank() == 0, script=None if module else target)
+        if gap_path is not None:
+            gap_path, gaps_earlier = check_report(
+                gap_path, force=force, first=rank() == 0, script=None if module else target, kind=GAPS
+            )
+            refuse_shared_names(path, gap_path)
         undo.append(install(log))  # before a package's __init__ runs for -m, as it is part of what runs
         sys.argv = [target, *args]
         try:
@@ -471,8 +280,12 @@ def run_script(
             raise
         except BaseException as error:  # noqa: B036 - the script's (a SyntaxError, a package's __init__ that raised)
             raise ScriptRaised(without_our_frames(error)) from None
+        run = _files_run(target, module, names) if path is not None or gap_path is not None else []
         if path is not None:
-            claim_report(path, _files_run(target, module, names), earlier, force=force, first=rank() == 0)
+            claim_report(path, run, earlier, force=force, first=rank() == 0)
+        if stats is not None and gap_path is not None:
+            claim_report(gap_path, run, gaps_earlier, force=force, first=rank() == 0, kind=GAPS)
+            undo.append(start_recording_gaps(gap_path, stats.steps, stats.layers, quiet=quiet, source=source).finish)
         try:
             _execute(code, names)
         except SystemExit:

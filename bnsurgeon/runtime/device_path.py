@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from bnsurgeon.core.torch_versions import has
+from bnsurgeon.runtime import gaps
 from bnsurgeon.runtime.device_checks import device_assert, short_name
 from bnsurgeon.runtime.identity import HEADER, header_mismatch_message
 from bnsurgeon.runtime.recompute import GlobalStats
@@ -141,6 +142,10 @@ def forward(
         empty_here=count == 0,
         update=not replay,
     )
+    recorder = gaps.current()  # bnsurgeon run --stats: keeps the rows gathered here (no op, no host read)
+    if recorder is not None and identity is not None and not replay:
+        _, rank_means, rank_invstds, rank_counts = gathered.split([HEADER, channels, channels, 1], dim=1)
+        recorder.record(identity, rank_counts, rank_means, rank_invstds, mean, invstd, eps, x.shape, invstd=True)
     stats = GlobalStats(mean, None, invstd, counts.to(torch.int32), None)
     return _normalize(x, weight, bias, stats, eps), stats
 

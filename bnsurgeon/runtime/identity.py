@@ -107,6 +107,8 @@ def running_path(layer: Any, frame: Any) -> str | None:
     for root in reversed(running):
         path = _path_in(root, layer)
         if path is not None:
+            while path.startswith("module.") and isinstance(getattr(root, "module", None), nn.Module):
+                root, path = root.module, path[len("module.") :]  # a wrapper's (DDP's): named by what it wraps
             return f"{type(root).__name__}.{path}"
     return None
 

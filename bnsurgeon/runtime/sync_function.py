@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from bnsurgeon.runtime import debug, device_path
+from bnsurgeon.runtime import debug, device_path, gaps
 from bnsurgeon.runtime.collectives import all_gather_rows, all_reduce_sum
 from bnsurgeon.runtime.device_checks import device_assert, short_name
 from bnsurgeon.runtime.device_path import one_value_message
@@ -229,6 +229,10 @@ def global_stats(
     gathered = all_gather_rows(local, world_size, group, describe)
     check_headers(gathered, group, on_host, name)
     counted, mean, var = merge_stats(gathered[:, HEADER:], channels)
+    recorder = gaps.current()  # bnsurgeon run --stats: keeps the rows gathered here (no op, no host read)
+    if recorder is not None and identity is not None and not replay:
+        counts, means, variances = gathered[:, HEADER:].split([1, channels, channels], dim=1)
+        recorder.record(identity, counts, means, variances, mean, var, eps, shape)
     total: "int | torch.Tensor" = counted
     if on_host:
         total = int(counted.item())  # a host read is free on CPU and saves ~10 small ops
