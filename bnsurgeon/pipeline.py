@@ -34,7 +34,7 @@ from bnsurgeon.files.conversion import write_conversion, write_model_directory
 from bnsurgeon.files.history import step
 from bnsurgeon.files.model_directory import check_directory_output, is_directory_output, write_into_directory
 from bnsurgeon.files.reading import describe_checkpoint, read_checkpoint
-from bnsurgeon.files.writing import check_output_path
+from bnsurgeon.files.writing import check_output_path, report_paths
 from bnsurgeon.loading.architecture import LoadedSource
 from bnsurgeon.loading.rebuild import recipe
 from bnsurgeon.loading.recorded import read_recorded
@@ -426,7 +426,8 @@ def verify(
     one rank of the N-rank check, on ``device`` (auto: ``cuda:LOCAL_RANK``
     with NCCL where every local rank has a GPU, else gloo on the CPU; cuda: GPUs shared over gloo where
     there are fewer than local ranks) in ``precision`` (float64, float32 or bf16-autocast: judged against
-    plain BN's own error, measured in the same run); only rank 0's result holds checks.
+    plain BN's own error, measured in the same run); the ranks first prove they read the same bytes of every
+    file (or all stop, exit 4), and every rank returns rank 0's result (or stops with its error's exit code).
 
     Both arguments are loaded under the same trust rules, each confirmed by what the user
     typed for it: ``model``/``model_args`` for SOURCE, ``converted_model``/
@@ -444,13 +445,17 @@ def verify(
     from bnsurgeon.checks.torchrun_ranks import (
         DEVICES,
         PRECISIONS,
+        agree_on_files,
         check_device,
         check_torchrun_options,
+        files_read,
         join_torchrun_world,
         launched_by_torchrun,
         leave_torchrun_world,
+        rank_0_alone,
         ranks_agree,
         said_by,
+        unchanged_since_hashed,
     )
     from bnsurgeon.checks.verify import verify_models
 
@@ -485,9 +490,15 @@ def verify(
     # under torchrun every rank joins first (they start together), then prepares; a rank that fails there stops
     # every rank the same way (ranks_agree), and the check's collectives follow
     world = join_torchrun_world(device, timeout) if torchrun else None
+    read: list = []
     with ranks_agree(world):
         resolved = resolve_source(source, model=model)
         resolved_converted = resolve_source(converted, role="CONVERTED", model=converted_model)
+        if world is not None:  # every rank proves it reads the same bytes, before it reads them
+            read = files_read(_files_verify_reads(resolved, resolved_converted, example_input))
+    if world is not None:
+        agree_on_files(world, read)
+    with ranks_agree(world):
         example = None if isinstance(example_input, (str, os.PathLike)) else example_input
         if isinstance(example_input, (str, os.PathLike)):  # as the CLI's --example-input: read (weights_only)
             from bnsurgeon.checks.check_input import load_example_input
@@ -511,6 +522,7 @@ def verify(
             flag="--converted-model",
             named_elsewhere=left.architecture,
         )
+        unchanged_since_hashed(read)
         refuse_fused_source(left, "SOURCE")
         refuse_non_finite(left.model, left.description)
         refuse_non_finite(right.model, right.description)
@@ -545,30 +557,29 @@ def verify(
     if fused and recorded is not None:
         from bnsurgeon.checks.fused_check import verify_fused
 
-        if world is not None:  # a fused model has no N-rank check: rank 0 runs the rest alone
-            leave_torchrun_world(world)
-            if world.rank != 0:
-                from bnsurgeon.checks.verify import Verification
-
-                return Verification(left.description, right.description, list(check_input.shape or []))
-
-        if compare_at:
-            raise UsageError(
-                "--compare-at does not apply to a fused checkpoint: its checks compare the whole "
-                "model's eval output (folded BN modules no longer exist)",
-                "drop --compare-at",
+        def fused_checks():
+            if compare_at:
+                raise UsageError(
+                    "--compare-at does not apply to a fused checkpoint: its checks compare the whole "
+                    "model's eval output (folded BN modules no longer exist)",
+                    "drop --compare-at",
+                )
+            return verify_fused(
+                left.model,
+                right.model,
+                recorded.folds,
+                _fused_shape(check_input),
+                atol=atol,
+                perturb=perturb,
+                source_name=left.description,
+                converted_name=right.description,
+                on_check=on_check,
             )
-        return verify_fused(
-            left.model,
-            right.model,
-            recorded.folds,
-            _fused_shape(check_input),
-            atol=atol,
-            perturb=perturb,
-            source_name=left.description,
-            converted_name=right.description,
-            on_check=on_check,
-        )
+
+        if world is None:
+            return fused_checks()
+        leave_torchrun_world(world)  # a fused model has no N-rank check: rank 0 runs the rest alone, and tells
+        return rank_0_alone(world, fused_checks)
     return verify_models(
         left.model,
         right.model,
@@ -586,6 +597,20 @@ def verify(
         compare_at=compare_at,
         rebuild_converted=recipe(right.architecture, right.history, recorded.classes if recorded is not None else None),
     )
+
+
+def _files_verify_reads(
+    source: "ResolvedSource", converted: "ResolvedSource", example_input: "CheckInput | str | os.PathLike | None"
+) -> "list[tuple[str, str | os.PathLike]]":
+    """(role, path) of every file verify loads: SOURCE's and CONVERTED's (not the reports beside them, which only
+    an output may not replace) and the --example-input file."""
+    files: list[tuple[str, str | os.PathLike]] = []
+    for resolved in (source, converted):
+        beside = set(report_paths(resolved.path)) if resolved.path is not None else set()
+        files += [(resolved.role, file) for file in resolved.files if file not in beside]
+    if isinstance(example_input, (str, os.PathLike)):
+        files.append(("--example-input", example_input))
+    return files
 
 
 @dataclass

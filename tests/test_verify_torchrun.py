@@ -1,7 +1,9 @@
 """`torchrun --nproc-per-node 2 -m bnsurgeon verify`: each torchrun process is one rank of the check, rank 0
 reports, and the result equals `-w 2`'s (same checks, same verdicts, the same tensors blamed). A rank that dies
 or stops is exit 16, named; torchrun's restarts, a world of one and a -w that disagrees are refused. Below
-float64 the ranks are judged against plain BN's own error, measured in the same run."""
+float64 the ranks are judged against plain BN's own error, measured in the same run. Every rank's running
+statistics are judged, the ranks prove they read the same bytes (exit 4 on every rank where not), and rank 0's
+verdict is every rank's exit code, on every node (two torchrun "nodes" on this machine)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_world, torchrun
+from _dist import free_port, run_world, torchrun
 from typer.testing import CliRunner
 
 from bnsurgeon.cli.commands import app
@@ -136,6 +138,9 @@ def test_a_failure_on_one_rank_or_every_rank_is_said_once_and_a_hang_is_named(wo
     assert time.monotonic() - started < 60, one.stderr[-2000:]
     error = json.loads(one.stdout)["error"]
     assert error["exit_code"] == 2 and "rank 1 stopped before the check" in error["message"], error
+    # rank 1's own words: its fix kept, no class name of bnsurgeon's before its message
+    assert error["message"].startswith("rank 1 stopped before the check: factory 'tvmodels:raises_on_rank_1'"), error
+    assert error["fix"] == "fix the factory or its --model-arg values", error
     assert one.stderr.count("error:") == 1 and "boom on rank 1" in one.stderr, one.stderr[-2000:]
     every = _torchrun_verify(work, "tvmodels:source", "tvmodels:always_raises", "--json", env=env)
     assert json.loads(every.stdout)["error"]["exit_code"] == 2
@@ -272,3 +277,168 @@ def test_a_peers_end_is_read_from_its_process_and_ctrl_c_is_not_the_machines():
         for process in processes:
             process.kill()
             process.wait()
+
+
+def test_every_ranks_running_statistics_are_judged(work):
+    """Rank 1's CONVERTED holds another running_var (code, so no file digest tells it): its outputs and gradients
+    are exact, and its running statistics after the step are not: the N-rank check fails naming rank 1 (rank 0's
+    own statistics were all that was judged, so this passed with exit 0)."""
+    done = _torchrun_verify(
+        work, "tvmodels:source", "tvmodels:stale_statistics_on_rank_1", "--input-shape", SHAPE, "--json"
+    )
+    document = json.loads(done.stdout)
+    verdicts = {c["name"]: c for c in document["checks"]}
+    assert verdicts["2 ranks"]["passed"] is False, verdicts["2 ranks"]
+    assert "differs: 4.running_var (rank 1)" in verdicts["2 ranks"]["detail"], verdicts["2 ranks"]
+    assert verdicts["2 ranks (perturbed)"]["passed"] is True  # perturbing sets every rank's statistics alike
+    assert done.returncode != 0
+
+
+def _convert(work: Path, monkeypatch, *args: str) -> None:
+    """``bnsurgeon convert`` in this process, the factories of ``work`` importable."""
+    monkeypatch.chdir(work)
+    monkeypatch.syspath_prepend(str(work))
+    sys.modules.pop("tvmodels", None)
+    made = runner.invoke(app, ["convert", *args, "-q"])
+    assert made.exit_code == 0, made.output
+
+
+def _torchrun_nodes(work: Path, directories: list[Path], *args: str, env: dict | None = None) -> list:
+    """``verify`` as a 2-node torchrun job on this machine, one rank per node, node N started in ``directories[N]``
+    (a relative CONVERTED is read there): (torchrun's exit status, the rank's own exit code, stdout, stderr) per
+    node, as a per-node CI step sees them."""
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "-m",
+                "tvmodels",
+                "verify",
+                *args,
+            ],
+            cwd=directory,
+            env=env or _env(work),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for node, directory in enumerate(directories)
+    ]
+    try:
+        outputs = [node.communicate(timeout=LAUNCH_TIMEOUT) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    codes = [directory / f"exit-{node}" for node, directory in enumerate(directories)]
+    return [
+        (node.returncode, int(code.read_text()) if code.exists() else None, *output)
+        for node, code, output in zip(nodes, codes, outputs, strict=True)
+    ]
+
+
+def test_ranks_that_read_different_bytes_are_refused_on_every_node(work, monkeypatch):
+    """Node 1 started in another directory, where CONVERTED (a relative path) is a stale copy with one running_var
+    changed: every rank stops before any check with exit 4, and rank 0 says it once, naming rank 1 and the file
+    (each rank judged only by rank 0's statistics passed all checks, exit 0 on both nodes)."""
+    first, second = work / "node0", work / "node1"
+    first.mkdir()
+    second.mkdir()
+    good = first / "conv.safetensors"
+    _convert(work, monkeypatch, "tvmodels:source", "-o", str(good))
+    from _torchrun_verify_cases import save_stale_copy
+
+    save_stale_copy(str(good), str(second / "conv.safetensors"))
+    args = ("tvmodels:source", "conv.safetensors", "--input-shape", SHAPE, "--json")
+    (status0, code0, out0, err0), (status1, code1, out1, err1) = _torchrun_nodes(work, [first, second], *args)
+    assert (code0, code1) == (4, 4), (err0[-2000:], err1[-2000:])
+    assert status0 != 0 and status1 != 0
+    error = json.loads(out0)["error"]
+    assert error["exit_code"] == 4, error
+    assert re.match(
+        r"rank 1 \(pid \d+\) read other bytes than rank 0 for CONVERTED conv\.safetensors", error["message"]
+    )
+    assert f"{first / 'conv.safetensors'}, rank 1 {second / 'conv.safetensors'}" in error["message"], error
+    assert "sha256sum" in error["fix"], error
+    assert out1 == "" and "error:" not in err1 and err0.count("error:") == 1, (err0[-2000:], err1[-2000:])
+
+
+@pytest.mark.parametrize(
+    ("converted", "extra", "code"),
+    [("tvmodels:unsynced", [], 1), ("fused.safetensors", ["--compare-at", "0"], 2)],
+    ids=["failed-check", "fused-refused-on-rank-0"],
+)
+def test_rank_0s_verdict_is_every_nodes_exit_code(work, monkeypatch, converted, extra, code):
+    """What rank 0 alone decides (the judged N-rank checks, the one-process checks, the fused checks) ends every
+    rank with its exit code, so a CI step per node fails on every node (node 1 exited 0)."""
+    if converted.endswith(".safetensors"):
+        _convert(work, monkeypatch, "tvmodels:source", "--to", "fused", "-o", str(work / converted))
+    args = ("tvmodels:source", converted, "--input-shape", SHAPE, *extra)
+    nodes = _torchrun_nodes(work, [work, work], *args)
+    assert [(status != 0, own) for status, own, _, _ in nodes] == [(True, code), (True, code)], [
+        err[-2000:] for *_, err in nodes
+    ]
+    assert nodes[1][3].count("error:") == 0 and nodes[0][3].count("error:") <= 1, nodes[1][3][-2000:]
+
+
+def test_a_rank_0_that_dies_while_the_others_wait_for_its_verdict_is_named_exit_16(work):
+    """Rank 0 killed (SIGKILL) in the checks it runs alone: rank 1, on another node, waiting for the verdict, names
+    it and ends with exit 16 (it had exited 0 before rank 0 even ran them)."""
+    args = ("tvmodels:source", "tvmodels:killed_on_rank_0_alone", "--input-shape", SHAPE)
+    (_, code0, _, _), (status1, code1, out1, err1) = _torchrun_nodes(work, [work, work], *args)
+    assert code0 is None and status1 != 0 and code1 == 16, err1[-2000:]
+    assert re.search(r"error: rank 0 \(pid \d+\) died", err1), err1[-2000:]
+
+
+def test_a_file_mismatch_names_the_ranks_that_differ_and_where_each_read():
+    """The first rank that read a file is the yardstick; a rank that could not read it is left to its load (which
+    says why); several ranks that differ are listed; the same path on each is said once."""
+    from bnsurgeon.checks.torchrun_ranks import TorchrunWorld, files_mismatch
+
+    here = ("this-host", 1000, None, None)
+    world = TorchrunWorld(0, 3, torch.device("cpu"), "gloo", None, 5.0, [here, here, here])
+
+    def read(sha256, where="/shared/c.safetensors"):
+        return [("SOURCE", "resnet18", "resnet18", None), ("CONVERTED", "c.safetensors", where, sha256)]
+
+    a, b = "a" * 64, "b" * 64
+    assert files_mismatch(world, [read(a), read(a), read(a)]) is None
+    assert files_mismatch(world, [read(None), read(a), read(a)]) is None  # rank 0's own load says it has none
+    one = files_mismatch(world, [read(a), read(a, "/node1/c.safetensors"), read(a)])
+    assert one is None  # other paths, the same bytes: a copy on each node is fine
+    error = files_mismatch(world, [read(None), read(a), read(b, "/node2/c.safetensors")])
+    assert error is not None and error.exit_code == 4
+    assert error.message.startswith(
+        "rank 2 (pid 1000 on this-host) read other bytes than rank 1 for CONVERTED c.safetensors (sha256 "
+        "bbbbbbbbbbbb against aaaaaaaaaaaa; rank 1 read /shared/c.safetensors, rank 2 /node2/c.safetensors)"
+    ), error.message
+    both = files_mismatch(world, [read(a), read(b), read(b)])
+    assert both is not None and both.message.startswith("ranks 1, 2 read other bytes than rank 0"), both.message
+    assert "(sha256 bbbbbbbbbbbb against aaaaaaaaaaaa; /shared/c.safetensors on each)" in both.message
+
+
+def test_leaving_the_group_never_deadlocks_in_gloos_teardown(tmp_path):
+    """After the N-rank checks every rank meets and destroys the group. On torch 2.4 a gloo worker that dropped the
+    barrier's work last (and the gather it held) waited for the GIL while holding the lock the group's destructor
+    takes with the GIL held: about 1 in 40 teardowns hung for good (a rank of a 2-node check never exited)."""
+    program = f"from _torchrun_verify_cases import leave_in_rounds; leave_in_rounds({str(tmp_path)!r}, 200)"
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        env={**_env(tmp_path), "PYTHONPATH": os.pathsep.join([str(CASES.parent), str(CASES.parents[1])])},
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

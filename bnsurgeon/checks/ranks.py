@@ -367,7 +367,8 @@ def check_ranks(
 
 def judge_ranks(reference: RankReference, ranks: list[dict], splits: list[int], compare) -> tuple:
     """(what differs, the largest difference, values compared): every rank's outputs per sample, input gradient
-    slices, parameter gradients summed over ranks and rank 0's running statistics, against ``reference``.
+    slices, parameter gradients summed over ranks and every rank's running statistics (a statistic that differs on
+    some ranks only is named with them: ``4.running_var (rank 1)``), against ``reference``.
     ``compare(name, expected, actual)`` judges one quantity (-> (ok, diff))."""
     import torch
 
@@ -400,5 +401,20 @@ def judge_ranks(reference: RankReference, ranks: list[dict], splits: list[int], 
         summed = sum(r["param_grads"][name] for r in ranks if name in r["param_grads"])
         judge(f"grad {name}", [grad], [summed if isinstance(summed, torch.Tensor) else torch.zeros_like(grad)])
     for name, buf in reference.stats.items():
-        judge(name, [buf], [ranks[0]["stats"][name].double()])
+        differing = []
+        for rank, r in enumerate(ranks):  # every rank's: one that started from other statistics ends elsewhere
+            values += count_values([buf])
+            theirs = r["stats"].get(name)
+            ok, diff = compare(name, [buf], [theirs.double() if theirs is not None else torch.empty(0)])
+            worst = max(worst, diff)
+            if not ok:
+                differing.append(rank)
+        if differing:
+            problems.append(name if len(differing) == len(ranks) else f"{name} ({_ranks_named(differing)})")
     return problems, worst, values
+
+
+def _ranks_named(ranks: list[int]) -> str:
+    """``rank 1``, ``ranks 1, 3``, ``ranks 1, 2, 3 and 5 more``: which ranks a difference is on, in a few words."""
+    shown = ", ".join(str(rank) for rank in ranks[:3]) + (f" and {len(ranks) - 3} more" if len(ranks) > 3 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"

@@ -2,10 +2,12 @@
 
 ``torchrun --nproc-per-node N -m bnsurgeon verify SOURCE CONVERTED`` starts no process of its own. Every rank
 loads SOURCE and CONVERTED itself (a read of the same files, as every rank of a training job reads its
-checkpoint). Per variant, rank 0 computes the reference (the source on the whole batch, on its device) and sends
+checkpoint), and the ranks prove they read the same bytes (``agree_on_files``: a sha256 of each file). Per variant, rank 0 computes the reference (the source on the whole batch, on its device) and sends
 the batch's input and output gradient to the others; every rank runs the converted model on its slice; rank 0
-gathers what they computed and judges it with ``-w N``'s comparison (``ranks.judge_ranks``). The coordination
-runs over a gloo group of CPU objects whatever the backend, and every wait is bounded by the run's timeout.
+gathers what they computed and judges it with ``-w N``'s comparison (``ranks.judge_ranks``: every rank's running
+statistics too). The coordination runs over a gloo group of CPU objects whatever the backend, and every wait is
+bounded by the run's timeout but one: rank 0's verdict on the checks it runs alone, after the group is closed,
+which the others read from torchrun's store while rank 0 runs (``rank_0_alone``), so every rank ends alike.
 
 Precision: ``float64`` on the device is judged as ``-w N`` judges it (1e-6 relative); ``float32`` and
 ``bf16-autocast`` run the ranks in the model's working precision and judge each quantity against plain BN's
@@ -24,7 +26,8 @@ import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from bnsurgeon.checks.check_input import CheckInput
 from bnsurgeon.checks.compare import SEED, CheckOutcome, Tolerance, only_bn_trains, within
@@ -87,6 +90,9 @@ class TorchrunWorld:
     group: Any  # gloo, CPU objects: the reference's batch out, the ranks' results in
     timeout_s: float
     peers: list  # this_process() of every rank
+    #: torchrun's store, through a connection of this process's own: it outlives the process group, so rank 0 can
+    #: tell the others the verdict of the checks it runs alone once the group is closed (``rank_0_alone``)
+    store: Any = None
 
     @property
     def where(self) -> str:
@@ -196,7 +202,25 @@ def join_torchrun_world(device: str = "auto", timeout_s: float = 120.0) -> Torch
     group: Any = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if backend != "gloo" else None
     peers: list = [None] * info.world_size
     dist.all_gather_object(peers, this_process(), group=group)
-    return TorchrunWorld(info.rank, info.world_size, placed, backend, group, timeout_s, peers)
+    return TorchrunWorld(info.rank, info.world_size, placed, backend, group, timeout_s, peers, _store(timeout_s))
+
+
+def _store(timeout_s: float) -> Any:
+    """A connection of this process's own to the store torchrun's ranks met through (torch's env:// rendezvous:
+    torchrun's agent serves it, or rank 0 does, shared with the process group's), under a prefix of bnsurgeon's."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        store, _rank, _world = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    except RuntimeError as error:  # DistStoreError, DistNetworkError: the store went away since the ranks met
+        raise HostFailureError(
+            f"the store the ranks met through cannot be reached again ({type(error).__name__}: "
+            f"{first_line(error)[:160]})",
+            "check that every rank reaches MASTER_ADDR:MASTER_PORT, and run again; nothing was written",
+        ) from None
+    return dist.PrefixStore("bnsurgeon/verify/", store)
 
 
 @contextmanager
@@ -216,8 +240,7 @@ def ranks_agree(world: "TorchrunWorld | None") -> Iterator[None]:
         mine = error
     summary = None
     if mine is not None:
-        code = mine.exit_code if isinstance(mine, BnSurgeonError) else 70
-        summary = (f"{type(mine).__name__}: {getattr(mine, 'message', first_line(mine))}", code)
+        summary = _ending(mine)
     statuses: list = [None] * world.world_size
     try:
         dist.all_gather_object(statuses, summary, group=world.group)
@@ -236,12 +259,27 @@ def ranks_agree(world: "TorchrunWorld | None") -> Iterator[None]:
     import atexit
 
     atexit.register(_let_go, world, True)
-    first_rank, (text, code) = failed[0]
+    first_rank, (text, hint, code) = failed[0]
     if mine is not None:
         if isinstance(mine, BnSurgeonError) and all(status[0] == text for _, status in failed):
             said_by(mine, first_rank)
         raise mine
-    raise said_by(RankEndedError(f"rank {first_rank} stopped before the check: {text}", exit_code=code), first_rank)
+    ended = RankEndedError(f"rank {first_rank} stopped before the check: {text}", hint, exit_code=code)
+    raise said_by(ended, first_rank)
+
+
+def _ending(error: BaseException) -> tuple[str, str, int]:
+    """(message, fix, exit code) of how a rank ended, as its own line says them: a bnsurgeon error's own words; an
+    interruption's code; anything else is the internal error (exit 70) the CLI names with its class."""
+    if isinstance(error, BnSurgeonError):
+        return error.message, error.hint, error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return f"interrupted ({str(error) or 'SIGINT'})", "run the command again", getattr(error, "exit_code", 130)
+    return (
+        f"internal error: {type(error).__name__}: {first_line(error)}",
+        "this is a bug in bnsurgeon: please report it",
+        70,
+    )
 
 
 #: how long a rank that stops on a failure waits for its group's teardown before it says why and exits anyway
@@ -277,13 +315,254 @@ def leave_torchrun_world(world: TorchrunWorld) -> None:
     if not dist.is_initialized():
         return
     try:
-        dist.barrier(group=world.group)
+        met = dist.barrier(group=world.group, async_op=True)
+        met.wait()
     except BaseException as error:
         culprit = stopped_peer(world, error, wait=isinstance(error, KeyboardInterrupt))
         if culprit is not None:
             raise culprit from None
         raise
+    # the barrier's work (which holds the collectives before it, their tensors Python's) is let go only once the
+    # group is gone, here, by this thread: torch 2.4's gloo worker that dropped it last would need the GIL while it
+    # holds the lock the group's destructor takes with the GIL held, and both would wait for good (seen in about 1
+    # of 20 two-node checks, the last rank stuck in destroy_process_group)
     _let_go(world)
+    del met
+
+
+#: how much of a file a rank reads at a time while it hashes it
+DIGEST_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileRead:
+    """A file this rank reads for the check: for whom (SOURCE, CONVERTED, --example-input), its name as given, where
+    that name led this rank, its sha256 (None where this rank cannot read it: its load says why) and its identity
+    when hashed (so that the load is known to read the bytes that were hashed)."""
+
+    role: str
+    name: str
+    where: str
+    sha256: str | None
+    identity: tuple | None = None
+
+
+def files_read(named: "list[tuple[str, str | os.PathLike]]") -> list[FileRead]:
+    """Each (role, path) hashed (sha256, streamed) before it is loaded: what the ranks compare (``agree_on_files``).
+    A file named twice (SOURCE and CONVERTED alike) is read once."""
+    hashed: dict[str, FileRead] = {}
+    files = []
+    for role, path in named:
+        known = hashed.get(os.fspath(path))
+        read = _hashed(role, path) if known is None else FileRead(role, known.name, known.where, known.sha256)
+        hashed.setdefault(read.name, read)
+        files.append(read)
+    return files
+
+
+def _hashed(role: str, path: "str | os.PathLike") -> FileRead:
+    import hashlib
+    import stat
+
+    from bnsurgeon.core.errors import InputChangedError
+    from bnsurgeon.files.reading import file_identity
+
+    name, where, file = os.fspath(path), os.path.realpath(path), Path(path)
+    try:
+        before = file_identity(file)
+        handle = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO: no wait for a writer
+    except OSError:
+        return FileRead(role, name, where, None)
+    digest = hashlib.sha256()
+    with open(handle, "rb") as stream:
+        if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):  # a FIFO or a device: the load refuses it
+            return FileRead(role, name, where, None)
+        while chunk := stream.read(DIGEST_CHUNK):
+            digest.update(chunk)
+    if file_identity(file) != before:
+        raise InputChangedError(f"{name} changed while bnsurgeon was reading it (size, mtime or inode differ)")
+    return FileRead(role, name, where, digest.hexdigest(), before)
+
+
+def unchanged_since_hashed(files: list[FileRead]) -> None:
+    """Refuse a file replaced or rewritten between its hash and its load: the load read bytes no rank compared."""
+    from bnsurgeon.core.errors import InputChangedError
+    from bnsurgeon.files.reading import file_identity
+
+    for read in files:
+        if read.identity is None:
+            continue
+        try:
+            now = file_identity(Path(read.name))
+        except OSError:
+            now = None
+        if now != read.identity:
+            raise InputChangedError(
+                f"{read.name} ({read.role}) changed while bnsurgeon was reading it (size, mtime or inode differ)"
+            )
+
+
+def agree_on_files(world: TorchrunWorld, mine: list[FileRead]) -> None:
+    """Every rank read the same bytes for every file, or every rank stops here with the same error (exit 4), said
+    once: the ranks that read other bytes than the first rank, and the file. A file a rank cannot read is left to
+    its load, which says why."""
+    import torch.distributed as dist
+
+    shared = [(read.role, read.name, read.where, read.sha256) for read in mine]
+    gathered: list = [None] * world.world_size
+    try:
+        dist.all_gather_object(gathered, shared, group=world.group)
+    except BaseException as error:
+        culprit = stopped_peer(world, error, wait=isinstance(error, KeyboardInterrupt))
+        if culprit is not None:
+            raise culprit from None
+        raise
+    mismatch = files_mismatch(world, gathered)
+    if mismatch is not None:
+        import atexit
+
+        atexit.register(_let_go, world, True)  # as ranks_agree's failures: the group let go after the line, bounded
+        raise said_by(mismatch, 0)
+
+
+def files_mismatch(world: TorchrunWorld, gathered: list) -> "BnSurgeonError | None":
+    """The error for the first file that some rank read with other bytes than the first rank that read it."""
+    from bnsurgeon.core.errors import CheckpointError
+
+    digests: dict[tuple[str, str], dict[int, tuple[str, str]]] = {}
+    for rank, files in enumerate(gathered):
+        for role, name, where, sha256 in files:
+            if sha256 is not None:
+                digests.setdefault((role, name), {})[rank] = (where, sha256)
+    for (role, name), by_rank in digests.items():
+        first, (first_where, first_sha256) = next(iter(by_rank.items()))
+        others = [rank for rank, (_, sha256) in by_rank.items() if sha256 != first_sha256]
+        if not others:
+            continue
+        other_where, other_sha256 = by_rank[others[0]]
+        who = world.rank_name(others[0]) if len(others) == 1 else "ranks " + ", ".join(map(str, others))
+        where = (
+            f"{first_where} on each"
+            if other_where == first_where
+            else f"rank {first} read {first_where}, rank {others[0]} {other_where}"
+        )
+        return CheckpointError(
+            f"{who} read other bytes than rank {first} for {role} {name} (sha256 {other_sha256[:12]} against "
+            f"{first_sha256[:12]}; {where}): the ranks would check different models",
+            "give every rank the same file (one path on a shared file system, or copies that sha256sum shows "
+            "identical), start every rank in the same directory, and let nothing write the file meanwhile; "
+            "nothing was checked or written",
+        )
+    return None
+
+
+def rank_0_alone(world: TorchrunWorld, run: "Callable[[], Any]") -> Any:
+    """Rank 0 runs ``run`` (checks of one process: the group is closed by now, so the layers run as plain BN) and
+    tells the others how it ended, through the store; they wait for it and end the same way: with its result (so a
+    failed check is exit 1 on every rank and node), or with its error's exit code, silently."""
+    import pickle
+
+    if world.rank != 0:
+        ending, value = pickle.loads(_rank_0s_word(world))
+        if ending == "result":
+            return value
+        text, hint, code = value
+        raise said_by(RankEndedError(f"rank 0 stopped: {text}", hint, exit_code=code), 0)
+    try:
+        result = run()
+    except BaseException as error:  # interrupted: every rank was (torchrun forwards the signal), none waits to read
+        _tell(world, pickle.dumps(("error", _ending(error))), wait=not isinstance(error, KeyboardInterrupt))
+        raise
+    _tell(world, pickle.dumps(("result", result)))
+    return result
+
+
+VERDICT_KEY, READ_KEY = "verdict", "read"
+
+
+def _tell(world: TorchrunWorld, word: bytes, wait: bool = True) -> None:
+    """Rank 0's verdict, kept where every rank reads it; then, with ``wait``, it waits (the run's timeout at most)
+    until each has read it: the store may be rank 0's own, gone when it exits."""
+    try:
+        world.store.set(VERDICT_KEY, word)
+        deadline = time.monotonic() + (world.timeout_s if wait else 0.0)
+        while world.store.add(READ_KEY, 0) < world.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store is gone: the others are told by losing it; rank 0 still speaks
+        pass
+
+
+def _rank_0s_word(world: TorchrunWorld) -> bytes:
+    """Rank 0's verdict, waited for as long as rank 0 runs: its checks take what the model takes. Rank 0 dead, or
+    stopped (SIGSTOP) for the run's timeout, on this node, or its store lost, ends the wait naming it (exit 16)."""
+    stopped_since = None
+    try:
+        while True:
+            word = _told(world)
+            if word is not None:
+                return word
+            _host, pid, _machine, start = world.peers[0]
+            state = _process_state(pid, start) if 0 in _peers_here(world) else None
+            if state is not None and state[0] == "was stopped":
+                stopped_since = stopped_since or time.monotonic()
+                if time.monotonic() - stopped_since < world.timeout_s:
+                    state = None
+            else:
+                stopped_since = None
+            if state is not None and _told(world) is None:  # it ended untold, or has been stopped for long
+                culprit = _stopped_peer_now(world)
+                if culprit is not None:
+                    raise culprit
+            time.sleep(0.05)
+    except KeyboardInterrupt as interrupt:  # torchrun's agent stops the ranks when rank 0 failed (or Ctrl-C)
+        word = _told(world, reachable=False)
+        if word is not None:  # told before this rank was stopped: ends as rank 0 does
+            return word
+        culprit = _rank_0_gone_untold(world) or stopped_peer(world, wait=True)
+        if culprit is not None:
+            raise culprit from None
+        raise said_by(interrupt, 0) from None
+    except BnSurgeonError:
+        raise
+    except Exception as error:  # the store is gone: rank 0 (or its node's agent) with it
+        culprit = _rank_0_gone_untold(world) or stopped_peer(world, error)
+        if culprit is not None:
+            raise culprit from None
+        raise
+
+
+def _told(world: TorchrunWorld, reachable: bool = True) -> "bytes | None":
+    """Rank 0's verdict where it has told it (this rank's reading counted), else None. ``reachable``: a store that
+    cannot be reached raises; otherwise it reads as nothing told."""
+    try:
+        if not world.store.check([VERDICT_KEY]):
+            return None
+        word = world.store.get(VERDICT_KEY)
+        world.store.add(READ_KEY, 1)
+        return word
+    except Exception:
+        if reachable:
+            raise
+        return None
+
+
+def _rank_0_gone_untold(world: TorchrunWorld) -> "BnSurgeonError | None":
+    """Rank 0, on this node, gone without telling its verdict (it tells before it exits, whatever ends it, so it
+    died), named: looked for up to ``EXIT_GRACE_S`` while its exit settles. None where it runs or is elsewhere."""
+    from bnsurgeon.core.interrupts import signals_collected
+
+    if 0 not in _peers_here(world):
+        return None
+    _host, pid, _machine, start = world.peers[0]
+    deadline = time.monotonic() + EXIT_GRACE_S
+    with signals_collected():  # torchrun's agent may signal again meanwhile: this rank finishes saying why
+        while True:
+            state = _process_state(pid, start)
+            if state is not None and state[0] not in ("was stopped", "was interrupted"):
+                return _stopped_peer_now(world)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
 
 def quantity(name: str) -> str:

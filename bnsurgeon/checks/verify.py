@@ -370,7 +370,7 @@ def verify_models(
     model's structure in each rank when the model itself does not pickle. ``torchrun``: this process is one
     rank of the N-rank check (``torchrun_ranks``), in ``precision`` on its device; the N-rank checks run first,
     every rank taking part, then rank 0 alone runs the one-process checks (its result lists them in ``-w N``'s
-    order); the other ranks' results hold no check.
+    order) and every other rank returns rank 0's result (or stops with its error's exit code).
     """
     from bnsurgeon.checks.multiproc import RankPool
     from bnsurgeon.core.running import preserved_modes
@@ -447,77 +447,89 @@ def verify_models(
             if outcome is not None:
                 torchrun_outcomes.append(outcome)
         leave_torchrun_world(torchrun)
-        if torchrun.rank != 0:
-            return result
 
     def add(check: Callable[[], CheckOutcome]) -> None:
         result.checks.append(_timed(check, on_check))
 
-    with pool if pool is not None else nullcontext():
-        references_for: dict[str, tuple] = {}  # suffix -> (reference model, label suffix)
-        for suffix, src, conv in variants:
-            add(partial(check_eval, src, conv, check_input, tol, label="eval" + suffix, **at))
-            if frozen:
+    def remaining_checks() -> Verification:
+        """The checks of one process (and -w N's ranks): under torchrun, rank 0's alone, the group closed."""
+        with pool if pool is not None else nullcontext():
+            references_for: dict[str, tuple] = {}  # suffix -> (reference model, label suffix)
+            for suffix, src, conv in variants:
+                add(partial(check_eval, src, conv, check_input, tol, label="eval" + suffix, **at))
+                if frozen:
+                    add(
+                        partial(
+                            check_frozen,
+                            src,
+                            conv,
+                            check_input,
+                            tol,
+                            label="frozen (train) == source (eval)" + suffix,
+                            **at,
+                        )
+                    )
+                    continue
+                thawed_model = thawed(suffix, src, conv)
+                reference, against = (src, "") if thawed_model is None else (thawed_model, " vs source thawed")
+                # batch_norm arithmetic both sides
+                train_tol = tol if thawed_model is None else Tolerance(atol=tol.atol)
+                references_for[suffix] = (reference, against)
                 add(
                     partial(
-                        check_frozen,
-                        src,
+                        check_train,
+                        reference,
                         conv,
                         check_input,
-                        tol,
-                        label="frozen (train) == source (eval)" + suffix,
+                        train_tol,
+                        label="train, one process" + against + suffix,
                         **at,
                     )
                 )
-                continue
-            thawed_model = thawed(suffix, src, conv)
-            reference, against = (src, "") if thawed_model is None else (thawed_model, " vs source thawed")
-            train_tol = tol if thawed_model is None else Tolerance(atol=tol.atol)  # batch_norm arithmetic both sides
-            references_for[suffix] = (reference, against)
-            add(
-                partial(
-                    check_train,
-                    reference,
-                    conv,
-                    check_input,
-                    train_tol,
-                    label="train, one process" + against + suffix,
-                    **at,
-                )
-            )
-        for outcome in torchrun_outcomes:  # measured while every rank took part; told in -w N's order
-            result.checks.append(outcome)
-            if on_check is not None:
-                on_check(outcome)
-        if not frozen and torchrun is None:
-            batch = rank_batch(world_sizes) if world_sizes else 0
-            references = {}  # one float64 reference per variant, shared by every world size
-            for world_size in world_sizes:
-                for suffix, _, conv in variants:
-                    ref_model, against = references_for[suffix]
+            for outcome in torchrun_outcomes:  # measured while every rank took part; told in -w N's order
+                result.checks.append(outcome)
+                if on_check is not None:
+                    on_check(outcome)
+            if not frozen and torchrun is None:
+                batch = rank_batch(world_sizes) if world_sizes else 0
+                references = {}  # one float64 reference per variant, shared by every world size
+                for world_size in world_sizes:
+                    for suffix, _, conv in variants:
+                        ref_model, against = references_for[suffix]
 
-                    def ranks_check(
-                        suffix=suffix, ref_model=ref_model, against=against, conv=conv, world_size=world_size
-                    ) -> CheckOutcome:
-                        if suffix not in references and distributed and share_work:
-                            references[suffix] = rank_reference(
-                                ref_model, conv, check_input, batch, compare_at=compare_at, rebuild=rebuild_converted
+                        def ranks_check(
+                            suffix=suffix, ref_model=ref_model, against=against, conv=conv, world_size=world_size
+                        ) -> CheckOutcome:
+                            if suffix not in references and distributed and share_work:
+                                references[suffix] = rank_reference(
+                                    ref_model,
+                                    conv,
+                                    check_input,
+                                    batch,
+                                    compare_at=compare_at,
+                                    rebuild=rebuild_converted,
+                                )
+                            return check_ranks(
+                                ref_model,
+                                conv,
+                                check_input,
+                                world_size,
+                                label=f"{world_size} ranks" + against + suffix,
+                                pool=pool,
+                                reference=references.get(suffix),
+                                collective_timeout=collective_timeout,
+                                compare_at=compare_at,
+                                rebuild=rebuild_converted,
                             )
-                        return check_ranks(
-                            ref_model,
-                            conv,
-                            check_input,
-                            world_size,
-                            label=f"{world_size} ranks" + against + suffix,
-                            pool=pool,
-                            reference=references.get(suffix),
-                            collective_timeout=collective_timeout,
-                            compare_at=compare_at,
-                            rebuild=rebuild_converted,
-                        )
 
-                    add(ranks_check)
-    return result
+                        add(ranks_check)
+        return result
+
+    if torchrun is None:
+        return remaining_checks()
+    from bnsurgeon.checks.torchrun_ranks import rank_0_alone
+
+    return rank_0_alone(torchrun, remaining_checks)  # the same verdict, so the same exit code, on every rank
 
 
 def thawed_reference(source: "nn.Module", converted: "nn.Module") -> "nn.Module | None":
