@@ -192,6 +192,60 @@ def compiled_default_section(rank, world):
     return compiled_section(rank, world, fullgraph=False)
 
 
+class Branchy(nn.Module):
+    """Two layers of one width; which one runs is the rank's (a data-dependent branch)."""
+
+    def __init__(self, pick):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, bias=False)
+        self.bn1, self.bn2 = norm("sync", 4), norm("sync", 4)
+        self.pick = pick
+
+    def forward(self, x):
+        return self.bn1(self.conv(x)) if self.pick == 0 else self.bn2(self.conv(x))
+
+
+def compiled_mismatch_section(rank, world):
+    """A real mismatch under torch.compile: rank 0 runs bn1, rank 1 bn2 (the compiled path read no call stack, so
+    both were 'the 1st layer to synchronize' and trained mixed)."""
+    from bnsurgeon.core.errors import DistributedMismatchError
+
+    model = torch.compile(Branchy(rank).double(), backend="eager")
+    try:
+        model(data()[0][rank::world])
+    except DistributedMismatchError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def compiled_one_rank_mismatch_section(rank, world):
+    """Rank 0 runs the model compiled, rank 1 eagerly: the layers are named alike (no false mismatch in the
+    forward), and the backwards, which sum different quantities, are refused by name instead of mixed."""
+    from bnsurgeon.core.errors import DistributedMismatchError
+
+    model = Net("sync").double()
+    call = torch.compile(model, backend="eager") if rank == 0 else model
+    try:
+        train(call, model, rank, world, by_hand=True)
+    except DistributedMismatchError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def compiled_in_place_section(rank, world):
+    """model.compile(fullgraph=True) in place, and each layer of a second model compiled in place: the frame dynamo
+    compiles first is the layer's own forward, which the start callback adopted meanwhile."""
+    model = Net("sync").double()
+    model.compile(fullgraph=True, backend="eager")
+    result = train(model, model, rank, world, by_hand=True)
+    per_layer = Net("sync").double()
+    per_layer.bn1.compile(fullgraph=True, backend="eager")
+    per_layer.bn2.compile(fullgraph=True, backend="eager")
+    result["per_layer"] = train(per_layer, per_layer, rank, world, by_hand=True)["stats"]
+    return result
+
+
 def mismatch_section(rank, world):
     """A real mismatch: rank 0 builds and runs one model, rank 1 another, of the same width, each built by the
     same helper line; neither rank ever built the other's layer."""

@@ -37,6 +37,8 @@ SCRIPT = """
         "hooks": sorted(p.name for p in site.glob("zz-bnsurgeon-run*.pth") if f"-{os.getpid()}-" in p.name),
         "children": {k: [v.returncode, v.stdout, v.stderr] for k, v in children.items()},
         "variable": os.environ.get("BNSURGEON_RUN"),
+        "paths": json.loads(subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
+                            capture_output=True, text=True).stdout),
     }))
 """
 
@@ -106,7 +108,8 @@ def test_a_run_leaves_no_hook_and_a_leaked_or_hand_set_variable_does_nothing(tmp
     leaked = seen["variable"]
     from bnsurgeon.launch.children import BOOTSTRAP
 
-    for value in (leaked, leaked[: len(leaked) // 2], "1", "[]", "{}", "null"):
+    alive_without_start = json.dumps({"run": "x", "pid": 1, "started": None})  # hand-made: pid 1 lives
+    for value in (leaked, leaked[: len(leaked) // 2], "1", "[]", "{}", "null", alive_without_start):
         for env in ({}, {"PYTHONPATH": BOOTSTRAP}):
             done = _plain(sys.executable, value, **env)
             assert (done.returncode, done.stdout, done.stderr) == (0, "1 False\n", ""), (value, env, done.stderr)
@@ -118,6 +121,16 @@ def test_where_bnsurgeon_is_importable_only_through_pythonpath_every_child_gets_
     seen = _run_script(str(bare_venv), tmp_path, PYTHONPATH=str(ROOT))
     for flag, (code, out, err) in seen["children"].items():
         assert (code, out.strip(), err) == (0, "True", ""), (flag, err)
+    path_of = "import json, sys; print(json.dumps(sys.path))"
+    plain = subprocess.run(
+        [str(bare_venv), "-c", path_of],
+        cwd=tmp_path,
+        env=_env(PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert seen["paths"] == json.loads(plain.stdout)  # the hook left the child's sys.path as python gives it
     site = Path(
         subprocess.run(
             [str(bare_venv), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -66,4 +66,6 @@ def live_run(text: str) -> dict[str, Any] | None:
     pid, started = values.get("pid"), values.get("started")
     if not isinstance(pid, int) or isinstance(pid, bool) or not (started is None or isinstance(started, str)):
         return None
+    if started is None and start_time(os.getpid()) is not None:  # a run here records its start time: not one
+        return None
     return values if still_running(pid, started) else None

@@ -89,9 +89,12 @@ def patch_sync_class(batchnorm: ModuleType, log: ConversionLog) -> Callable[[], 
             _remember(self, f"unpickled or copied at {called_at(*skipped)}")
 
     def adopting_forward(self: Any, input: Any) -> Any:
-        # never inside a trace (dynamo's start callback adopted first); never in eval mode, where torch's layer
-        # syncs nothing: one rank's shape print or look at an EMA copy must not change what it trains with
-        if torch.compiler.is_compiling() or not (self.training and log.active and _foreign(self) and _group_exists()):
+        # never inside a trace (dynamo's start callback adopted first: a layer it adopted while this very forward
+        # was the frame being compiled runs as what it now is); never in eval mode, where torch's layer syncs
+        # nothing: one rank's shape print or look at an EMA copy must not change what it trains with
+        if torch.compiler.is_compiling():
+            return forward(self, input) if _foreign(self) else type(self).forward(self, input)
+        if not (self.training and log.active and _foreign(self) and _group_exists()):
             return forward(self, input)
         adopt_remembered(log, called_at(*skipped), self)
         return self.forward(input)
@@ -249,8 +252,13 @@ def patch_compile_start(dynamo: ModuleType, log: ConversionLog) -> Callable[[], 
     skipped = (torch_dir, os.path.abspath(contextlib.__file__))  # the script's line that called the compiled code
 
     def adopt_before_tracing(*_: Any) -> None:  # torch >= 2.5 passes the compile's details; 2.4 nothing
-        if log.active and _group_exists() and any(_foreign(layer) for layer in list(_remembered)):
+        if not (log.active and _group_exists()):
+            return
+        if any(_foreign(layer) for layer in list(_remembered)):
             adopt_remembered(log, called_at(*skipped), label=AT_COMPILE)
+        from bnsurgeon.runtime.identity import fix_running_layers
+
+        fix_running_layers(sys._getframe(1))  # as the eager path names them: the compiled one reads no stack
 
     reset: Callable[..., Any] = dynamo.reset
 

@@ -56,7 +56,8 @@ LEGACY_HOOKS = {
 #: site-packages does not have it), or one line and exit 1 where it cannot be imported while the run lives
 _HOOK_CODE = """
 def start(root, pid):
-    if root:
+    added = bool(root) and root not in sys.path
+    if added:
         sys.path.append(root)
     try:
         __import__('bnsurgeon.launch._child.start')
@@ -72,8 +73,8 @@ def start(root, pid):
         sys.stderr.flush()
         os._exit(1)
     finally:
-        if root and root in sys.path:
-            sys.path.remove(root)
+        if added and sys.path and sys.path[-1] == root:
+            del sys.path[-1]
 """
 
 

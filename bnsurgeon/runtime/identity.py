@@ -12,7 +12,8 @@ no extra round trip, and ranks that reached different layers raise
   each is an integer that float32 represents exactly (float32 is exact only up to 2^24).
 - ``channels`` and the input ``dtype`` code; ``call``: how many synchronized
   (train-mode) forwards this layer has run in this process (eval-mode forwards never
-  sync, so they never count); ``phase``: 1 forward, 2 backward. The count is exact up
+  sync, so they never count); ``phase``: 1 forward, 2 backward, 3 the compiled path's backward (it sums
+  other quantities than the eager one, so a compiled rank and an eager one never meet). The count is exact up
   to 2^24 calls of one layer in float32 statistics (2^53 in float64); past that, adding
   one no longer changes it, on every rank alike, so the slot stops telling extra calls
   apart but never reports a false mismatch. A CPU
@@ -62,11 +63,13 @@ from bnsurgeon.runtime.recompute import StatsStash
 
 HEADER = 8
 FORWARD, BACKWARD = 1, 2
+#: the compiled path's backward sums the statistics' gradients, the eager one the kernel's sums: another row
+COMPILED_BACKWARD = 3
 CALL_SLOT = 6
 #: header slots hold integers float32 represents exactly
 _SLOT_LIMIT = 2**24
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_PHASES = {FORWARD: "forward", BACKWARD: "backward"}
+_PHASES = {FORWARD: "forward", BACKWARD: "backward", COMPILED_BACKWARD: "compiled backward"}
 
 #: layer id -> name, for every layer named in this process (ranks hold the same model,
 #: so a rank can name the layer another rank reports)
@@ -107,16 +110,55 @@ def running_path(layer: Any, frame: Any) -> str | None:
     for root in reversed(running):
         path = _path_in(root, layer)
         if path is not None:
-            while path.startswith("module.") and isinstance(getattr(root, "module", None), nn.Module):
-                root, path = root.module, path[len("module.") :]  # a wrapper's (DDP's): named by what it wraps
-            return f"{type(root).__name__}.{path}"
+            return _named(root, path)
     return None
+
+
+#: the attributes through which wrappers hold the model they run (DDP's ``module``, torch.compile's ``_orig_mod``)
+_WRAPPED = ("module", "_orig_mod")
+
+
+def _named(root: Any, path: str) -> str:
+    """``Root.path``, a wrapper's path named by what it wraps (the same whether a rank runs it wrapped or not)."""
+    from torch import nn
+
+    unwrapped = True
+    while unwrapped:
+        unwrapped = False
+        for attribute in _WRAPPED:
+            inner = getattr(root, attribute, None)
+            if path.startswith(attribute + ".") and isinstance(inner, nn.Module):
+                root, path, unwrapped = inner, path[len(attribute) + 1 :], True
+    return f"{type(root).__name__}.{path}"
+
+
+def fix_running_layers(frame: Any) -> None:
+    """Every layer not named yet, in the modules on the call stack from ``frame`` up, named as its first eager
+    synchronized call would name it (its path in the outermost of them). Called as ``torch.compile`` starts
+    compiling, outside the trace (the compiled path reads no stack): a layer run compiled on one rank and eagerly on
+    another has one name, and layers of equal width keep apart by their paths."""
+    from torch import nn
+
+    running: list[Any] = []
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and not any(owner is seen for seen in running):
+                running.append(owner)
+        frame = frame.f_back
+    for root in reversed(running):
+        for path, module in root.named_modules():
+            identity = module.__dict__.get("_identity")
+            if path and isinstance(identity, LayerIdentity) and not identity.fixed:
+                identity._fix(_named(root, path), _named(root, path))
 
 
 def held_as(layer: Any, frame: Any) -> str | None:
     """How the code that calls ``layer`` outside any module holds it: its path in a module that a local variable
-    of the nearest calling frame outside torch and bnsurgeon holds (``ModuleDict.first``), else that variable's
-    name; None where that frame has neither. The ranks run the same code, so they read the same."""
+    of the nearest calling frame outside torch and bnsurgeon holds (``ModuleDict.first``), else its place in a local
+    list, tuple or dict (``layers[1]``), else that variable's name; None where that frame has none of them. The
+    ranks run the same code, so they read the same."""
     from torch import nn
 
     skipped = (_TORCH_DIR, _PACKAGE_DIR)
@@ -124,7 +166,7 @@ def held_as(layer: Any, frame: Any) -> str | None:
         frame = frame.f_back
     if frame is None:
         return None
-    named = None
+    named = held = None
     for name, value in frame.f_locals.items():
         if value is layer:
             named = named or name
@@ -132,7 +174,13 @@ def held_as(layer: Any, frame: Any) -> str | None:
             path = _path_in(value, layer)
             if path is not None:
                 return f"{type(value).__name__}.{path}"
-    return named
+        elif held is None and isinstance(value, (list, tuple)):
+            index = next((index for index, item in enumerate(value) if item is layer), None)
+            held = None if index is None else f"{name}[{index}]"
+        elif held is None and isinstance(value, dict):
+            key = next((key for key, item in value.items() if item is layer and isinstance(key, (str, int))), None)
+            held = None if key is None else f"{name}[{key!r}]"
+    return held or named
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -309,12 +357,14 @@ def identity_for(token: int) -> "LayerIdentity":
 _BACKWARD_TAILS: dict = {}
 
 
-def backward_header(forward_row: torch.Tensor) -> list[torch.Tensor]:
-    """Pieces that start a CPU backward row: the forward's header with phase 2 and an empty count slot."""
-    key = (forward_row.device, forward_row.dtype)
+def backward_header(forward_row: torch.Tensor, phase: int = BACKWARD) -> list[torch.Tensor]:
+    """Pieces that start a CPU backward row: the forward's header with the backward's phase (``BACKWARD``, or
+    ``COMPILED_BACKWARD``, whose sums are other quantities: a compiled rank never sums with an eager one) and an
+    empty count slot."""
+    key = (forward_row.device, forward_row.dtype, phase)
     tail = _BACKWARD_TAILS.get(key)
     if tail is None:
-        tail = _BACKWARD_TAILS[key] = filled_on_device([BACKWARD, 0], forward_row.dtype, forward_row.device)
+        tail = _BACKWARD_TAILS[key] = filled_on_device([phase, 0], forward_row.dtype, forward_row.device)
     return [forward_row[: HEADER - 1], tail]
 
 
@@ -367,11 +417,18 @@ def mismatch_error(headers: torch.Tensor, group, name_ranks: bool = False) -> Di
     for group_rank, row in enumerate(rows):
         rank = dist.get_global_rank(group, group_rank) if group is not None else group_rank
         seen.append(f"rank {rank}: {describe_header(row, names[group_rank])}")
+    phases = {int(row[7]) for row in rows}
+    mixed = (
+        " One rank runs this layer compiled and another eagerly, whose backwards sum different quantities: compile "
+        "it on every rank or on none."
+        if phases == {BACKWARD, COMPILED_BACKWARD}
+        else ""
+    )
     return DistributedMismatchError(
         "sync batch norm ranks are at different layers or calls: "
         + "; ".join(seen)
         + ". Every rank must run the same sync layers, in the same order, the same number of times in "
-        "train mode (data-dependent control flow, or an extra train-mode forward on one rank?)."
+        "train mode (data-dependent control flow, or an extra train-mode forward on one rank?)." + mixed
     )
 
 

@@ -308,11 +308,14 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         if not torch.jit.is_scripting():
             if self.training and self._is_replica:
                 return replicas.normalize_replica(self, x)  # nn.DataParallel: sync across its replicas
-            if self.training and torch.compiler.is_compiling():
+            compiling = torch.compiler.is_compiling()
+            if self.training and compiling:
                 synced = self._compiled_sync(x)
                 if synced is not None:
                     return synced
-            counts = not recomputing()  # a checkpoint recompute counts no batch (recompute.py)
+            # a checkpoint recompute counts no batch (recompute.py); compiled without a group the layer is plain BN,
+            # which counts every forward as torch's does (and the autograd engine's task id cannot be traced)
+            counts = compiling or not recomputing()
         factor = 0.0 if self.momentum is None else self.momentum
         cumulative = False
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

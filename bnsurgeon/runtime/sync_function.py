@@ -25,7 +25,16 @@ from bnsurgeon.runtime import debug, device_path, gaps
 from bnsurgeon.runtime.collectives import all_gather_rows, all_reduce_sum
 from bnsurgeon.runtime.device_checks import device_assert, short_name
 from bnsurgeon.runtime.device_path import one_value_message
-from bnsurgeon.runtime.identity import HEADER, backward_header, check_headers, describe_header
+from bnsurgeon.runtime.identity import (
+    BACKWARD,
+    CALL_SLOT,
+    COMPILED_BACKWARD,
+    HEADER,
+    backward_header,
+    check_headers,
+    describe_header,
+    mismatch_error,
+)
 from bnsurgeon.runtime.kernels import GenericKernels, uses_device_path
 from bnsurgeon.runtime.recompute import GlobalStats, may_be_recomputed, recomputing
 
@@ -246,7 +255,7 @@ def global_stats(
     return stats
 
 
-def sum_over_ranks(header, packed, on_host: bool, group, world_size: int):
+def sum_over_ranks(header, packed, on_host: bool, group, world_size: int, phase: int = BACKWARD):
     """A backward's per-channel sums (``packed``, 1-D) summed over the ranks, in one collective.
 
     On the CPU the row is an all_gather that starts with the forward's header (phase 2),
@@ -256,18 +265,34 @@ def sum_over_ranks(header, packed, on_host: bool, group, world_size: int):
     """
 
     def describe() -> str:
-        return f"sync batch norm {describe_header(torch.cat(backward_header(header)))}"
+        return f"sync batch norm {describe_header(torch.cat(backward_header(header, phase)))}"
 
     if on_host:
-        row = torch.cat([*backward_header(header), packed])
+        row = torch.cat([*backward_header(header, phase), packed])
         if debug.enabled():
             debug.check_same_layer(row[:HEADER], world_size, group, describe)
         gathered = all_gather_rows(row, world_size, group, describe)
-        check_headers(gathered, group, True, "")
+        check_backward_headers(gathered, group)
         return gathered[:, HEADER + 1 :].sum(0)
     if debug.enabled():
-        debug.check_same_layer(torch.cat(backward_header(header)), world_size, group, describe)
+        debug.check_same_layer(torch.cat(backward_header(header, phase)), world_size, group, describe)
     return all_reduce_sum(packed, world_size, group, describe)
+
+
+def check_backward_headers(gathered: torch.Tensor, group) -> None:
+    """The backward rows' headers checked as the forward's, but for one case: a rank in the compiled path's backward
+    (it sums the statistics' gradients) beside one in the eager backward (the kernel's sums) may meet where every
+    eager row sums to zero, as an empty rank's does (under torch.compile an empty batch runs eagerly): zero is zero
+    in either. Any other eager row summed with a compiled one would be wrong, and is refused by name."""
+    phase = CALL_SLOT + 1
+    phases = gathered[:, phase]
+    if bool((phases == COMPILED_BACKWARD).any()) and bool((phases == BACKWARD).any()):
+        eager = phases == BACKWARD
+        if bool(gathered[eager, HEADER + 1 :].ne(0).any()):
+            raise mismatch_error(gathered[:, :HEADER], group, name_ranks=True)
+        gathered = gathered.clone()
+        gathered[:, phase] = COMPILED_BACKWARD
+    check_headers(gathered, group, True, "")
 
 
 try:

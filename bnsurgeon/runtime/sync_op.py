@@ -38,7 +38,7 @@ from typing import List, Optional, Tuple  # noqa: UP035
 import torch
 from torch import Tensor
 
-from bnsurgeon.runtime.identity import HEADER, identity_for
+from bnsurgeon.runtime.identity import COMPILED_BACKWARD, HEADER, identity_for
 from bnsurgeon.runtime.kernels import channel_view, stats_dtype
 from bnsurgeon.runtime.recompute import recomputing
 from bnsurgeon.runtime.sync_function import (
@@ -115,7 +115,9 @@ def _(local_mean, local_var, shape, input_dtype, eps, group_name, world_size, la
 def sum_statistic_grads(packed: Tensor, header: Tensor, group_name: str, world_size: int) -> Tensor:
     """``packed`` summed over the ranks: ONE collective, headed on the CPU like the eager backward's."""
     # a copy: on devices the sum is an in-place all_reduce, and a custom op may not mutate its input
-    return sum_over_ranks(header, packed.clone(), counts_on_host(packed), _group(group_name), world_size)
+    return sum_over_ranks(
+        header, packed.clone(), counts_on_host(packed), _group(group_name), world_size, phase=COMPILED_BACKWARD
+    )
 
 
 @sum_statistic_grads.register_fake
