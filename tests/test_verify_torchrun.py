@@ -432,8 +432,11 @@ def test_a_file_mismatch_names_the_ranks_that_differ_and_where_each_read():
 def test_leaving_the_group_never_deadlocks_in_gloos_teardown(tmp_path):
     """After the N-rank checks every rank meets and destroys the group. On torch 2.4 a gloo worker that dropped the
     barrier's work last (and the gather it held) waited for the GIL while holding the lock the group's destructor
-    takes with the GIL held: about 1 in 40 teardowns hung for good (a rank of a 2-node check never exited)."""
-    program = f"from _torchrun_verify_cases import leave_in_rounds; leave_in_rounds({str(tmp_path)!r}, 200)"
+    takes with the GIL held: about 1 in 40 teardowns hung for good (a rank of a 2-node check never exited). 200
+    rounds where that gloo runs (all hang-free 0.6% of the time before the fix); 40 on newer torch, which never hung:
+    the same teardown, checked once per suite rather than hunted."""
+    rounds = 200 if torch.__version__ < (2, 5) else 40  # TorchVersion compares as versions
+    program = f"from _torchrun_verify_cases import leave_in_rounds; leave_in_rounds({str(tmp_path)!r}, {rounds})"
     done = subprocess.run(
         [sys.executable, "-c", program],
         env={**_env(tmp_path), "PYTHONPATH": os.pathsep.join([str(CASES.parent), str(CASES.parents[1])])},
