@@ -158,3 +158,42 @@ def test_stats_follows_the_report_rules(tmp_path, monkeypatch, capsys):
     result = runner.invoke(app, ["run", "--stats", "gaps.json", "--force", str(script)])
     put_back()
     assert result.exit_code == 0 and not list(tmp_path.glob("gaps*"))  # replaced: removed before the script ran
+
+
+@pytest.mark.parametrize("option", [["--stats-steps", "3"], ["--stats-layers", "layer1.*"]])
+def test_the_stats_options_without_stats_are_a_usage_error(tmp_path, monkeypatch, option):
+    """--stats-steps or --stats-layers alone would record nothing, silently: refused before the script runs."""
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("open('ran', 'w').write('yes')\n")
+    result = CliRunner().invoke(app, ["run", *option, str(script)])
+    assert result.exit_code == 2 and "add --stats PATH" in result.output, result.output
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_layer_pattern_that_matches_nothing_is_said_once_naming_the_layers(monkeypatch, capsys, tmp_path, rank):
+    """Layers trained but --stats-layers selected none of them: rank 0 names them (not 'no sync layer trained'),
+    the other ranks say nothing, and no file is written."""
+    import torch
+    import torch.distributed as dist
+
+    from bnsurgeon.launch.gaps import GapOutput
+    from bnsurgeon.runtime.gaps import GapRecorder
+
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: rank)
+    recorder = GapRecorder(steps=2, layers=["Net.*"])
+    rows, row = torch.zeros(2, 3), torch.zeros(3)
+    for _step in range(2):
+        for token, name in enumerate(["Sequential.1", "Sequential.3"]):
+            identity = type("Identity", (), {"token": token, "name": name})()
+            recorder.record(identity, torch.ones(2), rows, rows, row, row, 1e-5, (4, 3, 8, 8))
+    assert recorder.layers == {} and list(recorder.passed_over) == ["Sequential.1", "Sequential.3"]
+    assert GapOutput(tmp_path / "gaps.json", "test", ["Net.*"]).complete(recorder) is None
+    said = capsys.readouterr().err
+    if rank == 0:
+        assert said.count("\n") == 1 and "--stats-layers Net.* matched none" in said, said
+        assert "(Sequential.1, Sequential.3)" in said and "no sync layer trained" not in said, said
+    else:
+        assert said == ""
+    assert list(tmp_path.iterdir()) == []

@@ -866,12 +866,12 @@ def run(
         "gathers anyway: no extra collective). Rank 0 writes the JSON document to PATH, its picture to PATH with "
         ".html, and says the verdict in one line. Checked as --report is.",
     ),
-    stats_steps: int = typer.Option(
-        20,
+    stats_steps: Optional[int] = typer.Option(
+        None,
         "--stats-steps",
         min=1,
         metavar="N",
-        help="Training steps --stats records (a step: a call of the first layer).",
+        help="Training steps --stats records (a step: a call of the first layer; default 20).",
     ),
     stats_layers: Optional[List[str]] = typer.Option(
         None,
@@ -930,9 +930,12 @@ def run(
     """
     import sys
 
-    from bnsurgeon.launch.gaps import GapRequest
+    from bnsurgeon.launch.gaps import DEFAULT_STEPS, GapRequest
     from bnsurgeon.launch.script import ScriptNotRunnable, ScriptRaised, run_script
 
+    if stats is None and (stats_steps is not None or stats_layers):
+        given = "--stats-steps" if stats_steps is not None else "--stats-layers"
+        raise typer.BadParameter("it shapes what --stats records: add --stats PATH", param_hint=f"'{given}'")
     if rules:  # as every command loads them: a module that fails to import is bnsurgeon's error, not the script's
         saved_path = list(sys.path)
         handle_errors(_use_rules)(rules)
@@ -949,7 +952,7 @@ def run(
             quiet=quiet,
             rules=rules or [],
             restore=False,
-            stats=None if stats is None else GapRequest(stats, stats_steps, stats_layers or []),
+            stats=None if stats is None else GapRequest(stats, stats_steps or DEFAULT_STEPS, stats_layers or []),
         )
     except ScriptNotRunnable as refused:  # a directory without __main__.py, a package without __main__
         print(f"{sys.executable}: {refused}", file=sys.stderr)

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bnsurgeon.core.errors import OutputError
-from bnsurgeon.launch.log import say, write_report
+from bnsurgeon.core.layout import printable
+from bnsurgeon.launch.log import rank, say, write_report
 from bnsurgeon.launch.outputs import REPORTS, RunOutput, read_what_we_wrote
 
 KIND = "bnsurgeon sync gaps"
@@ -130,7 +131,20 @@ class GapOutput:
         under a process group (the run's own where the script's children are the ranks, a helper process) writes
         nothing; the run's own process says so."""
         if not recorder.layers:
-            if not self.quiet and not self.child:
+            speaker = recorder.rank if recorder.rank is not None else rank(child=self.child)
+            if self.quiet or self.child or speaker != 0:  # said once, by the run's rank 0 (or its own process)
+                return None
+            if recorder.passed_over:
+                names = list(recorder.passed_over)
+                shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+                say(
+                    printable(
+                        f"{self.prefix}: --stats: --stats-layers {' '.join(self.patterns)} matched none of the sync "
+                        f"layers that trained ({shown}), so no sync-gap document was written; give a pattern that "
+                        "matches their names"
+                    )
+                )
+            else:
                 say(
                     f"{self.prefix}: --stats: no sync layer trained under a process group in this process, so it "
                     "wrote no sync-gap document (ranks it started write their own)"
@@ -152,8 +166,6 @@ class GapOutput:
             say(f"{self.prefix}: the sync-gap document could not be written ({why}); training goes on")
             return result
         if not self.quiet:
-            from bnsurgeon.core.layout import printable
-
             say(printable(f"{self.prefix}: {result['verdict']['line']}; wrote {written} and {picture}"))
         return result
 

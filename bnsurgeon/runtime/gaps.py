@@ -112,6 +112,8 @@ class GapRecorder:
         self.patterns = list(layers)
         self.on_complete = on_complete
         self.layers: dict[int, LayerGaps] = {}
+        #: the names of the layers that synchronized but no pattern selected, in the order they first did
+        self.passed_over: dict[str, None] = {}
         self.step = 0
         self.done = False
         #: this process's rank in the default group, read at the first call recorded (the group may be gone when
@@ -155,6 +157,7 @@ class GapRecorder:
         layer = self.layers.get(token)
         if layer is None:
             if not self.selects(identity.name):
+                self.passed_over[identity.name] = None
                 return
             values_per_sample = math.prod(int(size) for size in shape[2:])
             layer = self.layers[token] = LayerGaps(
