@@ -197,3 +197,60 @@ def test_a_layer_pattern_that_matches_nothing_is_said_once_naming_the_layers(mon
     else:
         assert said == ""
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_device_paths_rows_give_the_same_gaps_as_the_eager_paths():
+    """The device path gathers 1 / sqrt(var + eps) where the eager path gathers the variance: the same statistics
+    in either form give the same gaps (float64, to round-off), shifted and rescaled ranks included."""
+    import torch
+
+    from bnsurgeon.runtime.gaps import Call, LayerGaps
+
+    generator = torch.Generator().manual_seed(0)
+    means = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    variances = torch.rand(3, 5, generator=generator, dtype=torch.float64) * 4 + 0.1
+    counts = torch.tensor([8.0, 0.0, 12.0], dtype=torch.float64)  # rank 1 empty: NaN in both
+    mean = (means * counts[:, None]).sum(0) / counts.sum()
+    var = variances.mean(0) + 0.5
+    eps = 1e-5
+    as_variance = LayerGaps("bn", 0, 5, 4, 1, [Call(counts, means, variances, mean, var, eps, invstd=False)])
+    invstds, invstd = (variances + eps).rsqrt(), (var + eps).rsqrt()
+    as_invstd = LayerGaps("bn", 0, 5, 4, 1, [Call(counts, means, invstds, mean, invstd, eps, invstd=True)])
+    for got, want in zip(as_invstd.gaps(), as_variance.gaps()):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, equal_nan=True)
+        assert got[0, 1].isnan().all() and not got[0, 0].isnan().any()
+    expected_mean_gap = (means[2] - mean) / (var + eps).sqrt()
+    torch.testing.assert_close(as_invstd.gaps()[0][0, 2], expected_mean_gap, rtol=1e-12, atol=1e-12)
+
+
+def test_the_device_path_records_its_rows(monkeypatch):
+    """A layer on the device path (the strict stand-ins of its CUDA kernels, two ranks holding the same batch)
+    feeds the recorder with its gathered rows: gaps of exactly 0, each rank's count, one call per forward."""
+    import _cuda_standin
+    import torch
+    import torch.distributed as dist
+
+    from bnsurgeon.runtime import gaps, sync_function
+    from bnsurgeon.runtime.layers import SyncBatchNorm
+
+    for name in _cuda_standin.KERNELS:
+        monkeypatch.setattr(torch, name, getattr(_cuda_standin, name))
+    monkeypatch.setattr(sync_function, "uses_device_path", lambda x: True)
+    monkeypatch.setattr(sync_function, "counts_on_host", lambda x: False)
+    monkeypatch.setattr(SyncBatchNorm, "_sync_group", lambda self: (None, 2))
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 0)
+    _cuda_standin.identical_ranks(monkeypatch)
+    layer = SyncBatchNorm(3).train()
+    layer.layer_name = "bn"  # named, as a converted model's layers are (no group to number it in)
+    recorder = gaps.GapRecorder(steps=5)
+    gaps.start_recording(recorder)
+    try:
+        for _ in range(2):
+            layer(torch.randn(4, 3, 5, 5)).sum().backward()
+    finally:
+        gaps.stop_recording(recorder)
+    (recorded,) = recorder.layers.values()
+    assert len(recorded.calls) == 2 and all(call.invstd for call in recorded.calls)
+    mean_gaps, scale_gaps = recorded.gaps()
+    assert mean_gaps.shape == (2, 2, 3) and bool((mean_gaps == 0).all()) and bool((scale_gaps.abs() < 1e-6).all())
+    assert recorded.counts().tolist() == [[100.0, 100.0]] * 2

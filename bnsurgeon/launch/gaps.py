@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bnsurgeon.core.errors import OutputError
-from bnsurgeon.core.layout import printable
+from bnsurgeon.core.layout import counted, printable
 from bnsurgeon.launch.log import rank, say, write_report
 from bnsurgeon.launch.outputs import REPORTS, RunOutput, read_what_we_wrote
 
@@ -99,7 +99,7 @@ def verdict(summary: dict[str, Any]) -> dict[str, Any]:
     matters = median > noise
     said = (
         f"at {per_rank} samples per rank, sync changed batch means by a median {median:.2g} and at most "
-        f"{largest:.2g} global standard deviations ({len(layers)} layers, {summary['steps']} steps): "
+        f"{largest:.2g} global standard deviations ({counted(len(layers), 'layer')}, {counted(summary['steps'], 'step')}): "
     )
     error = f"the global batch's own sampling error, 1/sqrt({_count(total)} samples) = {noise:.2g}"
     if matters:
